@@ -1,0 +1,170 @@
+//! The Wav2Lip generator in candle, and everything needed to load it: checkpoint reading in
+//! every published form, key normalisation, shape validation and BatchNorm folding.
+//!
+//! This layer knows nothing of tokio, HTTP or media; it turns a checkpoint file into a
+//! [`Wav2Lip`] that maps mel windows and face crops to predicted faces.
+
+pub mod arch;
+pub mod checkpoint;
+pub mod init;
+pub mod wav2lip;
+pub mod weights;
+
+use std::path::PathBuf;
+
+use candle_core::{DType, Device};
+
+pub use wav2lip::Wav2Lip;
+pub use weights::GeneratorWeights;
+
+/// Errors of the model layer. Messages are written for the person who supplied the file.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("not a checkpoint: {0}")]
+    NotACheckpoint(String),
+    #[error("{}", truncated_message(*size, *expected, detail))]
+    Truncated {
+        size: u64,
+        expected: Option<u64>,
+        detail: String,
+    },
+    #[error("corrupt checkpoint: {0}")]
+    Corrupt(String),
+    #[error("unsupported checkpoint content: {0}")]
+    Unsupported(String),
+    /// A pickle stopped before its STOP opcode (mapped to `Truncated` or `Corrupt` by callers).
+    #[error("pickle data ends early (at byte {at})")]
+    PickleEnded { at: usize },
+    #[error("checkpoint is missing the Wav2Lip tensor {key}")]
+    MissingKey { key: String },
+    #[error("tensor {key} has shape {found:?}, but Wav2Lip needs {expected:?}")]
+    WrongShape {
+        key: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("checkpoint has tensors Wav2Lip does not use (another model or variant?): {}", .0.join(", "))]
+    UnexpectedKeys(Vec<String>),
+    #[error("tensor {key} holds non-finite values")]
+    NonFinite { key: String },
+    #[error("{0}")]
+    Device(String),
+    #[error("bad model input: {0}")]
+    BadInput(String),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+impl Error {
+    /// A stable snake_case name for the kind of error (for JSON output and metrics).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::Io { .. } => "io",
+            Error::NotACheckpoint(_) => "not_a_checkpoint",
+            Error::Truncated { .. } => "truncated",
+            Error::Corrupt(_) | Error::PickleEnded { .. } => "corrupt",
+            Error::Unsupported(_) => "unsupported",
+            Error::MissingKey { .. } => "missing_key",
+            Error::WrongShape { .. } => "wrong_shape",
+            Error::UnexpectedKeys(_) => "unexpected_keys",
+            Error::NonFinite { .. } => "non_finite",
+            Error::Device(_) => "device",
+            Error::BadInput(_) => "bad_input",
+            Error::Candle(_) => "internal",
+        }
+    }
+}
+
+fn truncated_message(size: u64, expected: Option<u64>, detail: &str) -> String {
+    match expected {
+        Some(e) => format!(
+            "checkpoint is truncated: the file has {size} bytes but should have {e} ({detail}); \
+             the download is probably incomplete"
+        ),
+        None => format!(
+            "checkpoint is truncated: {detail} (file has {size} bytes); \
+             the download is probably incomplete"
+        ),
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    Cpu,
+    Cuda,
+}
+
+/// The precision the model computes in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Precision {
+    pub fn dtype(self) -> DType {
+        match self {
+            Precision::F32 => DType::F32,
+            Precision::F16 => DType::F16,
+            Precision::Bf16 => DType::BF16,
+        }
+    }
+}
+
+impl DeviceKind {
+    /// `cuda` when this binary was built with the `cuda` feature and a GPU is present, else
+    /// `cpu`.
+    pub fn default_for_host() -> Self {
+        if cfg!(feature = "cuda") && candle_core::utils::cuda_is_available() {
+            match Device::new_cuda(0) {
+                Ok(_) => DeviceKind::Cuda,
+                Err(_) => DeviceKind::Cpu,
+            }
+        } else {
+            DeviceKind::Cpu
+        }
+    }
+
+    /// f16 on CUDA, f32 on CPU.
+    pub fn default_precision(self) -> Precision {
+        match self {
+            DeviceKind::Cuda => Precision::F16,
+            DeviceKind::Cpu => Precision::F32,
+        }
+    }
+
+    /// Opens the device (GPU 0 for CUDA).
+    pub fn open(self) -> Result<Device> {
+        match self {
+            DeviceKind::Cpu => Ok(Device::Cpu),
+            DeviceKind::Cuda if !cfg!(feature = "cuda") => Err(Error::Device(
+                "this lipsync binary was built without CUDA support (cargo feature `cuda`)".into(),
+            )),
+            DeviceKind::Cuda => Device::new_cuda(0)
+                .map_err(|e| Error::Device(format!("cannot open CUDA device 0: {e}"))),
+        }
+    }
+}
+
+/// The dtype the model will actually compute in on `device`. candle's CPU backend has no bf16
+/// convolution, so bf16 on the CPU runs in f32 (the caller is warned).
+pub fn compute_dtype(device: &Device, precision: Precision) -> DType {
+    match (device, precision) {
+        (Device::Cpu, Precision::Bf16) => {
+            tracing::warn!("bf16 convolutions are not available on the CPU; computing in f32");
+            DType::F32
+        }
+        _ => precision.dtype(),
+    }
+}
