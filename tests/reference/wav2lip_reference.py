@@ -17,6 +17,7 @@ Writes, into tests/fixtures/ (or --out):
   dtypes/*.{pth,pt,safetensors}         small tensors stored as f32, f16, bf16 and f64,
                                         contiguous and not, in each container;
   dtypes/expected.json                  their values
+  ../../fuzz/seeds/*                    a tiny conv+BN module in every container (fuzzing seeds)
   parity.safetensors                    inputs and outputs of the full forward (4 frames, the
                                         expected output computed in float64), and inputs and
                                         outputs of the two asymmetric-stride convolutions
@@ -30,6 +31,10 @@ every tensor. BatchNorm running statistics are calibrated on a synthetic batch (
 statistics, momentum 1) so activations stay in range and the sigmoid does not saturate.
 
 Re-run with:  python3 tests/reference/wav2lip_reference.py   (needs torch and numpy)
+
+Re-running reproduces every tensor and golden value exactly, but not every byte of the
+containers: legacy torch.save names storages by memory address, and TorchScript archives carry a
+random serialization id. CI uses the committed files and does not need PyTorch.
 """
 
 import argparse
@@ -222,6 +227,8 @@ def write_safetensors(path, tensors, metadata=None):
         torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
         torch.float64: "F64", torch.int64: "I64",
     }
+    if metadata is None and not tensors:
+        raise ValueError("nothing to write")
     header, blobs, offset = {}, [], 0
     for name, t in tensors.items():
         t = t.contiguous()
@@ -329,6 +336,34 @@ def write_dtype_fixtures(out):
         json.dump(expected, f, indent=1)
 
 
+class TinyBlock(nn.Module):
+    """A miniature of the Wav2Lip blocks, for small fuzzing seeds."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv_block = nn.Sequential(nn.Conv2d(2, 3, 3, 1, 1), nn.BatchNorm2d(3))
+        self.up = nn.Sequential(nn.ConvTranspose2d(3, 2, 3, 2, 1, 1), nn.BatchNorm2d(2))
+
+    def forward(self, x):
+        return self.up(torch.relu(self.conv_block(x)))
+
+
+def write_fuzz_seeds(out):
+    """A tiny module in every container: starting points for fuzz/ (a few KB each)."""
+    os.makedirs(out, exist_ok=True)
+    torch.manual_seed(SEED + 5)
+    m = TinyBlock().eval()
+    m.conv_block[0].weight = nn.Parameter(m.conv_block[0].weight.detach().transpose(2, 3))
+    sd = m.state_dict()
+    legacy = dict(_use_new_zipfile_serialization=False)
+    torch.save({"state_dict": OrderedDict(("module." + k, v) for k, v in sd.items()),
+                "global_step": 1}, f"{out}/legacy_dict.pth", **legacy)
+    torch.save(sd, f"{out}/zip_bare.pt")
+    torch.save(m, f"{out}/zip_module.pt")
+    torch.jit.save(torch.jit.script(m), f"{out}/torchscript.pt")
+    write_safetensors(f"{out}/tiny.safetensors", sd, {"format": "pt"})
+
+
 def write_parity(model, path):
     g = torch.Generator().manual_seed(SEED + 4)
     mel, face = synthetic_inputs(FRAMES, g)
@@ -370,11 +405,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--out", default=os.path.join(here, "..", "fixtures"))
+    ap.add_argument("--fuzz-seeds", default=os.path.join(here, "..", "..", "fuzz", "seeds"))
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     model = build_model().eval()
     nc = write_checkpoints(model, os.path.join(args.out, "checkpoints"))
     write_dtype_fixtures(os.path.join(args.out, "dtypes"))
+    write_fuzz_seeds(args.fuzz_seeds)
     err32, out = write_parity(model, os.path.join(args.out, "parity.safetensors"))
     print(f"torch {torch.__version__}: {nc} of 352 state-dict tensors non-contiguous; "
           f"output range [{out.min():.3f}, {out.max():.3f}], std {out.std():.3f}; "
