@@ -5,7 +5,10 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use std::time::Instant;
+
 use clap::{Parser, Subcommand};
+use lipsync::media::{self, audio};
 use lipsync::model::{self, GeneratorWeights, Precision};
 
 #[derive(Debug, Parser)]
@@ -29,6 +32,9 @@ enum Command {
     /// Write deterministic random generator weights, to try the pipeline without the real
     /// checkpoint (the faces they draw are noise).
     InitWeights(InitWeightsArgs),
+    /// Decode an audio file the way rendering will: what it is, its duration, the mel
+    /// spectrogram size and how many video frames it drives.
+    Audio(AudioArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -64,6 +70,55 @@ struct InitWeightsArgs {
     seed: u64,
 }
 
+#[derive(Debug, clap::Args)]
+struct AudioArgs {
+    /// Audio file (WAV, MP3, FLAC, Ogg Vorbis, M4A/AAC; recognised from its bytes).
+    audio: PathBuf,
+    /// Video frame rate: a number in (0, 60] or a fraction such as 30000/1001.
+    #[arg(long, default_value = "25")]
+    fps: audio::Fps,
+    /// Longest accepted audio, in seconds.
+    #[arg(long, default_value_t = audio::DEFAULT_MAX_SECONDS)]
+    max_seconds: f64,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Run decode, resample and mel this many times and report the median times (benchmarks).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    repeat: u32,
+}
+
+/// Errors of the command line: whichever layer failed.
+#[derive(Debug, thiserror::Error)]
+enum CliError {
+    #[error(transparent)]
+    Model(#[from] model::Error),
+    #[error(transparent)]
+    Media(#[from] media::Error),
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl CliError {
+    fn kind(&self) -> &'static str {
+        match self {
+            CliError::Model(e) => e.kind(),
+            CliError::Media(e) => e.kind(),
+            CliError::Read { .. } => "io",
+        }
+    }
+}
+
+fn read_file(path: &std::path::Path) -> Result<Vec<u8>, CliError> {
+    std::fs::read(path).map_err(|source| CliError::Read {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -88,7 +143,9 @@ fn main() -> ExitCode {
 
 fn init_logging() {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("LIPSYNC_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    // symphonia logs routine demuxer notes (junk skipped, streams found) at info/warn.
+    let filter = EnvFilter::try_from_env("LIPSYNC_LOG")
+        .unwrap_or_else(|_| EnvFilter::new("info,symphonia=error"));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -96,15 +153,27 @@ fn init_logging() {
         .init();
 }
 
-fn run(command: Command) -> Result<(), model::Error> {
+fn run(command: Command) -> Result<(), CliError> {
     match command {
         Command::Convert(a) => convert(a),
         Command::Info(a) => info(a),
         Command::InitWeights(a) => init_weights(a),
+        Command::Audio(a) => audio_info(a),
     }
 }
 
-fn convert(a: ConvertArgs) -> Result<(), model::Error> {
+/// Prints `{"error", "error_type"}` on stdout for `--json` callers, then returns the error.
+fn json_error<T>(json: bool, r: Result<T, CliError>) -> Result<T, CliError> {
+    if let (true, Err(e)) = (json, &r) {
+        println!(
+            "{:#}",
+            serde_json::json!({ "error": e.to_string(), "error_type": e.kind() })
+        );
+    }
+    r
+}
+
+fn convert(a: ConvertArgs) -> Result<(), CliError> {
     let (weights, summary) = GeneratorWeights::from_file(&a.input)?;
     let weights = if a.fold_bn { weights.fold()? } else { weights };
     weights.save(&a.output, a.dtype.dtype())?;
@@ -123,26 +192,24 @@ fn convert(a: ConvertArgs) -> Result<(), model::Error> {
     Ok(())
 }
 
-fn info(a: InfoArgs) -> Result<(), model::Error> {
-    let result = GeneratorWeights::from_file(&a.checkpoint);
+fn info(a: InfoArgs) -> Result<(), CliError> {
+    let (_, s) = json_error(
+        a.json,
+        GeneratorWeights::from_file(&a.checkpoint).map_err(CliError::from),
+    )?;
     if a.json {
-        let value = match &result {
-            Ok((_, s)) => serde_json::json!({
-                "path": a.checkpoint,
-                "format": s.format,
-                "folded": s.folded,
-                "tensors": s.tensors,
-                "parameters": s.parameters,
-                "dtype": s.dtype,
-                "module_prefix": s.module_prefix,
-                "random_init_seed": s.random_init_seed,
-            }),
-            Err(e) => serde_json::json!({ "error": e.to_string(), "error_type": e.kind() }),
-        };
+        let value = serde_json::json!({
+            "path": a.checkpoint,
+            "format": s.format,
+            "folded": s.folded,
+            "tensors": s.tensors,
+            "parameters": s.parameters,
+            "dtype": s.dtype,
+            "module_prefix": s.module_prefix,
+            "random_init_seed": s.random_init_seed,
+        });
         println!("{value:#}");
-    }
-    let (_, s) = result?;
-    if !a.json {
+    } else {
         println!("checkpoint  {}", a.checkpoint.display());
         println!("format      {}", s.format);
         println!("folded      {}", if s.folded { "yes" } else { "no" });
@@ -161,7 +228,7 @@ fn info(a: InfoArgs) -> Result<(), model::Error> {
     Ok(())
 }
 
-fn init_weights(a: InitWeightsArgs) -> Result<(), model::Error> {
+fn init_weights(a: InitWeightsArgs) -> Result<(), CliError> {
     let weights = model::init::random_weights(a.seed)?;
     weights.save(&a.output, candle_core::DType::F32)?;
     eprintln!(
@@ -171,6 +238,95 @@ fn init_weights(a: InitWeightsArgs) -> Result<(), model::Error> {
         a.seed,
         a.output.display()
     );
+    Ok(())
+}
+
+/// One pass of the audio front end, for `lipsync audio`.
+struct AudioRun {
+    speech: audio::Speech,
+    mel: audio::Mel,
+    plan: audio::FramePlan,
+    mel_time: std::time::Duration,
+}
+
+fn median_ms(runs: &[AudioRun], stage: impl Fn(&AudioRun) -> std::time::Duration) -> f64 {
+    let mut v: Vec<f64> = runs.iter().map(|r| stage(r).as_secs_f64() * 1e3).collect();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn audio_info(a: AudioArgs) -> Result<(), CliError> {
+    let result = (|| {
+        let bytes = read_file(&a.audio)?;
+        let mut runs = Vec::new();
+        for _ in 0..a.repeat {
+            let speech = audio::load(&bytes, a.max_seconds)?;
+            let start = Instant::now();
+            let mel = speech.mel();
+            let mel_time = start.elapsed();
+            let plan = audio::FramePlan::new(mel.frames(), a.fps)?;
+            runs.push(AudioRun {
+                speech,
+                mel,
+                plan,
+                mel_time,
+            });
+        }
+        Ok(runs)
+    })();
+    let runs = json_error(a.json, result)?;
+    let decode = median_ms(&runs, |r| r.speech.decode_time);
+    let resample = median_ms(&runs, |r| r.speech.resample_time);
+    let mel_ms = median_ms(&runs, |r| r.mel_time);
+    let total = median_ms(&runs, |r| {
+        r.speech.decode_time + r.speech.resample_time + r.mel_time
+    });
+    let AudioRun {
+        speech, mel, plan, ..
+    } = &runs[0];
+    let video_seconds = speech.seconds().max(plan.seconds(plan.len()));
+    if a.json {
+        let v = serde_json::json!({
+            "path": a.audio,
+            "container": speech.container,
+            "codec": speech.codec,
+            "sample_rate": speech.source_rate,
+            "channels": speech.source_channels,
+            "seconds": speech.seconds(),
+            "mel_frames": mel.frames(),
+            "fps": plan.fps().value(),
+            "frames": plan.len(),
+            "repeat": a.repeat,
+            "median_ms": { "decode": decode, "resample": resample, "mel": mel_ms, "total": total },
+        });
+        println!("{v:#}");
+    } else {
+        println!("audio       {}", a.audio.display());
+        println!(
+            "format      {} ({}), {} Hz, {} channel{}",
+            speech.container,
+            speech.codec,
+            speech.source_rate,
+            speech.source_channels,
+            if speech.source_channels == 1 { "" } else { "s" }
+        );
+        println!("duration    {:.3} s", speech.seconds());
+        println!("mel         80 x {}", mel.frames());
+        println!(
+            "frames      {} at {} fps drawn by the model (video {:.2} s, last frame held)",
+            plan.len(),
+            plan.fps(),
+            video_seconds
+        );
+        println!(
+            "time        decode {decode:.1} ms, resample {resample:.1} ms, mel {mel_ms:.1} ms{}",
+            if a.repeat > 1 {
+                format!(" (median of {})", a.repeat)
+            } else {
+                String::new()
+            }
+        );
+    }
     Ok(())
 }
 

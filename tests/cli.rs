@@ -186,3 +186,63 @@ fn init_weights_writes_loadable_random_weights() {
     let (_, s) = GeneratorWeights::from_file(&folded).unwrap();
     assert_eq!(s.random_init_seed, Some(3));
 }
+
+fn media(name: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/media")
+        .join(name)
+}
+
+#[test]
+fn audio_reports_frames_for_every_format() {
+    for file in [
+        "arctic_a0007.wav",
+        "arctic_a0007_44k_stereo.flac",
+        "arctic_a0007_44k_stereo.mp3",
+        "arctic_a0007_44k_stereo.ogg",
+        "arctic_a0007_44k_stereo.m4a",
+    ] {
+        let o = lipsync(&[&"audio", &media(file), &"--json"]);
+        assert!(o.status.success(), "{file}: {}", text(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["frames"], 97, "{file}");
+        assert_eq!(v["mel_frames"], 321, "{file}");
+        assert_eq!(v["seconds"], 4.0, "{file}");
+    }
+    // 10 s at 29.97 fps is the spec's second example; here 4 s at 29.97 and 30000/1001.
+    for fps in ["29.97", "30000/1001"] {
+        let o = lipsync(&[
+            &"audio",
+            &media("arctic_a0007.wav"),
+            &"--fps",
+            &fps,
+            &"--json",
+        ]);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["frames"], 116, "{fps}");
+    }
+    let o = lipsync(&[&"audio", &media("arctic_a0007.wav")]);
+    assert!(
+        text(&o.stdout).contains("97 at 25 fps"),
+        "{}",
+        text(&o.stdout)
+    );
+}
+
+#[test]
+fn audio_errors_are_typed_and_exit_2() {
+    let png = checkpoint("expected.json"); // any non-audio file
+    let o = lipsync(&[&"audio", &png, &"--json"]);
+    assert_eq!(o.status.code(), Some(2));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["error_type"], "not_audio");
+    let o = lipsync(&[&"audio", &media("arctic_a0007.wav"), &"--max-seconds", &"2"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o.stderr).contains("too long"), "{}", text(&o.stderr));
+    assert_eq!(
+        lipsync(&[&"audio", &media("arctic_a0007.wav"), &"--fps", &"61"])
+            .status
+            .code(),
+        Some(1)
+    );
+}

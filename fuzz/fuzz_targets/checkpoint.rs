@@ -1,7 +1,7 @@
 //! Fuzzes the checkpoint reader: any bytes must give a checkpoint or an error, never a panic,
 //! an out-of-bounds read or an unbounded allocation.
 //!
-//!   cargo fuzz run checkpoint fuzz/seeds -- -max_total_time=300
+//!   cargo fuzz run checkpoint fuzz/seeds/checkpoint -- -max_total_time=300
 #![no_main]
 
 use std::sync::Arc;

@@ -17,7 +17,7 @@ Writes, into tests/fixtures/ (or --out):
   dtypes/*.{pth,pt,safetensors}         small tensors stored as f32, f16, bf16 and f64,
                                         contiguous and not, in each container;
   dtypes/expected.json                  their values
-  ../../fuzz/seeds/*                    a tiny conv+BN module in every container (fuzzing seeds)
+  ../../fuzz/seeds/checkpoint/*         a tiny conv+BN module in every container (fuzzing seeds)
   parity.safetensors                    inputs and outputs of the full forward (4 frames, the
                                         expected output computed in float64), and inputs and
                                         outputs of the two asymmetric-stride convolutions
@@ -405,7 +405,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--out", default=os.path.join(here, "..", "fixtures"))
-    ap.add_argument("--fuzz-seeds", default=os.path.join(here, "..", "..", "fuzz", "seeds"))
+    ap.add_argument("--fuzz-seeds",
+                    default=os.path.join(here, "..", "..", "fuzz", "seeds", "checkpoint"))
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     model = build_model().eval()

@@ -1,0 +1,52 @@
+//! Media in and out: audio decoding, the mel front end and the frame plan (and, later, images,
+//! faces and video). CPU only; knows nothing of tokio, HTTP or the model.
+
+pub mod audio;
+
+/// Errors of the media layer, each a problem with what the user supplied (or a limit it hit).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Error {
+    #[error("the audio is empty (0 bytes)")]
+    EmptyAudio,
+    #[error(
+        "not an audio file lipsync can read ({0}); send WAV, MP3, FLAC, Ogg Vorbis or M4A/AAC"
+    )]
+    NotAudio(String),
+    #[error("unsupported audio codec: {0}; send WAV (PCM), MP3, FLAC, Ogg Vorbis or M4A/AAC")]
+    UnsupportedCodec(String),
+    #[error("the audio file is truncated: {0}")]
+    TruncatedAudio(String),
+    #[error("the audio file is damaged: {0}")]
+    CorruptAudio(String),
+    #[error("the audio holds no sound samples")]
+    NoSamples,
+    #[error(
+        "the audio is too short: {seconds:.3} s, but lip sync needs at least {min_seconds:.3} s \
+         (one 16-frame mel window)"
+    )]
+    AudioTooShort { seconds: f64, min_seconds: f64 },
+    #[error("the audio is too long: {seconds:.1} s, the limit is {max_seconds:.1} s")]
+    AudioTooLong { seconds: f64, max_seconds: f64 },
+    #[error("the audio contains NaN or infinite samples")]
+    NonFiniteAudio,
+    #[error("bad frame rate: {0}")]
+    BadFps(String),
+}
+
+impl Error {
+    /// A stable snake_case name for the kind of error (JSON `error_type`, metrics).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::EmptyAudio => "empty_audio",
+            Error::NotAudio(_) => "not_audio",
+            Error::UnsupportedCodec(_) => "unsupported_codec",
+            Error::TruncatedAudio(_) => "truncated_audio",
+            Error::CorruptAudio(_) => "corrupt_audio",
+            Error::NoSamples => "no_samples",
+            Error::AudioTooShort { .. } => "audio_too_short",
+            Error::AudioTooLong { .. } => "audio_too_long",
+            Error::NonFiniteAudio => "non_finite_audio",
+            Error::BadFps(_) => "bad_fps",
+        }
+    }
+}
