@@ -16,10 +16,9 @@ use std::io::Cursor;
 
 use symphonia::core::codecs::audio::AudioDecoderOptions;
 use symphonia::core::errors::Error as SymError;
-use symphonia::core::formats::probe::Hint;
-use symphonia::core::formats::{FormatOptions, TrackType};
+use symphonia::core::formats::probe::ProbeableFormat;
+use symphonia::core::formats::{FormatOptions, FormatReader, TrackType};
 use symphonia::core::io::{MediaSourceStream, MediaSourceStreamOptions};
-use symphonia::core::meta::MetadataOptions;
 
 use crate::media::Error;
 
@@ -78,8 +77,13 @@ fn sniff(b: &[u8]) -> Result<Container, Error> {
         return Ok(Container::Ogg);
     }
     if at(0, b"ID3") {
-        // An ID3v2 tag in front of MP3 (or, rarely, ADTS AAC or FLAC) data: let the probe decide.
-        return Ok(Container::Mp3);
+        // An ID3v2 tag in front of MP3 (or, rarely, AAC or FLAC) data.
+        let skip = id3v2_len(b);
+        return match sniff(&b[skip.min(b.len())..]) {
+            Ok(c @ (Container::Mp3 | Container::Adts | Container::Flac)) => Ok(c),
+            _ if skip >= b.len() => Err(Error::NotAudio("an ID3 tag without audio".into())),
+            _ => Err(Error::NotAudio("an ID3 tag followed by unrecognised data".into())),
+        };
     }
     if at(4, b"ftyp") {
         return Ok(Container::Mp4);
@@ -103,6 +107,19 @@ fn sniff(b: &[u8]) -> Result<Container, Error> {
         _ => "unrecognised data",
     };
     Err(Error::NotAudio(what.to_string()))
+}
+
+/// Length of a leading ID3v2 tag (header, body and optional footer).
+fn id3v2_len(b: &[u8]) -> usize {
+    let Some(h) = b.get(..10) else {
+        return b.len();
+    };
+    // The size is "syncsafe": four 7-bit bytes.
+    let size = h[6..10]
+        .iter()
+        .fold(0usize, |acc, &x| (acc << 7) | usize::from(x & 0x7f));
+    let footer = if h[5] & 0x10 != 0 { 10 } else { 0 };
+    10 + size + footer
 }
 
 /// Decodes an audio file held in memory. `max_seconds` bounds the work: longer audio is
@@ -299,17 +316,35 @@ fn sym_error(e: SymError, container: Container) -> Error {
     }
 }
 
+/// The demuxer for the container the bytes were recognised as. Readers are made directly, not
+/// through symphonia's probe, which scans forward for any known signature and so could pick a
+/// container buried inside the data.
+fn open_reader(bytes: &[u8], container: Container) -> Result<Box<dyn FormatReader>, SymError> {
+    use symphonia::default::formats::{
+        AdtsReader, FlacReader, IsoMp4Reader, MpaReader, OggReader, WavReader,
+    };
+    let body = if bytes.starts_with(b"ID3") {
+        &bytes[id3v2_len(bytes).min(bytes.len())..]
+    } else {
+        bytes
+    };
+    let mss = MediaSourceStream::new(
+        Box::new(Cursor::new(body.to_vec())),
+        MediaSourceStreamOptions::default(),
+    );
+    let opts = FormatOptions::default();
+    match container {
+        Container::Wav => WavReader::try_probe_new(mss, opts),
+        Container::Flac => FlacReader::try_probe_new(mss, opts),
+        Container::Ogg => OggReader::try_probe_new(mss, opts),
+        Container::Mp3 => MpaReader::try_probe_new(mss, opts),
+        Container::Mp4 => IsoMp4Reader::try_probe_new(mss, opts),
+        Container::Adts => AdtsReader::try_probe_new(mss, opts),
+    }
+}
+
 fn symphonia_inner(bytes: &[u8], container: Container, max_seconds: f64) -> Result<Decoded, Error> {
-    let source = Cursor::new(bytes.to_vec());
-    let mss = MediaSourceStream::new(Box::new(source), MediaSourceStreamOptions::default());
-    let mut format = symphonia::default::get_probe()
-        .probe(
-            &Hint::new(),
-            mss,
-            FormatOptions::default(),
-            MetadataOptions::default(),
-        )
-        .map_err(|e| sym_error(e, container))?;
+    let mut format = open_reader(bytes, container).map_err(|e| sym_error(e, container))?;
     let track = format
         .default_track(TrackType::Audio)
         .ok_or_else(|| Error::NotAudio(format!("a {} file without audio", container.name())))?;
@@ -537,7 +572,10 @@ mod tests {
         assert_eq!(sniff(b"RIFF\0\0\0\0WAVEfmt ").unwrap(), Container::Wav);
         assert_eq!(sniff(b"fLaC\0").unwrap(), Container::Flac);
         assert_eq!(sniff(b"OggS\0").unwrap(), Container::Ogg);
-        assert_eq!(sniff(b"ID3\x04").unwrap(), Container::Mp3);
+        let mut tagged = b"ID3\x04\0\0\0\0\0\x02xx".to_vec();
+        tagged.extend_from_slice(b"\xff\xfb\x90\x00");
+        assert_eq!(sniff(&tagged).unwrap(), Container::Mp3);
+        assert!(sniff(b"ID3\x04\0\0\0\0\0\x02xxGIF8").is_err());
         assert_eq!(sniff(b"\xff\xfb\x90\x00").unwrap(), Container::Mp3);
         assert_eq!(sniff(b"\xff\xf1\x50\x80").unwrap(), Container::Adts);
         assert_eq!(sniff(b"\0\0\0\x20ftypM4A ").unwrap(), Container::Mp4);
