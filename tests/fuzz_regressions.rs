@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 fn inputs(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fuzz/regressions").join(target);
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/regressions")
+        .join(target);
     let Ok(entries) = std::fs::read_dir(&dir) else {
         return Vec::new();
     };

@@ -82,7 +82,9 @@ fn sniff(b: &[u8]) -> Result<Container, Error> {
         return match sniff(&b[skip.min(b.len())..]) {
             Ok(c @ (Container::Mp3 | Container::Adts | Container::Flac)) => Ok(c),
             _ if skip >= b.len() => Err(Error::NotAudio("an ID3 tag without audio".into())),
-            _ => Err(Error::NotAudio("an ID3 tag followed by unrecognised data".into())),
+            _ => Err(Error::NotAudio(
+                "an ID3 tag followed by unrecognised data".into(),
+            )),
         };
     }
     if at(4, b"ftyp") {
@@ -130,9 +132,14 @@ pub fn decode(bytes: &[u8], max_seconds: f64) -> Result<Decoded, Error> {
     }
     let container = sniff(bytes)?;
     let decoded = match container {
+        Container::Wav if !bytes.starts_with(b"RIFF") => {
+            return Err(Error::UnsupportedCodec(
+                "RF64/BW64 WAV (the over-4-GB variant)".into(),
+            ))
+        }
         Container::Wav => match decode_wav(bytes, max_seconds) {
-            // hound reads integer and float PCM; anything else (µ-law, A-law, f64, ADPCM)
-            // goes to symphonia.
+            // Integer and float PCM are read here; other WAV codecs (µ-law, A-law, ADPCM) go
+            // to symphonia.
             Err(Error::UnsupportedCodec(_)) => decode_symphonia(bytes, container, max_seconds)?,
             other => other?,
         },
@@ -161,8 +168,10 @@ fn too_long(frames: u64, rate: u32, max_seconds: f64) -> Result<(), Error> {
 // ---------------------------------------------------------------------------------------------
 // WAV
 
-/// The byte range of the `data` chunk, from the RIFF chunk list.
+/// Where a WAV file's samples are, from its RIFF chunk list.
 struct WavLayout {
+    /// Bytes per sample frame (all channels), from the `fmt ` chunk.
+    block_align: usize,
     data_start: usize,
     /// Declared length; `None` for a streamed header (0 or 0xFFFFFFFF).
     data_len: Option<usize>,
@@ -170,6 +179,7 @@ struct WavLayout {
 
 fn wav_layout(b: &[u8]) -> Result<WavLayout, Error> {
     let mut pos = 12;
+    let mut block_align = None;
     loop {
         let Some(head) = b.get(pos..pos + 8) else {
             return Err(Error::TruncatedAudio(
@@ -177,13 +187,23 @@ fn wav_layout(b: &[u8]) -> Result<WavLayout, Error> {
             ));
         };
         let size = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
-        if &head[..4] == b"data" {
-            let data_start = pos + 8;
-            let data_len = (size != 0 && size != u32::MAX).then_some(size as usize);
-            return Ok(WavLayout {
-                data_start,
-                data_len,
-            });
+        match &head[..4] {
+            b"fmt " => {
+                block_align = b
+                    .get(pos + 20..pos + 22)
+                    .map(|a| usize::from(u16::from_le_bytes([a[0], a[1]])));
+            }
+            b"data" => {
+                let block_align = block_align.filter(|&a| a > 0).ok_or_else(|| {
+                    Error::CorruptAudio("WAV without a usable fmt chunk before its data".into())
+                })?;
+                return Ok(WavLayout {
+                    block_align,
+                    data_start: pos + 8,
+                    data_len: (size != 0 && size != u32::MAX).then_some(size as usize),
+                });
+            }
+            _ => {}
         }
         // Chunks are padded to an even size.
         pos = pos
@@ -193,51 +213,68 @@ fn wav_layout(b: &[u8]) -> Result<WavLayout, Error> {
 }
 
 fn decode_wav(bytes: &[u8], max_seconds: f64) -> Result<Decoded, Error> {
-    if !bytes.starts_with(b"RIFF") {
-        return Err(Error::UnsupportedCodec("RF64/BW64 WAV".into())); // symphonia reads these
-    }
     let layout = wav_layout(bytes)?;
-    let available = bytes.len() - layout.data_start.min(bytes.len());
-    // A streamed header (length unknown) is patched to the bytes actually present; a declared
-    // length beyond the end of the file means the file was cut.
-    let patched;
-    let bytes = match layout.data_len {
+    let frame = layout.block_align;
+    let available = bytes.len().saturating_sub(layout.data_start);
+    // A streamed header (length unknown) means "to the end of the file"; a declared length
+    // beyond the end means the file was cut.
+    let len = match layout.data_len {
         Some(n) if n > available => {
             return Err(Error::TruncatedAudio(format!(
                 "the WAV data chunk declares {n} bytes but only {available} are present"
             )))
         }
-        Some(_) => bytes,
-        None => {
-            let mut copy = bytes.to_vec();
-            let n = u32::try_from(available).unwrap_or(u32::MAX - 1);
-            copy[layout.data_start - 4..layout.data_start].copy_from_slice(&n.to_le_bytes());
-            patched = copy;
-            &patched
-        }
+        Some(n) => n,
+        None => available,
     };
-    let reader = hound::WavReader::new(Cursor::new(bytes)).map_err(wav_error)?;
-    let spec = reader.spec();
-    if spec.channels == 0 || spec.sample_rate == 0 {
+    let len = len - len % frame;
+    // hound parses and validates the header (PCM, IEEE float, WAVE_FORMAT_EXTENSIBLE), given
+    // the header alone with the data length set to the whole frames present; the samples are
+    // then converted straight from the bytes, far faster than hound's per-sample reader.
+    let mut header = bytes[..layout.data_start].to_vec();
+    let n = u32::try_from(len).map_err(|_| Error::CorruptAudio("WAV data over 4 GiB".into()))?;
+    header[layout.data_start - 4..].copy_from_slice(&n.to_le_bytes());
+    let spec = hound::WavReader::new(Cursor::new(header))
+        .map_err(wav_error)?
+        .spec();
+    let channels = usize::from(spec.channels);
+    if channels == 0 || spec.sample_rate == 0 || frame % channels != 0 {
         return Err(Error::CorruptAudio(
-            "WAV header with 0 channels or 0 Hz".into(),
+            "WAV header with 0 channels, 0 Hz or a frame size that does not fit them".into(),
         ));
     }
-    too_long(u64::from(reader.duration()), spec.sample_rate, max_seconds)?;
-    let channels = usize::from(spec.channels);
-    let interleaved: Vec<f32> = match spec.sample_format {
-        hound::SampleFormat::Float if spec.bits_per_sample == 32 => reader
-            .into_samples::<f32>()
-            .collect::<Result<_, _>>()
-            .map_err(wav_error)?,
-        hound::SampleFormat::Int if (8..=32).contains(&spec.bits_per_sample) => {
-            let scale = 1.0 / (1u64 << (spec.bits_per_sample - 1)) as f64;
-            reader
-                .into_samples::<i32>()
-                .map(|s| s.map(|v| (f64::from(v) * scale) as f32))
-                .collect::<Result<_, _>>()
-                .map_err(wav_error)?
-        }
+    let width = frame / channels;
+    too_long((len / frame) as u64, spec.sample_rate, max_seconds)?;
+    let data = &bytes[layout.data_start..layout.data_start + len];
+    use hound::SampleFormat::{Float, Int};
+    // Integer samples are MSB-aligned in their container, so the container size scales them.
+    let interleaved: Vec<f32> = match (spec.sample_format, width) {
+        (Int, 1) => data
+            .iter()
+            .map(|&b| (f32::from(b) - 128.0) / 128.0)
+            .collect(),
+        (Int, 2) => data
+            .chunks_exact(2)
+            .map(|c| f32::from(i16::from_le_bytes([c[0], c[1]])) / 32_768.0)
+            .collect(),
+        (Int, 3) => data
+            .chunks_exact(3)
+            .map(|c| (i32::from_le_bytes([0, c[0], c[1], c[2]]) >> 8) as f32 / 8_388_608.0)
+            .collect(),
+        (Int, 4) => data
+            .chunks_exact(4)
+            .map(|c| {
+                (f64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])) / 2_147_483_648.0) as f32
+            })
+            .collect(),
+        (Float, 4) => data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        (Float, 8) => data
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as f32)
+            .collect(),
         _ => {
             return Err(Error::UnsupportedCodec(format!(
                 "{}-bit {:?} WAV",
@@ -245,10 +282,10 @@ fn decode_wav(bytes: &[u8], max_seconds: f64) -> Result<Decoded, Error> {
             )))
         }
     };
-    let codec = match spec.sample_format {
-        hound::SampleFormat::Float => format!("pcm_f{}le", spec.bits_per_sample),
-        hound::SampleFormat::Int if spec.bits_per_sample == 8 => "pcm_u8".into(),
-        hound::SampleFormat::Int => format!("pcm_s{}le", spec.bits_per_sample),
+    let codec = match (spec.sample_format, width) {
+        (Float, _) => format!("pcm_f{}le", width * 8),
+        (Int, 1) => "pcm_u8".into(),
+        (Int, _) => format!("pcm_s{}le", width * 8),
     };
     Ok(Decoded {
         samples: mix_to_mono(&interleaved, channels),
