@@ -2,9 +2,12 @@
 //!
 //! Layers, each depending only on those above it in this list:
 //! - [`model`]: the Wav2Lip generator in candle and checkpoint reading;
-//! - [`media`]: audio decoding, the mel front end and the frame plan.
+//! - [`media`]: audio decoding, the mel front end and the frame plan; images, faces,
+//!   compositing; video encoding;
+//! - [`engine`]: avatars and the render pipeline (model batches, compositing, encoding).
 //!
 //! `model` and `media` are independent of each other and of any async runtime.
 
+pub mod engine;
 pub mod media;
 pub mod model;

@@ -1,7 +1,10 @@
-//! Media in and out: audio decoding, the mel front end and the frame plan (and, later, images,
-//! faces and video). CPU only; knows nothing of tokio, HTTP or the model.
+//! Media in and out: audio decoding, the mel front end and the frame plan; images, face boxes,
+//! crops and compositing; video encoding. CPU only; knows nothing of tokio, HTTP or the model.
 
 pub mod audio;
+pub mod face;
+pub mod image;
+pub mod video;
 
 /// Errors of the media layer, each a problem with what the user supplied (or a limit it hit).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -31,6 +34,34 @@ pub enum Error {
     NonFiniteAudio,
     #[error("bad frame rate: {0}")]
     BadFps(String),
+    #[error("the image is empty (0 bytes)")]
+    EmptyImage,
+    #[error("not an image ({0}); send a PNG, JPEG or WebP photo")]
+    NotAnImage(String),
+    #[error("unsupported image: {0}")]
+    UnsupportedImage(String),
+    #[error("the image is damaged: {0}")]
+    CorruptImage(String),
+    #[error("the image is too large: {width}x{height} pixels, the limit is {max_pixels} pixels")]
+    TooManyPixels {
+        width: u32,
+        height: u32,
+        max_pixels: u64,
+    },
+    #[error("no face: {0}")]
+    NoFace(String),
+    #[error("bad box: {0}")]
+    BadBox(String),
+    #[error("bad pads: {0}")]
+    BadPads(String),
+    #[error("bad blend mode: {0}")]
+    BadBlend(String),
+    #[error("ffmpeg is not available: {0}")]
+    FfmpegMissing(String),
+    #[error("video encoding failed: {0}")]
+    Encoder(String),
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 impl Error {
@@ -47,6 +78,18 @@ impl Error {
             Error::AudioTooLong { .. } => "audio_too_long",
             Error::NonFiniteAudio => "non_finite_audio",
             Error::BadFps(_) => "bad_fps",
+            Error::EmptyImage => "empty_image",
+            Error::NotAnImage(_) => "not_an_image",
+            Error::UnsupportedImage(_) => "unsupported_image",
+            Error::CorruptImage(_) => "corrupt_image",
+            Error::TooManyPixels { .. } => "image_too_large",
+            Error::NoFace(_) => "no_face",
+            Error::BadBox(_) => "bad_box",
+            Error::BadPads(_) => "bad_pads",
+            Error::BadBlend(_) => "bad_blend",
+            Error::FfmpegMissing(_) => "ffmpeg_missing",
+            Error::Encoder(_) => "encoder_failed",
+            Error::Internal(_) => "internal",
         }
     }
 }

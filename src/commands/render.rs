@@ -1,0 +1,385 @@
+//! `render` (one video, or many with `--jobs` and the model loaded once) and `detect`.
+
+use std::io::{BufRead, IsTerminal};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use lipsync::engine::{self, Avatar, RenderOptions};
+use lipsync::media::audio::{self, Fps};
+use lipsync::media::face::{self, Blend, FaceBox, Pads};
+use lipsync::media::image::{ImageLimits, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE};
+use lipsync::media::video::{self, EncoderSettings, FfmpegEncoder, VideoEncoder};
+use lipsync::model::{self, DeviceKind, GeneratorWeights, Precision, Wav2Lip};
+
+use super::{json_error, read_file, CliError};
+
+#[derive(Debug, clap::Args)]
+pub struct RenderArgs {
+    /// Wav2Lip checkpoint: any form `lipsync convert` reads.
+    #[arg(long, env = "LIPSYNC_CHECKPOINT")]
+    pub checkpoint: PathBuf,
+    /// Speech: WAV, MP3, FLAC, Ogg Vorbis or M4A/AAC.
+    #[arg(long, required_unless_present = "jobs")]
+    pub audio: Option<PathBuf>,
+    /// Avatar photo: PNG, JPEG or WebP with one frontal face.
+    #[arg(long, required_unless_present = "jobs")]
+    pub image: Option<PathBuf>,
+    /// Face box x1,y1,x2,y2 in the photo's pixels (x2, y2 exclusive): skips detection and pads.
+    #[arg(long = "box")]
+    pub face_box: Option<FaceBox>,
+    /// Pixels added to a detected box: top,bottom,left,right.
+    #[arg(long, default_value = "0,10,0,0", allow_hyphen_values = true)]
+    pub pads: Pads,
+    /// Video frame rate: a number in (0, 60] or a fraction such as 30000/1001.
+    #[arg(long, default_value = "25")]
+    pub fps: Fps,
+    /// How the predicted face is put back: feather (soft lower-face mask) or hard (whole box).
+    #[arg(long, value_enum, default_value = "feather")]
+    pub blend: Blend,
+    /// Frames per model call [default: 128 on CUDA, 16 on CPU].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub batch: Option<u32>,
+    /// Where the model runs [default: cuda when built with CUDA and a GPU is present, else cpu].
+    #[arg(long, value_enum)]
+    pub device: Option<DeviceKind>,
+    /// Model precision [default: f16 on CUDA, f32 on CPU].
+    #[arg(long, value_enum)]
+    pub dtype: Option<Precision>,
+    /// x264 preset.
+    #[arg(long, default_value = "veryfast", value_parser = clap::builder::PossibleValuesParser::new(video::PRESETS))]
+    pub preset: String,
+    /// x264 quality: 0 (lossless) to 51 (worst).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u8).range(0..=51))]
+    pub crf: u8,
+    /// Output MP4.
+    #[arg(long, default_value = "out.mp4")]
+    pub out: PathBuf,
+    /// Also write every predicted 96x96 face as a PNG (00000.png, 00001.png, ...).
+    #[arg(long)]
+    pub faces_dir: Option<PathBuf>,
+    /// Run many renders with the model loaded once: a JSON Lines file, one object per line with
+    /// the keys audio, image, out (required) and box, pads, fps, blend, crf, preset, faces_dir.
+    #[arg(long, conflicts_with_all = ["audio", "image", "face_box", "faces_dir"])]
+    pub jobs: Option<PathBuf>,
+    /// Photos with more pixels are refused.
+    #[arg(long, default_value_t = DEFAULT_MAX_PIXELS)]
+    pub max_pixels: u64,
+    /// Photos larger than this on their long side are downscaled first.
+    #[arg(long, default_value_t = DEFAULT_MAX_SIDE)]
+    pub max_side: u32,
+    /// Longest accepted speech, in seconds.
+    #[arg(long, default_value_t = audio::DEFAULT_MAX_SECONDS)]
+    pub max_audio_seconds: f64,
+    /// The ffmpeg executable (needs libx264 and aac).
+    #[arg(long, env = "LIPSYNC_FFMPEG", default_value = "ffmpeg")]
+    pub ffmpeg: PathBuf,
+}
+
+/// One render: the flags, or a line of a jobs file.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Job {
+    audio: PathBuf,
+    image: PathBuf,
+    out: PathBuf,
+    #[serde(rename = "box")]
+    face_box: Option<String>,
+    pads: Option<String>,
+    fps: Option<serde_json::Value>,
+    blend: Option<Blend>,
+    crf: Option<u8>,
+    preset: Option<String>,
+    faces_dir: Option<PathBuf>,
+}
+
+/// A job with every option resolved.
+struct Resolved {
+    audio: PathBuf,
+    image: PathBuf,
+    out: PathBuf,
+    face_box: Option<FaceBox>,
+    pads: Pads,
+    fps: Fps,
+    blend: Blend,
+    crf: u8,
+    preset: String,
+    faces_dir: Option<PathBuf>,
+}
+
+impl Job {
+    /// Fills unset keys from the command line's defaults and parses the rest.
+    fn resolve(self, a: &RenderArgs) -> Result<Resolved, String> {
+        let fps = match &self.fps {
+            None => a.fps,
+            Some(serde_json::Value::Number(n)) => {
+                Fps::new(n.as_f64().unwrap_or(f64::NAN)).map_err(|e| e.to_string())?
+            }
+            Some(serde_json::Value::String(s)) => s.parse().map_err(|e: lipsync::media::Error| e.to_string())?,
+            Some(v) => return Err(format!("fps {v} is not a number")),
+        };
+        let preset = self.preset.unwrap_or_else(|| a.preset.clone());
+        if !video::PRESETS.contains(&preset.as_str()) {
+            return Err(format!("unknown preset {preset:?}"));
+        }
+        let crf = self.crf.unwrap_or(a.crf);
+        if crf > 51 {
+            return Err(format!("crf {crf} is outside 0-51"));
+        }
+        Ok(Resolved {
+            audio: self.audio,
+            image: self.image,
+            out: self.out,
+            face_box: self
+                .face_box
+                .map(|b| b.parse())
+                .transpose()
+                .map_err(|e: lipsync::media::Error| e.to_string())?,
+            pads: self
+                .pads
+                .map(|p| p.parse())
+                .transpose()
+                .map_err(|e: lipsync::media::Error| e.to_string())?
+                .unwrap_or(a.pads),
+            fps,
+            blend: self.blend.unwrap_or(a.blend),
+            crf,
+            preset,
+            faces_dir: self.faces_dir,
+        })
+    }
+}
+
+/// Loads the checkpoint on the chosen device and precision.
+fn load_model(a: &RenderArgs) -> Result<(Wav2Lip, usize), CliError> {
+    let device_kind = a.device.unwrap_or_else(DeviceKind::default_for_host);
+    let precision = a.dtype.unwrap_or(device_kind.default_precision());
+    let device = device_kind.open()?;
+    let dtype = model::compute_dtype(&device, precision);
+    let t = Instant::now();
+    let (weights, summary) = GeneratorWeights::from_file(&a.checkpoint)?;
+    if let Some(seed) = summary.random_init_seed {
+        tracing::warn!(
+            "{} holds random test weights (seed {seed}): the faces they draw are noise",
+            a.checkpoint.display()
+        );
+    }
+    let model = Wav2Lip::load(&weights, &device, dtype)?;
+    tracing::info!(
+        "loaded {} ({}) on {:?} in {dtype:?} in {:.1} s",
+        a.checkpoint.display(),
+        summary.format,
+        device_kind,
+        t.elapsed().as_secs_f64()
+    );
+    let batch = a.batch.map_or(
+        match device_kind {
+            DeviceKind::Cuda => 128,
+            DeviceKind::Cpu => 16,
+        },
+        |b| b as usize,
+    );
+    Ok((model, batch))
+}
+
+pub fn render(a: RenderArgs) -> Result<(), CliError> {
+    video::check_ffmpeg(&a.ffmpeg)?;
+    let (model, batch) = load_model(&a)?;
+    match &a.jobs {
+        None => {
+            let job = Job {
+                audio: a.audio.clone().expect("clap requires --audio"),
+                image: a.image.clone().expect("clap requires --image"),
+                out: a.out.clone(),
+                face_box: None,
+                pads: None,
+                fps: None,
+                blend: None,
+                crf: None,
+                preset: None,
+                faces_dir: a.faces_dir.clone(),
+            };
+            let mut job = job.resolve(&a).map_err(CliError::Jobs)?;
+            job.face_box = a.face_box;
+            render_one(&a, &model, batch, &job)
+        }
+        Some(path) => run_jobs(&a, &model, batch, path),
+    }
+}
+
+fn run_jobs(a: &RenderArgs, model: &Wav2Lip, batch: usize, path: &Path) -> Result<(), CliError> {
+    let file = std::fs::File::open(path).map_err(|source| CliError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let (mut done, mut failed) = (0usize, Vec::new());
+    let start = Instant::now();
+    for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|source| CliError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        if line.trim().is_empty() || line.trim_start().starts_with('#') {
+            continue;
+        }
+        let label = format!("{}:{}", path.display(), n + 1);
+        let result = serde_json::from_str::<Job>(&line)
+            .map_err(|e| format!("not a job ({e})"))
+            .and_then(|j| j.resolve(a))
+            .and_then(|j| render_one(a, model, batch, &j).map_err(|e| e.to_string()));
+        match result {
+            Ok(()) => done += 1,
+            Err(e) => {
+                eprintln!("error: job {label}: {e}");
+                failed.push(label);
+            }
+        }
+    }
+    eprintln!(
+        "{} jobs in {:.1} s: {done} succeeded, {} failed{}",
+        done + failed.len(),
+        start.elapsed().as_secs_f64(),
+        failed.len(),
+        if failed.is_empty() { String::new() } else { format!(" ({})", failed.join(", ")) }
+    );
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(CliError::Jobs(format!("{} of {} jobs failed", failed.len(), done + failed.len())))
+    }
+}
+
+/// Writes to `<out>.partial` and renames on success, so a failed render leaves no
+/// half-written video under the requested name.
+fn render_one(a: &RenderArgs, model: &Wav2Lip, batch: usize, job: &Resolved) -> Result<(), CliError> {
+    let start = Instant::now();
+    let speech = audio::load(&read_file(&job.audio)?, a.max_audio_seconds)?;
+    let limits = ImageLimits {
+        max_pixels: a.max_pixels,
+        max_side: a.max_side,
+    };
+    let avatar = Avatar::prepare(&read_file(&job.image)?, &limits, job.face_box, job.pads, job.blend)?;
+    let mut settings = EncoderSettings::new(avatar.frame.width, avatar.frame.height, job.fps);
+    settings.preset = job.preset.clone();
+    settings.crf = job.crf;
+    settings.audio = Some(job.audio.clone());
+    settings.ffmpeg = a.ffmpeg.clone();
+    let partial = partial_path(&job.out);
+    let file = std::fs::File::create(&partial).map_err(|source| engine::Error::Output {
+        path: partial.clone(),
+        source,
+    })?;
+    let mut encoder: Box<dyn VideoEncoder> =
+        Box::new(FfmpegEncoder::spawn(settings, Box::new(std::io::BufWriter::new(file)))?);
+    let opts = RenderOptions {
+        fps: job.fps,
+        batch,
+        faces_dir: job.faces_dir.clone(),
+    };
+    let bar = progress_bar(&job.out);
+    let result = engine::render(model, &avatar, &speech, &opts, encoder.as_mut(), &mut |done, total| {
+        if let Some(b) = &bar {
+            b.set_length(total as u64);
+            b.set_position(done as u64);
+        }
+    })
+    .map_err(CliError::from)
+    .and_then(|stats| Ok((stats, encoder.finish()?)));
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
+    let (stats, summary) = match result {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = std::fs::remove_file(&partial);
+            return Err(e);
+        }
+    };
+    std::fs::rename(&partial, &job.out).map_err(|source| engine::Error::Output {
+        path: job.out.clone(),
+        source,
+    })?;
+    eprintln!(
+        "wrote {}: {} frames at {} fps ({} drawn by the model), {:.2} s of speech, {:.1} MB, in {:.1} s \
+         (model {:.1} s, composite {:.1} s, encode {:.1} s); face box {}",
+        job.out.display(),
+        stats.video_frames,
+        job.fps,
+        stats.model_frames,
+        speech.seconds(),
+        summary.bytes as f64 / 1e6,
+        start.elapsed().as_secs_f64(),
+        stats.inference_time.as_secs_f64(),
+        stats.composite_time.as_secs_f64(),
+        stats.encode_time.as_secs_f64(),
+        avatar.source_face,
+    );
+    Ok(())
+}
+
+fn partial_path(out: &Path) -> PathBuf {
+    let mut p = out.as_os_str().to_owned();
+    p.push(".partial");
+    PathBuf::from(p)
+}
+
+/// A progress bar on a terminal; nothing when stderr is a pipe or file.
+fn progress_bar(out: &Path) -> Option<indicatif::ProgressBar> {
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} frames {elapsed} (eta {eta})")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_message(out.display().to_string());
+    Some(bar)
+}
+
+#[derive(Debug, clap::Args)]
+pub struct DetectArgs {
+    /// Photo: PNG, JPEG or WebP.
+    pub image: PathBuf,
+    /// Pixels added to the detected box: top,bottom,left,right.
+    #[arg(long, default_value = "0,10,0,0", allow_hyphen_values = true)]
+    pub pads: Pads,
+    /// Photos with more pixels are refused.
+    #[arg(long, default_value_t = DEFAULT_MAX_PIXELS)]
+    pub max_pixels: u64,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn detect(a: DetectArgs) -> Result<(), CliError> {
+    let result = (|| {
+        let photo = lipsync::media::image::decode(&read_file(&a.image)?, a.max_pixels)?;
+        let d = face::detect(&photo)?;
+        let padded = a.pads.apply(d.face, photo.width, photo.height)?;
+        Ok((photo, d, padded))
+    })();
+    let (photo, d, padded) = json_error(a.json, result)?;
+    if a.json {
+        println!(
+            "{:#}",
+            serde_json::json!({
+                "box": padded.to_array(),
+                "score": d.score,
+                "pads": a.pads.to_string(),
+                "unpadded": d.face.to_array(),
+                "detector_window": d.window.to_array(),
+                "width": photo.width,
+                "height": photo.height,
+            })
+        );
+    } else {
+        println!("{padded}");
+        eprintln!(
+            "face box x1,y1,x2,y2 = {padded} (pads {}; score {:.2}) in a {}x{} photo; \
+             reuse it with --box {padded}",
+            a.pads, d.score, photo.width, photo.height
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,118 @@
+//! An avatar prepared once: decoded photo, face box, the model's face input and the blend
+//! mask. The service caches these; `lipsync render` makes one per job.
+
+use crate::media::face::{self, Blend, BlendMask, Detection, FaceBox, Pads};
+use crate::media::image::{self, Frame, ImageLimits};
+use crate::media::Error;
+
+/// A photo ready to be animated.
+#[derive(Debug, Clone)]
+pub struct Avatar {
+    /// The photo as it will appear in the video (downscaled if it was larger than allowed).
+    pub frame: Frame,
+    /// The face box in `frame`'s pixels.
+    pub face: FaceBox,
+    /// The face box in the uploaded photo's own pixels (what `--box` and `detect` speak).
+    pub source_face: FaceBox,
+    /// The uploaded photo's size.
+    pub source_size: (u32, u32),
+    /// The detection, when the box was not given.
+    pub detection: Option<Detection>,
+    /// The 96×96 BGR crop the model sees.
+    pub crop_bgr: Vec<u8>,
+    /// The model's face input, `(6, 96, 96)`.
+    pub input: Vec<f32>,
+    pub mask: BlendMask,
+    pub blend: Blend,
+}
+
+impl Avatar {
+    /// Decodes the photo, finds the face (or checks `explicit`, used exactly as given, in the
+    /// photo's own pixels), applies `pads` to a detected box, downscales a photo larger than
+    /// `limits.max_side` (the box with it) and prepares the crop and mask.
+    pub fn prepare(
+        bytes: &[u8],
+        limits: &ImageLimits,
+        explicit: Option<FaceBox>,
+        pads: Pads,
+        blend: Blend,
+    ) -> Result<Avatar, Error> {
+        let photo = image::decode(bytes, limits.max_pixels)?;
+        let source_size = (photo.width, photo.height);
+        let (source_face, detection) = match explicit {
+            Some(b) => {
+                b.check(photo.width, photo.height)?;
+                (b, None)
+            }
+            None => {
+                let d = face::detect(&photo)?;
+                (pads.apply(d.face, photo.width, photo.height)?, Some(d))
+            }
+        };
+        let frame = image::downscale_to(photo, limits.max_side);
+        let face = scale_box(source_face, source_size, (frame.width, frame.height));
+        Ok(Avatar::from_parts(frame, face, source_face, source_size, detection, blend))
+    }
+
+    fn from_parts(
+        frame: Frame,
+        face: FaceBox,
+        source_face: FaceBox,
+        source_size: (u32, u32),
+        detection: Option<Detection>,
+        blend: Blend,
+    ) -> Avatar {
+        let crop_bgr = face::crop_bgr(&frame, &face);
+        let input = face::model_input(&crop_bgr);
+        let mask = BlendMask::new(blend, face.width(), face.height());
+        Avatar {
+            frame,
+            face,
+            source_face,
+            source_size,
+            detection,
+            crop_bgr,
+            input,
+            mask,
+            blend,
+        }
+    }
+
+    /// Approximate memory held, for cache accounting.
+    pub fn bytes(&self) -> usize {
+        self.frame.rgb.len() + self.crop_bgr.len() + self.input.len() * 4
+            + (self.face.width() * self.face.height()) as usize * 2
+    }
+}
+
+/// A box in a `from`-sized image mapped into a `to`-sized copy (identity when equal).
+fn scale_box(b: FaceBox, from: (u32, u32), to: (u32, u32)) -> FaceBox {
+    if from == to {
+        return b;
+    }
+    let sx = f64::from(to.0) / f64::from(from.0);
+    let sy = f64::from(to.1) / f64::from(from.1);
+    let lo = |v: u32, s: f64, hi: u32| ((f64::from(v) * s).floor() as u32).min(hi - 1);
+    let hi = |v: u32, s: f64, hi: u32| ((f64::from(v) * s).ceil() as u32).min(hi);
+    let x1 = lo(b.x1, sx, to.0);
+    let y1 = lo(b.y1, sy, to.1);
+    FaceBox {
+        x1,
+        y1,
+        x2: hi(b.x2, sx, to.0).max(x1 + 1),
+        y2: hi(b.y2, sy, to.1).max(y1 + 1),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn boxes_follow_a_downscale() {
+        let b = FaceBox { x1: 1000, y1: 500, x2: 1500, y2: 1201 };
+        let s = scale_box(b, (4000, 3000), (1920, 1440));
+        assert_eq!(s, FaceBox { x1: 480, y1: 240, x2: 720, y2: 577 });
+        assert_eq!(scale_box(b, (4000, 3000), (4000, 3000)), b);
+    }
+}

@@ -1,0 +1,45 @@
+//! Running the model on speech and avatars: avatar preparation, the render pipeline (mel
+//! windows and face crops in batches through the model, faces composited back, frames to the
+//! encoder), and later the instance pool and cross-request batcher of the service.
+//!
+//! Uses `model` and `media`; knows nothing of HTTP. GPU work runs on the thread that calls in
+//! (the CLI's main thread, or a model instance's own OS thread), never on an async runtime.
+
+pub mod avatar;
+pub mod render;
+
+pub use avatar::Avatar;
+pub use render::{render, RenderOptions, RenderStats};
+
+use crate::{media, model};
+
+/// Errors of the engine layer: which layer failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Model(#[from] model::Error),
+    #[error(transparent)]
+    Media(#[from] media::Error),
+    #[error("cannot write {path}: {source}")]
+    Output {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// A stable snake_case name for the kind of error.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::Model(e) => e.kind(),
+            Error::Media(e) => e.kind(),
+            Error::Output { .. } => "output",
+        }
+    }
+}
+
+impl From<candle_core::Error> for Error {
+    fn from(e: candle_core::Error) -> Self {
+        Error::Model(model::Error::Candle(e))
+    }
+}

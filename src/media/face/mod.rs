@@ -1,0 +1,426 @@
+//! The face: where it is (detection, or a box the user pins), the 96×96 crop the model reads,
+//! and pasting the predicted mouth back into the photo.
+//!
+//! Boxes are `x1,y1,x2,y2` in integer pixels with `x2`/`y2` exclusive: the face is columns
+//! `x1 .. x2−1` and rows `y1 .. y2−1`.
+
+mod detect;
+
+use std::fmt;
+use std::str::FromStr;
+
+pub use detect::{detect, Detection};
+
+use crate::media::image::{resize_linear, Frame};
+use crate::media::Error;
+
+/// Side of the model's square face input and output.
+pub const FACE_SIZE: usize = 96;
+
+/// A face box: columns `x1 .. x2` and rows `y1 .. y2`, end exclusive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+pub struct FaceBox {
+    pub x1: u32,
+    pub y1: u32,
+    pub x2: u32,
+    pub y2: u32,
+}
+
+impl FaceBox {
+    pub fn width(&self) -> u32 {
+        self.x2 - self.x1
+    }
+
+    pub fn height(&self) -> u32 {
+        self.y2 - self.y1
+    }
+
+    /// Refuses a box that is empty or leaves a `width × height` image: it must satisfy
+    /// `0 ≤ x1 < x2 ≤ width` and `0 ≤ y1 < y2 ≤ height`.
+    pub fn check(&self, width: u32, height: u32) -> Result<(), Error> {
+        if self.x1 < self.x2 && self.y1 < self.y2 && self.x2 <= width && self.y2 <= height {
+            Ok(())
+        } else {
+            Err(Error::BadBox(format!(
+                "box {self} does not fit the {width}x{height} image \
+                 (need 0 <= x1 < x2 <= {width} and 0 <= y1 < y2 <= {height})"
+            )))
+        }
+    }
+
+    /// Intersection over union.
+    pub fn iou(&self, o: &FaceBox) -> f64 {
+        let iw = self.x2.min(o.x2).saturating_sub(self.x1.max(o.x1));
+        let ih = self.y2.min(o.y2).saturating_sub(self.y1.max(o.y1));
+        let inter = f64::from(iw) * f64::from(ih);
+        let area = |b: &FaceBox| f64::from(b.width()) * f64::from(b.height());
+        inter / (area(self) + area(o) - inter)
+    }
+
+    pub fn to_array(&self) -> [u32; 4] {
+        [self.x1, self.y1, self.x2, self.y2]
+    }
+}
+
+impl fmt::Display for FaceBox {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{},{},{},{}", self.x1, self.y1, self.x2, self.y2)
+    }
+}
+
+/// Four comma-separated integers.
+fn four<T: FromStr>(s: &str, what: &str, example: &str) -> Result<[T; 4], String> {
+    let parts: Vec<&str> = s.split(',').map(str::trim).collect();
+    let bad = || format!("{s:?} is not a {what} (four integers, e.g. {example})");
+    if parts.len() != 4 {
+        return Err(bad());
+    }
+    let mut out = Vec::with_capacity(4);
+    for p in parts {
+        out.push(p.parse::<T>().map_err(|_| bad())?);
+    }
+    out.try_into().map_err(|_| bad())
+}
+
+impl FromStr for FaceBox {
+    type Err = Error;
+
+    /// `x1,y1,x2,y2`; whether it fits an image is checked by [`FaceBox::check`].
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let [x1, y1, x2, y2] = four::<u32>(s, "box x1,y1,x2,y2", "120,80,280,260").map_err(Error::BadBox)?;
+        if x1 >= x2 || y1 >= y2 {
+            return Err(Error::BadBox(format!(
+                "box {s:?} is empty: need x1 < x2 and y1 < y2"
+            )));
+        }
+        Ok(FaceBox { x1, y1, x2, y2 })
+    }
+}
+
+/// Pixels added to a detected box: `top,bottom,left,right` (Wav2Lip's `--pads`; negative
+/// values shrink the box).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Pads {
+    pub top: i32,
+    pub bottom: i32,
+    pub left: i32,
+    pub right: i32,
+}
+
+impl Default for Pads {
+    /// Wav2Lip's default: 10 pixels below the chin.
+    fn default() -> Self {
+        Pads {
+            top: 0,
+            bottom: 10,
+            left: 0,
+            right: 0,
+        }
+    }
+}
+
+impl fmt::Display for Pads {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{},{},{},{}", self.top, self.bottom, self.left, self.right)
+    }
+}
+
+impl FromStr for Pads {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let [top, bottom, left, right] =
+            four::<i32>(s, "pads top,bottom,left,right", "0,10,0,0").map_err(Error::BadPads)?;
+        if [top, bottom, left, right].iter().any(|p| p.abs() > 100_000) {
+            return Err(Error::BadPads(format!("pads {s:?} are implausibly large")));
+        }
+        Ok(Pads {
+            top,
+            bottom,
+            left,
+            right,
+        })
+    }
+}
+
+impl Pads {
+    /// The padded box clipped to a `width × height` image (as Wav2Lip does); an error if
+    /// negative pads leave nothing.
+    pub fn apply(&self, b: FaceBox, width: u32, height: u32) -> Result<FaceBox, Error> {
+        let clip = |v: i64, hi: u32| v.clamp(0, i64::from(hi)) as u32;
+        let out = FaceBox {
+            x1: clip(i64::from(b.x1) - i64::from(self.left), width),
+            y1: clip(i64::from(b.y1) - i64::from(self.top), height),
+            x2: clip(i64::from(b.x2) + i64::from(self.right), width),
+            y2: clip(i64::from(b.y2) + i64::from(self.bottom), height),
+        };
+        if out.x1 >= out.x2 || out.y1 >= out.y2 {
+            return Err(Error::BadPads(format!(
+                "pads {self} leave an empty box around {b}"
+            )));
+        }
+        Ok(out)
+    }
+}
+
+/// The face box to use: `explicit` exactly as given (after checking it fits), else the
+/// detected face with `pads` applied.
+pub fn locate(frame: &Frame, explicit: Option<FaceBox>, pads: Pads) -> Result<FaceBox, Error> {
+    match explicit {
+        Some(b) => {
+            b.check(frame.width, frame.height)?;
+            Ok(b)
+        }
+        None => pads.apply(detect(frame)?.face, frame.width, frame.height),
+    }
+}
+
+/// The box's pixels resized to 96×96 as `cv2.resize` would (INTER_LINEAR), in BGR order,
+/// the model's channel order.
+pub fn crop_bgr(frame: &Frame, b: &FaceBox) -> Vec<u8> {
+    let (w, h) = (b.width() as usize, b.height() as usize);
+    let stride = frame.width as usize * 3;
+    let mut region = Vec::with_capacity(w * h * 3);
+    for y in b.y1 as usize..b.y2 as usize {
+        let start = y * stride + b.x1 as usize * 3;
+        region.extend_from_slice(&frame.rgb[start..start + w * 3]);
+    }
+    let mut out = resize_linear(&region, w, h, 3, FACE_SIZE, FACE_SIZE);
+    swap_red_blue(&mut out);
+    out
+}
+
+/// RGB ⇄ BGR in place.
+pub fn swap_red_blue(pixels: &mut [u8]) {
+    for p in pixels.chunks_exact_mut(3) {
+        p.swap(0, 2);
+    }
+}
+
+/// The model's face input for one frame, `(6, 96, 96)` channel-major in [0, 1]: the crop with
+/// its lower half zeroed, then the crop itself (both BGR), divided by 255.
+pub fn model_input(crop_bgr: &[u8]) -> Vec<f32> {
+    let n = FACE_SIZE * FACE_SIZE;
+    let mut out = vec![0f32; 6 * n];
+    for (i, px) in crop_bgr.chunks_exact(3).enumerate() {
+        let lower = i / FACE_SIZE >= FACE_SIZE / 2;
+        for c in 0..3 {
+            let v = f32::from(px[c]) / 255.0;
+            out[(3 + c) * n + i] = v;
+            if !lower {
+                out[c * n + i] = v;
+            }
+        }
+    }
+    out
+}
+
+/// One predicted face `(3, 96, 96)` channel-major BGR in (0, 1) to 8-bit BGR pixels: ×255 and
+/// truncated, as the original's `astype(np.uint8)`.
+pub fn prediction_to_bgr(pred: &[f32]) -> Vec<u8> {
+    let n = FACE_SIZE * FACE_SIZE;
+    let mut out = Vec::with_capacity(3 * n);
+    for i in 0..n {
+        for c in 0..3 {
+            out.push((pred[c * n + i] * 255.0).clamp(0.0, 255.0) as u8);
+        }
+    }
+    out
+}
+
+/// How the predicted face goes back into the photo.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Blend {
+    /// A soft lower-face mask: pixels outside the box are untouched and the mask fades to zero
+    /// before the box edge, so no rectangle shows.
+    #[default]
+    Feather,
+    /// The original's paste of the whole box (for parity checks).
+    Hard,
+}
+
+impl FromStr for Blend {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s.trim() {
+            "feather" => Ok(Blend::Feather),
+            "hard" => Ok(Blend::Hard),
+            _ => Err(Error::BadBlend(format!("{s:?} (use feather or hard)"))),
+        }
+    }
+}
+
+/// Per-pixel weights of the predicted face over a box, 0–256 (fixed point).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlendMask {
+    width: usize,
+    height: usize,
+    alpha: Vec<u16>,
+}
+
+fn smoothstep(e0: f32, e1: f32, x: f32) -> f32 {
+    let t = ((x - e0) / (e1 - e0)).clamp(0.0, 1.0);
+    t * t * (3.0 - 2.0 * t)
+}
+
+impl BlendMask {
+    /// The mask for a box of the given size: full weight over mouth and jaw, fading out towards
+    /// the cheeks and the box's bottom edge, and above the nose (the model redraws only the
+    /// lower half; the upper half stays the photo's own).
+    pub fn new(blend: Blend, width: u32, height: u32) -> Self {
+        let (w, h) = (width as usize, height as usize);
+        let alpha = match blend {
+            Blend::Hard => vec![256; w * h],
+            Blend::Feather => {
+                let mut a = Vec::with_capacity(w * h);
+                for y in 0..h {
+                    let v = (y as f32 + 0.5) / h as f32;
+                    let vertical =
+                        smoothstep(0.42, 0.62, v) * (1.0 - smoothstep(0.80, 0.96, v));
+                    for x in 0..w {
+                        let u = (x as f32 + 0.5) / w as f32;
+                        let horizontal = smoothstep(0.04, 0.24, u) * smoothstep(0.04, 0.24, 1.0 - u);
+                        a.push((vertical * horizontal * 256.0).round() as u16);
+                    }
+                }
+                a
+            }
+        };
+        BlendMask {
+            width: w,
+            height: h,
+            alpha,
+        }
+    }
+
+    /// Weight (0–256) at box pixel `(x, y)`.
+    pub fn at(&self, x: usize, y: usize) -> u16 {
+        self.alpha[y * self.width + x]
+    }
+
+    pub fn size(&self) -> (usize, usize) {
+        (self.width, self.height)
+    }
+}
+
+/// Resizes a predicted 96×96 BGR face to the box (`cv2.resize`, INTER_LINEAR) and blends it
+/// into `frame` with `mask` (sized to the box). Pixels outside the box are never touched.
+pub fn paste(frame: &mut Frame, b: &FaceBox, face_bgr: &[u8], mask: &BlendMask) {
+    let (w, h) = (b.width() as usize, b.height() as usize);
+    debug_assert_eq!(mask.size(), (w, h));
+    let resized = resize_linear(face_bgr, FACE_SIZE, FACE_SIZE, 3, w, h);
+    let stride = frame.width as usize * 3;
+    for y in 0..h {
+        let row = (b.y1 as usize + y) * stride + b.x1 as usize * 3;
+        for x in 0..w {
+            let a = u32::from(mask.at(x, y));
+            if a == 0 {
+                continue;
+            }
+            let src = &resized[(y * w + x) * 3..(y * w + x) * 3 + 3];
+            let dst = &mut frame.rgb[row + x * 3..row + x * 3 + 3];
+            // src is BGR, dst RGB.
+            for c in 0..3 {
+                let face = u32::from(src[2 - c]);
+                let photo = u32::from(dst[c]);
+                dst[c] = ((face * a + photo * (256 - a) + 128) >> 8) as u8;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn boxes_parse_check_and_print() {
+        let b: FaceBox = "10, 20,110,140".parse().unwrap();
+        assert_eq!(b, FaceBox { x1: 10, y1: 20, x2: 110, y2: 140 });
+        assert_eq!((b.width(), b.height()), (100, 120));
+        assert_eq!(b.to_string(), "10,20,110,140");
+        assert!(b.check(110, 140).is_ok());
+        assert!(b.check(109, 140).is_err());
+        for bad in ["1,2,3", "1,2,3,4,5", "a,b,c,d", "5,5,5,9", "9,1,3,4", "-1,0,4,4"] {
+            assert!(matches!(bad.parse::<FaceBox>(), Err(Error::BadBox(_))), "{bad}");
+        }
+    }
+
+    #[test]
+    fn pads_follow_the_original_and_clip_to_the_image() {
+        let b = FaceBox { x1: 10, y1: 20, x2: 110, y2: 140 };
+        let p: Pads = "5,10,-3,200".parse().unwrap();
+        assert_eq!(
+            p.apply(b, 200, 145).unwrap(),
+            FaceBox { x1: 13, y1: 15, x2: 200, y2: 145 }
+        );
+        assert_eq!(Pads::default().to_string(), "0,10,0,0");
+        assert!("0,0,0".parse::<Pads>().is_err());
+        assert!("0,-200,0,0".parse::<Pads>().unwrap().apply(b, 200, 200).is_err());
+    }
+
+    #[test]
+    fn iou_of_boxes() {
+        let a = FaceBox { x1: 0, y1: 0, x2: 10, y2: 10 };
+        let b = FaceBox { x1: 5, y1: 0, x2: 15, y2: 10 };
+        assert!((a.iou(&b) - 50.0 / 150.0).abs() < 1e-12);
+        assert_eq!(a.iou(&a), 1.0);
+    }
+
+    #[test]
+    fn model_input_masks_the_lower_half_of_the_first_copy() {
+        let crop: Vec<u8> = (0..FACE_SIZE * FACE_SIZE * 3).map(|i| (i % 251) as u8).collect();
+        let x = model_input(&crop);
+        let n = FACE_SIZE * FACE_SIZE;
+        let top = 10 * FACE_SIZE + 7; // row 10
+        let bottom = 60 * FACE_SIZE + 7; // row 60
+        for c in 0..3 {
+            assert_eq!(x[c * n + top], f32::from(crop[top * 3 + c]) / 255.0);
+            assert_eq!(x[c * n + bottom], 0.0);
+            assert_eq!(x[(3 + c) * n + bottom], f32::from(crop[bottom * 3 + c]) / 255.0);
+        }
+    }
+
+    #[test]
+    fn feather_mask_is_zero_at_the_box_edge_and_full_at_the_mouth() {
+        let m = BlendMask::new(Blend::Feather, 120, 140);
+        for x in 0..120 {
+            assert_eq!(m.at(x, 0), 0);
+            assert_eq!(m.at(x, 139), 0);
+        }
+        for y in 0..140 {
+            assert_eq!(m.at(0, y), 0);
+            assert_eq!(m.at(119, y), 0);
+        }
+        assert_eq!(m.at(60, 100), 256);
+        assert_eq!(m.at(60, 30), 0); // eyes stay the photo's own
+        assert!(BlendMask::new(Blend::Hard, 3, 2).alpha.iter().all(|&a| a == 256));
+    }
+
+    #[test]
+    fn paste_touches_only_the_box() {
+        let mut frame = Frame::new(50, 40, vec![100; 50 * 40 * 3]);
+        let b = FaceBox { x1: 10, y1: 5, x2: 30, y2: 35 };
+        let face = vec![200u8; FACE_SIZE * FACE_SIZE * 3];
+        paste(&mut frame, &b, &face, &BlendMask::new(Blend::Hard, 20, 30));
+        for y in 0..40u32 {
+            for x in 0..50u32 {
+                let inside = (10..30).contains(&x) && (5..35).contains(&y);
+                let v = frame.rgb[((y * 50 + x) * 3) as usize];
+                assert_eq!(v, if inside { 200 } else { 100 }, "({x},{y})");
+            }
+        }
+    }
+
+    #[test]
+    fn predictions_are_truncated_like_astype_uint8() {
+        let n = FACE_SIZE * FACE_SIZE;
+        let mut pred = vec![0.5f32; 3 * n];
+        pred[0] = 0.999_99; // B of pixel 0
+        pred[n] = 0.003_92; // G of pixel 0 -> 0.99996 -> 0
+        let bgr = prediction_to_bgr(&pred);
+        assert_eq!(&bgr[..3], &[254, 0, 127]);
+    }
+}

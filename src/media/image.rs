@@ -1,0 +1,257 @@
+//! Avatar images in: PNG, JPEG or WebP bytes to an RGB frame, and OpenCV-exact bilinear
+//! resizing (the crops Wav2Lip was trained on came from `cv2.resize`).
+
+use std::io::Cursor;
+
+use image::{DynamicImage, ImageDecoder, ImageFormat, ImageReader};
+
+use crate::media::Error;
+
+/// Default largest image accepted, in pixels (decompression bombs are refused before their
+/// pixels are decoded).
+pub const DEFAULT_MAX_PIXELS: u64 = 40_000_000;
+
+/// Default longest side of the output video: larger photos are downscaled first.
+pub const DEFAULT_MAX_SIDE: u32 = 1920;
+
+/// An 8-bit RGB image, rows top to bottom, no padding.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Frame {
+    pub width: u32,
+    pub height: u32,
+    /// `width · height · 3` bytes.
+    pub rgb: Vec<u8>,
+}
+
+impl std::fmt::Debug for Frame {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Frame({}x{})", self.width, self.height)
+    }
+}
+
+impl Frame {
+    pub fn new(width: u32, height: u32, rgb: Vec<u8>) -> Self {
+        assert_eq!(rgb.len(), width as usize * height as usize * 3, "frame size");
+        Frame { width, height, rgb }
+    }
+
+    /// Luma (ITU-R 601, as the face detector expects).
+    pub fn gray(&self) -> Vec<u8> {
+        self.rgb
+            .chunks_exact(3)
+            .map(|p| {
+                ((u32::from(p[0]) * 299 + u32::from(p[1]) * 587 + u32::from(p[2]) * 114 + 500)
+                    / 1000) as u8
+            })
+            .collect()
+    }
+
+    /// Writes the frame as an 8-bit RGB PNG.
+    pub fn save_png(&self, path: &std::path::Path) -> std::io::Result<()> {
+        image::save_buffer(path, &self.rgb, self.width, self.height, image::ColorType::Rgb8)
+            .map_err(std::io::Error::other)
+    }
+}
+
+/// What `load` accepts.
+#[derive(Debug, Clone, Copy)]
+pub struct ImageLimits {
+    /// Images with more pixels are refused before decoding.
+    pub max_pixels: u64,
+    /// Larger images are downscaled so their longer side is this long.
+    pub max_side: u32,
+}
+
+impl Default for ImageLimits {
+    fn default() -> Self {
+        ImageLimits {
+            max_pixels: DEFAULT_MAX_PIXELS,
+            max_side: DEFAULT_MAX_SIDE,
+        }
+    }
+}
+
+fn image_error(e: image::ImageError) -> Error {
+    use image::ImageError as E;
+    match e {
+        E::Unsupported(u) => Error::UnsupportedImage(u.to_string()),
+        E::Limits(l) => Error::CorruptImage(format!("the image exceeds a decoder limit ({l})")),
+        E::IoError(io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
+            Error::CorruptImage("the image data stops early (truncated file?)".into())
+        }
+        e => Error::CorruptImage(e.to_string()),
+    }
+}
+
+/// Decodes a PNG, JPEG or WebP avatar: format from the bytes, pixel limit checked from the
+/// header, EXIF orientation applied, alpha dropped (colour channels as stored, like OpenCV's
+/// `imread`), then downscaled if its longer side exceeds `limits.max_side`.
+pub fn load(bytes: &[u8], limits: &ImageLimits) -> Result<Frame, Error> {
+    Ok(downscale_to(decode(bytes, limits.max_pixels)?, limits.max_side))
+}
+
+/// [`load`] without the downscaling: the photo at its own size.
+pub fn decode(bytes: &[u8], max_pixels: u64) -> Result<Frame, Error> {
+    if bytes.is_empty() {
+        return Err(Error::EmptyImage);
+    }
+    let format = image::guess_format(bytes).map_err(|_| Error::NotAnImage(sniff_other(bytes)))?;
+    if !matches!(format, ImageFormat::Png | ImageFormat::Jpeg | ImageFormat::WebP) {
+        return Err(Error::UnsupportedImage(format!(
+            "{format:?} images (send PNG, JPEG or WebP)"
+        )));
+    }
+    let reader = || ImageReader::with_format(Cursor::new(bytes), format);
+    let (w, h) = reader().into_dimensions().map_err(image_error)?;
+    let pixels = u64::from(w) * u64::from(h);
+    if pixels > max_pixels {
+        return Err(Error::TooManyPixels {
+            width: w,
+            height: h,
+            max_pixels,
+        });
+    }
+    if pixels == 0 {
+        return Err(Error::CorruptImage("the image has no pixels".into()));
+    }
+    let mut reader = reader();
+    let mut decoder_limits = image::Limits::default();
+    decoder_limits.max_alloc = Some(pixels.saturating_mul(16).max(1 << 20));
+    reader.limits(decoder_limits);
+    let mut decoder = reader.into_decoder().map_err(image_error)?;
+    let orientation = decoder.orientation().map_err(image_error)?;
+    let mut img = DynamicImage::from_decoder(decoder).map_err(image_error)?;
+    img.apply_orientation(orientation);
+    let rgb = img.to_rgb8();
+    let (w, h) = rgb.dimensions();
+    Ok(Frame::new(w, h, rgb.into_raw()))
+}
+
+/// Names common non-image uploads for a better error message.
+fn sniff_other(b: &[u8]) -> String {
+    let at = |i: usize, sig: &[u8]| b.get(i..i + sig.len()) == Some(sig);
+    match () {
+        _ if at(0, b"RIFF") && at(8, b"WAVE") => "WAV audio".into(),
+        _ if at(0, b"ID3") || at(0, b"fLaC") || at(0, b"OggS") => "audio".into(),
+        _ if at(4, b"ftyp") => "an MP4/M4A file".into(),
+        _ if at(0, b"%PDF") => "a PDF document".into(),
+        _ => "unrecognised data".into(),
+    }
+}
+
+/// Downscales (area-averaging filter) so that the longer side is at most `max_side`;
+/// smaller frames are returned unchanged.
+pub fn downscale_to(frame: Frame, max_side: u32) -> Frame {
+    let long = frame.width.max(frame.height);
+    if long <= max_side || max_side == 0 {
+        return frame;
+    }
+    let scale = f64::from(max_side) / f64::from(long);
+    let w = ((f64::from(frame.width) * scale).round() as u32).max(1);
+    let h = ((f64::from(frame.height) * scale).round() as u32).max(1);
+    let buf = image::RgbImage::from_raw(frame.width, frame.height, frame.rgb)
+        .expect("frame buffer has its own size");
+    let out = image::imageops::resize(&buf, w, h, image::imageops::FilterType::Triangle);
+    Frame::new(w, h, out.into_raw())
+}
+
+/// Per output coordinate: source index and the two fixed-point weights (sum 2048).
+fn linear_coeffs(dst: usize, src: usize) -> Vec<(usize, [i32; 2])> {
+    let inv_scale = dst as f64 / src as f64;
+    let scale = 1.0 / inv_scale;
+    (0..dst)
+        .map(|d| {
+            let mut f = ((d as f64 + 0.5) * scale - 0.5) as f32;
+            let mut s = f.floor() as i64;
+            f -= s as f32;
+            if s < 0 {
+                (f, s) = (0.0, 0);
+            }
+            if s >= src as i64 - 1 {
+                (f, s) = (0.0, src as i64 - 1);
+            }
+            let w0 = ((1.0 - f) * 2048.0).round_ties_even() as i32;
+            let w1 = (f * 2048.0).round_ties_even() as i32;
+            (s as usize, [w0, w1])
+        })
+        .collect()
+}
+
+/// `cv2.resize(src, (dw, dh), interpolation=cv2.INTER_LINEAR)` for 8-bit images with `cn`
+/// interleaved channels: half-pixel centres, no antialiasing, OpenCV's 11-bit fixed-point
+/// weights and rounding. Matches OpenCV 5.0 exactly except, on some sizes, by 1 on the first and
+/// last rows (measured in tests/reference/render_reference.py).
+pub fn resize_linear(src: &[u8], sw: usize, sh: usize, cn: usize, dw: usize, dh: usize) -> Vec<u8> {
+    assert_eq!(src.len(), sw * sh * cn, "resize_linear source size");
+    if dw == 0 || dh == 0 {
+        return Vec::new();
+    }
+    let xs = linear_coeffs(dw, sw);
+    let ys = linear_coeffs(dh, sh);
+    // Horizontal pass, only for the source rows the vertical pass uses.
+    let row_len = dw * cn;
+    let mut rows: Vec<Option<Vec<i32>>> = vec![None; sh];
+    let hrow = |y: usize| -> Vec<i32> {
+        let line = &src[y * sw * cn..(y + 1) * sw * cn];
+        let mut out = Vec::with_capacity(row_len);
+        for &(sx, [a0, a1]) in &xs {
+            let sx1 = (sx + 1).min(sw - 1);
+            for c in 0..cn {
+                out.push(
+                    i32::from(line[sx * cn + c]) * a0 + i32::from(line[sx1 * cn + c]) * a1,
+                );
+            }
+        }
+        out
+    };
+    let mut dst = Vec::with_capacity(dh * row_len);
+    for &(sy, [b0, b1]) in &ys {
+        let sy1 = (sy + 1).min(sh - 1);
+        for y in [sy, sy1] {
+            if rows[y].is_none() {
+                rows[y] = Some(hrow(y));
+            }
+        }
+        let (r0, r1) = (rows[sy].as_ref().unwrap(), rows[sy1].as_ref().unwrap());
+        // OpenCV's vectorised vertical step: 16-bit multiply-high, then a rounding shift.
+        for (&s0, &s1) in r0.iter().zip(r1) {
+            let v = (((s0 >> 4) * b0) >> 16) + (((s1 >> 4) * b1) >> 16);
+            dst.push(((v + 2) >> 2).clamp(0, 255) as u8);
+        }
+    }
+    dst
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resizing_a_constant_image_keeps_it_constant() {
+        let src = vec![77u8; 13 * 7 * 3];
+        for (dw, dh) in [(96, 96), (5, 3), (13, 7), (200, 9)] {
+            assert!(resize_linear(&src, 13, 7, 3, dw, dh).iter().all(|&v| v == 77));
+        }
+    }
+
+    #[test]
+    fn identity_size_is_a_copy() {
+        let src: Vec<u8> = (0..40 * 30 * 3).map(|i| (i * 7 % 256) as u8).collect();
+        assert_eq!(resize_linear(&src, 40, 30, 3, 40, 30), src);
+    }
+
+    #[test]
+    fn half_pixel_centres_halve_by_averaging_pairs() {
+        // 4 -> 2 samples: output d maps to source 2d + 0.5, the mean of the pair.
+        let src = [0u8, 100, 200, 250];
+        assert_eq!(resize_linear(&src, 4, 1, 1, 2, 1), vec![50, 225]);
+    }
+
+    #[test]
+    fn downscaling_respects_the_longest_side() {
+        let f = Frame::new(400, 100, vec![10; 400 * 100 * 3]);
+        let g = downscale_to(f.clone(), 200);
+        assert_eq!((g.width, g.height), (200, 50));
+        assert_eq!(downscale_to(f.clone(), 400), f);
+    }
+}

@@ -1,0 +1,108 @@
+//! Image input and the model's face crop, against images made by the reference scripts.
+
+mod common;
+
+use std::path::PathBuf;
+
+use lipsync::media::face::{self, FaceBox};
+use lipsync::media::image::{self as img, ImageLimits};
+use lipsync::media::Error;
+
+fn media(name: &str) -> Vec<u8> {
+    std::fs::read(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/media").join(name)).unwrap()
+}
+
+#[test]
+fn png_jpeg_webp_decode_with_orientation_and_without_alpha() {
+    let limits = ImageLimits::default();
+    let png = img::load(&media("astronaut.png"), &limits).unwrap();
+    assert_eq!((png.width, png.height), (512, 512));
+    let jpg = img::load(&media("grace_hopper.jpg"), &limits).unwrap();
+    assert_eq!((jpg.width, jpg.height), (512, 600));
+    // Stored 64x32 with EXIF orientation 6: displayed rotated, 32x64.
+    let rotated = img::load(&media("exif_rotated.jpg"), &limits).unwrap();
+    assert_eq!((rotated.width, rotated.height), (32, 64));
+    let webp = img::load(&media("small.webp"), &limits).unwrap();
+    assert_eq!((webp.width, webp.height), (64, 32));
+    // The RGBA PNG's colour channels are used as stored (no compositing over a background),
+    // so it equals the lossless WebP of the same picture.
+    let rgba = img::load(&media("rgba.png"), &limits).unwrap();
+    assert_eq!(rgba.rgb, webp.rgb);
+    // The rotation moved the top-left pixel of the stored image to the top-right.
+    let stored = ::image::load_from_memory(&media("exif_rotated.jpg")).unwrap().to_rgb8();
+    let p = stored.get_pixel(0, 0);
+    let q = &rotated.rgb[(31 * 3)..(31 * 3 + 3)];
+    assert!(p.0.iter().zip(q).all(|(a, b)| a.abs_diff(*b) <= 2), "{p:?} {q:?}");
+}
+
+#[test]
+fn decompression_bombs_are_refused_before_decoding() {
+    // A PNG whose header claims 100000 x 100000 pixels (10 G) over a few bytes of data.
+    let mut png = media("rgba.png");
+    png[16..20].copy_from_slice(&100_000u32.to_be_bytes());
+    png[20..24].copy_from_slice(&100_000u32.to_be_bytes());
+    let crc = crc32(&png[12..29]);
+    png[29..33].copy_from_slice(&crc.to_be_bytes());
+    match img::load(&png, &ImageLimits::default()) {
+        Err(Error::TooManyPixels { width, height, .. }) => assert_eq!((width, height), (100_000, 100_000)),
+        other => panic!("{:?}", other.map(|f| (f.width, f.height))),
+    }
+    let small = ImageLimits { max_pixels: 1000, ..Default::default() };
+    assert!(matches!(img::load(&media("astronaut.png"), &small), Err(Error::TooManyPixels { .. })));
+}
+
+/// CRC-32 (IEEE) of a PNG chunk's type and data.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut c = !0u32;
+    for &b in bytes {
+        c ^= u32::from(b);
+        for _ in 0..8 {
+            c = if c & 1 != 0 { 0xedb8_8320 ^ (c >> 1) } else { c >> 1 };
+        }
+    }
+    !c
+}
+
+#[test]
+fn unreadable_images_get_typed_errors() {
+    let l = ImageLimits::default();
+    let kind = |b: &[u8]| img::load(b, &l).err().map(|e| e.kind());
+    assert_eq!(kind(b""), Some("empty_image"));
+    assert_eq!(kind(&media("arctic_a0007.wav")), Some("not_an_image"));
+    assert_eq!(kind(b"GIF89a\x01\x00\x01\x00"), Some("unsupported_image"));
+    let png = media("astronaut.png");
+    assert_eq!(kind(&png[..png.len() / 2]), Some("corrupt_image"));
+    let mut garbled = png.clone();
+    for b in garbled[200..400].iter_mut() {
+        *b ^= 0x5a;
+    }
+    // Damage inside compressed pixel data may decode to garbage (the PNG decoder does not
+    // verify zlib checksums); it must not panic.
+    let _ = kind(&garbled);
+}
+
+#[test]
+fn large_photos_are_downscaled_for_the_video() {
+    let l = ImageLimits { max_side: 200, ..Default::default() };
+    let f = img::load(&media("grace_hopper.jpg"), &l).unwrap();
+    assert_eq!((f.width, f.height), (171, 200));
+}
+
+#[test]
+fn face_crop_matches_opencv_resize() {
+    let meta: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(common::fixture("render/reference.json")).unwrap(),
+    )
+    .unwrap();
+    let b: Vec<u32> = meta["box"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let frame = img::load(&media("astronaut.png"), &ImageLimits::default()).unwrap();
+    let crop = face::crop_bgr(&frame, &FaceBox { x1: b[0], y1: b[1], x2: b[2], y2: b[3] });
+    let mut reference = ::image::open(common::fixture("render/crop.png")).unwrap().to_rgb8().into_raw();
+    face::swap_red_blue(&mut reference);
+    let diffs: Vec<u8> = crop.iter().zip(&reference).map(|(a, b)| a.abs_diff(*b)).collect();
+    let differing = diffs.iter().filter(|&&d| d > 0).count();
+    let max = diffs.iter().copied().max().unwrap();
+    eprintln!("crop vs cv2.resize: {differing} of {} values differ, by at most {max}", diffs.len());
+    assert!(max <= 1, "max {max}");
+    assert!(differing * 100 < diffs.len(), "{differing} values differ");
+}

@@ -1,0 +1,385 @@
+//! `lipsync render` and `lipsync detect` end to end, as a user runs them. Needs ffmpeg and
+//! ffprobe on the PATH (scripts/test.sh installs them).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::checkpoint;
+use lipsync::media::face::FaceBox;
+
+fn media(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/media").join(name)
+}
+
+fn lipsync(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lipsync"))
+        .args(args.iter().map(|a| a.as_ref()))
+        .output()
+        .unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// ffprobe's JSON for the streams of `path` (with a counted video frame total).
+fn probe(path: &Path) -> serde_json::Value {
+    let out = Command::new("ffprobe")
+        .args(["-v", "error", "-count_frames", "-show_streams", "-show_format", "-of", "json"])
+        .arg(path)
+        .output()
+        .expect("ffprobe is needed for these tests (scripts/test.sh installs it)");
+    assert!(out.status.success(), "ffprobe: {}", text(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn stream<'a>(p: &'a serde_json::Value, kind: &str) -> &'a serde_json::Value {
+    p["streams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["codec_type"] == kind)
+        .unwrap_or_else(|| panic!("no {kind} stream"))
+}
+
+fn num(v: &serde_json::Value) -> f64 {
+    v.as_str().map_or_else(|| v.as_f64().unwrap(), |s| s.parse().unwrap())
+}
+
+/// The MP4's top-level boxes, in order.
+fn top_level_boxes(bytes: &[u8]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut pos = 0usize;
+    while pos + 8 <= bytes.len() {
+        let size = u32::from_be_bytes(bytes[pos..pos + 4].try_into().unwrap()) as usize;
+        out.push(String::from_utf8_lossy(&bytes[pos + 4..pos + 8]).into_owned());
+        if size < 8 {
+            break;
+        }
+        pos += size;
+    }
+    out
+}
+
+/// The decoded video as RGB frames.
+fn decode_frames(path: &Path, width: usize, height: usize) -> Vec<Vec<u8>> {
+    let out = Command::new("ffmpeg")
+        .args(["-v", "error", "-i"])
+        .arg(path)
+        .args(["-map", "0:v", "-f", "rawvideo", "-pix_fmt", "rgb24", "-"])
+        .output()
+        .unwrap();
+    out.stdout.chunks_exact(width * height * 3).map(<[u8]>::to_vec).collect()
+}
+
+/// Mean absolute difference of two RGB frames inside a box.
+fn box_difference(a: &[u8], b: &[u8], width: usize, r: &FaceBox) -> f64 {
+    let mut sum = 0u64;
+    for y in r.y1 as usize..r.y2 as usize {
+        let row = (y * width + r.x1 as usize) * 3..(y * width + r.x2 as usize) * 3;
+        sum += a[row.clone()].iter().zip(&b[row]).map(|(x, y)| u64::from(x.abs_diff(*y))).sum::<u64>();
+    }
+    sum as f64 / (f64::from(r.width()) * f64::from(r.height()) * 3.0)
+}
+
+#[test]
+fn render_makes_a_playable_video_that_covers_the_audio() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("astronaut.mp4");
+    let faces = dir.path().join("faces");
+    let o = lipsync(&[
+        &"render",
+        &"--checkpoint",
+        &checkpoint("legacy_plain.pth"),
+        &"--audio",
+        &media("arctic_a0007.wav"),
+        &"--image",
+        &media("astronaut.png"),
+        &"--out",
+        &out,
+        &"--faces-dir",
+        &faces,
+    ]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    // The original rule's 97 model frames...
+    let mut names: Vec<String> = std::fs::read_dir(&faces)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 97);
+    assert_eq!((names[0].as_str(), names[96].as_str()), ("00000.png", "00096.png"));
+    let face = image::open(faces.join("00040.png")).unwrap();
+    assert_eq!((face.width(), face.height(), face.color()), (96, 96, image::ColorType::Rgb8));
+
+    // ...in a 100-frame H.264 + AAC video as long as the speech, both tracks from 0.
+    let p = probe(&out);
+    let v = stream(&p, "video");
+    let a = stream(&p, "audio");
+    assert_eq!(v["codec_name"], "h264");
+    assert_eq!(a["codec_name"], "aac");
+    assert_eq!(v["nb_read_frames"], "100");
+    assert_eq!(v["r_frame_rate"], "25/1");
+    assert_eq!((v["width"].as_u64(), v["height"].as_u64()), (Some(512), Some(512)));
+    assert_eq!((a["sample_rate"].as_str(), a["channels"].as_u64()), (Some("16000"), Some(1)));
+    assert_eq!(num(&v["start_time"]), 0.0);
+    assert_eq!(num(&a["start_time"]), 0.0);
+    assert!((num(&v["duration"]) - 4.0).abs() < 1e-3, "{}", v["duration"]);
+    assert!((num(&a["duration"]) - 4.0).abs() < 0.07, "{}", a["duration"]);
+
+    // Fragmented: ftyp, moov, then moof/mdat pairs (a fragment at least every second).
+    let bytes = std::fs::read(&out).unwrap();
+    let boxes = top_level_boxes(&bytes);
+    assert_eq!(&boxes[..2], ["ftyp", "moov"]);
+    assert!(boxes.iter().filter(|b| *b == "moof").count() >= 4, "{boxes:?}");
+
+    // The video holds the 97th frame to the end: inside the face box the last three frames
+    // are (up to x264's refinement of a static picture) the 97th, while the model's own
+    // consecutive frames differ.
+    let err = text(&o.stderr);
+    let face: FaceBox = err.rsplit("face box ").next().unwrap().trim().parse().unwrap();
+    let frames = decode_frames(&out, 512, 512);
+    assert_eq!(frames.len(), 100);
+    let moving = box_difference(&frames[95], &frames[96], 512, &face);
+    for k in 97..100 {
+        let held = box_difference(&frames[96], &frames[k], 512, &face);
+        assert!(held * 2.0 < moving, "frame {k}: {held} vs model step {moving}");
+    }
+
+    // Speech and lips in step: the decoded soundtrack lines up with the input at lag 0.
+    let input = lipsync::media::audio::load(&std::fs::read(media("arctic_a0007.wav")).unwrap(), 600.0)
+        .unwrap()
+        .samples;
+    let track = lipsync::media::audio::load(&bytes, 600.0).unwrap().samples;
+    let score = |lag: i64| -> f64 {
+        (8000..56000)
+            .map(|i| f64::from(input[i]) * f64::from(track[(i as i64 + lag) as usize]))
+            .sum()
+    };
+    let best = (-2048i64..=2048).max_by(|&x, &y| score(x).total_cmp(&score(y))).unwrap();
+    assert_eq!(best, 0, "soundtrack is {best} samples off");
+}
+
+#[test]
+fn hard_blend_faces_match_the_pytorch_opencv_reference() {
+    let meta: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(common::fixture("render/reference.json")).unwrap(),
+    )
+    .unwrap();
+    let b = meta["box"].as_array().unwrap();
+    let box_arg = format!("{},{},{},{}", b[0], b[1], b[2], b[3]);
+    let dir = tempfile::tempdir().unwrap();
+    let faces = dir.path().join("faces");
+    let o = lipsync(&[
+        &"render",
+        &"--checkpoint",
+        &checkpoint("legacy_plain.pth"),
+        &"--audio",
+        &media("arctic_a0007_1s.wav"),
+        &"--image",
+        &media("astronaut.png"),
+        &"--box",
+        &box_arg,
+        &"--blend",
+        &"hard",
+        &"--faces-dir",
+        &faces,
+        &"--out",
+        &dir.path().join("out.mp4"),
+    ]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let frames = meta["frames"].as_u64().unwrap() as usize;
+    let mut worst = 0u8;
+    for i in 0..frames {
+        let name = format!("{i:05}.png");
+        let ours = image::open(faces.join(&name)).unwrap().to_rgb8();
+        let reference = image::open(common::fixture(&format!("render/faces/{name}")))
+            .unwrap()
+            .to_rgb8();
+        let d = ours
+            .as_raw()
+            .iter()
+            .zip(reference.as_raw())
+            .map(|(a, b)| a.abs_diff(*b))
+            .max()
+            .unwrap();
+        worst = worst.max(d);
+    }
+    assert!(!faces.join(format!("{frames:05}.png")).exists());
+    eprintln!("max difference from the PyTorch + OpenCV reference: {worst}/255");
+    assert!(worst <= 2, "faces differ by {worst}/255");
+}
+
+/// Brows-to-chin boxes measured by hand on zoomed, gridded crops of the test photos.
+const HAND_MEASURED: [(&str, FaceBox); 2] = [
+    ("astronaut.png", FaceBox { x1: 180, y1: 90, x2: 270, y2: 177 }),
+    ("grace_hopper.jpg", FaceBox { x1: 180, y1: 172, x2: 360, y2: 328 }),
+];
+
+#[test]
+fn detect_finds_brows_to_chin_boxes() {
+    for (name, want) in HAND_MEASURED {
+        let o = lipsync(&[&"detect", &media(name), &"--json"]);
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let b: Vec<u32> = v["box"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        let got = FaceBox { x1: b[0], y1: b[1], x2: b[2], y2: b[3] };
+        let iou = got.iou(&want);
+        eprintln!("{name}: {got} vs hand-measured {want}: IoU {iou:.2}");
+        assert!(iou >= 0.7, "{name}: IoU {iou}");
+        // Default pads add 10 pixels below the chin.
+        assert_eq!(v["unpadded"][3].as_u64().unwrap() + 10, u64::from(got.y2));
+        // The text form is the box alone, ready for --box.
+        let o = lipsync(&[&"detect", &media(name)]);
+        assert_eq!(text(&o.stdout).trim(), got.to_string());
+    }
+}
+
+#[test]
+fn odd_sizes_downscaling_and_explicit_boxes() {
+    let dir = tempfile::tempdir().unwrap();
+    let photo = image::open(media("astronaut.png")).unwrap();
+    let odd = dir.path().join("odd.png");
+    photo.crop_imm(100, 30, 301, 257).save(&odd).unwrap();
+    let out = dir.path().join("odd.mp4");
+    let o = lipsync(&[
+        &"render",
+        &"--checkpoint",
+        &checkpoint("zip_bare.pt"),
+        &"--audio",
+        &media("arctic_a0007_1s.wav"),
+        &"--image",
+        &odd,
+        &"--box",
+        &"80,60,170,150",
+        &"--fps",
+        &"30000/1001",
+        &"--out",
+        &out,
+    ]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let p = probe(&out);
+    let v = stream(&p, "video");
+    assert_eq!((v["width"].as_u64(), v["height"].as_u64()), (Some(302), Some(258)));
+    assert_eq!(v["r_frame_rate"], "30000/1001");
+    // 1.00 s at 29.97 fps: 30 frames (1.001 s) cover the speech.
+    assert_eq!(v["nb_read_frames"], "30");
+
+    // A photo larger than --max-side is downscaled (the detected box with it).
+    let out = dir.path().join("small.mp4");
+    let o = lipsync(&[
+        &"render",
+        &"--checkpoint",
+        &checkpoint("zip_bare.pt"),
+        &"--audio",
+        &media("arctic_a0007_1s.wav"),
+        &"--image",
+        &media("grace_hopper.jpg"),
+        &"--max-side",
+        &"300",
+        &"--out",
+        &out,
+    ]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v = stream(&probe(&out), "video").clone();
+    assert_eq!((v["width"].as_u64(), v["height"].as_u64()), (Some(256), Some(300)));
+}
+
+#[test]
+fn jobs_render_many_and_one_failure_does_not_stop_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let jobs = dir.path().join("jobs.jsonl");
+    let d = dir.path().display();
+    let wav = media("arctic_a0007_1s.wav");
+    let wav = wav.display();
+    let astro = media("astronaut.png");
+    let hopper = media("grace_hopper.jpg");
+    std::fs::write(
+        &jobs,
+        format!(
+            "{{\"audio\": \"{wav}\", \"image\": \"{}\", \"out\": \"{d}/a.mp4\", \"box\": \"180,90,270,187\", \"blend\": \"hard\"}}\n\
+             \n\
+             {{\"audio\": \"{wav}\", \"image\": \"{d}/missing.png\", \"out\": \"{d}/b.mp4\"}}\n\
+             {{\"audio\": \"{wav}\", \"image\": \"{}\", \"out\": \"{d}/c.mp4\", \"fps\": 12.5, \"faces_dir\": \"{d}/c_faces\", \"crf\": 30}}\n\
+             {{\"audio\": \"{wav}\", \"image\": \"{}\", \"out\": \"{d}/d.mp4\", \"typo\": 1}}\n",
+            astro.display(),
+            hopper.display(),
+            astro.display()
+        ),
+    )
+    .unwrap();
+    let o = lipsync(&[&"render", &"--checkpoint", &checkpoint("zip_bare.pt"), &"--jobs", &jobs]);
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("4 jobs") && err.contains("2 succeeded, 2 failed"), "{err}");
+    assert!(err.contains("missing.png"), "{err}");
+    assert!(err.contains("typo"), "{err}");
+    for (name, frames) in [("a.mp4", "25"), ("c.mp4", "13")] {
+        let v = stream(&probe(&dir.path().join(name)), "video").clone();
+        assert_eq!(v["nb_read_frames"], frames, "{name}");
+    }
+    // 1 s at 12.5 fps: the original loop draws 12 frames (the last window repeats), the video
+    // needs 13.
+    assert_eq!(std::fs::read_dir(dir.path().join("c_faces")).unwrap().count(), 12);
+    assert!(!dir.path().join("b.mp4").exists());
+    let leftovers = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().path().to_string_lossy().ends_with(".partial"))
+        .count();
+    assert_eq!(leftovers, 0);
+}
+
+#[test]
+fn bad_inputs_get_clear_errors_and_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let gray = dir.path().join("gray.png");
+    image::RgbImage::from_pixel(200, 200, image::Rgb([120, 120, 120]))
+        .save(&gray)
+        .unwrap();
+    let ck = checkpoint("zip_bare.pt");
+    let out = dir.path().join("x.mp4");
+    let run = |audio: &Path, image: &Path, extra: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_lipsync"))
+            .arg("render")
+            .args(["--checkpoint".as_ref(), ck.as_os_str()])
+            .args(["--audio".as_ref(), audio.as_os_str()])
+            .args(["--image".as_ref(), image.as_os_str()])
+            .args(["--out".as_ref(), out.as_os_str()])
+            .args(extra)
+            .output()
+            .unwrap();
+        (o.status.code(), text(&o.stderr))
+    };
+    let wav = media("arctic_a0007_1s.wav");
+    let png = media("astronaut.png");
+    let (code, err) = run(&wav, &gray, &[]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("no face"), "{err}");
+    let (code, err) = run(&wav, &png, &["--box", "400,400,600,600"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("bad box") && err.contains("512x512"), "{err}");
+    let (code, err) = run(&png, &png, &[]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("not an audio file"), "{err}");
+    let (code, err) = run(&wav, &wav, &[]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("not an image") && err.contains("WAV"), "{err}");
+    let (code, err) = run(&wav, &png, &["--ffmpeg", "/nonexistent/ffmpeg"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("install ffmpeg"), "{err}");
+    let (code, err) = run(&wav, &png, &["--max-pixels", "1000"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("too large"), "{err}");
+    assert!(!out.exists());
+    // Usage errors: exit 1.
+    assert_eq!(run(&wav, &png, &["--crf", "60"]).0, Some(1));
+    assert_eq!(run(&wav, &png, &["--blend", "soft"]).0, Some(1));
+    assert_eq!(run(&wav, &png, &["--box", "1,2,3"]).0, Some(1));
+}
