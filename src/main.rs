@@ -24,7 +24,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Render a talking-head video from speech and a photo (or many, with --jobs).
-    Render(commands::render::RenderArgs),
+    Render(Box<commands::render::RenderArgs>),
     /// Find the face in a photo and print its box, to pin it with --box.
     Detect(commands::render::DetectArgs),
     /// Convert a Wav2Lip checkpoint (legacy or zip torch.save, whole-module pickle,
@@ -76,7 +76,7 @@ fn init_logging() {
 
 fn run(command: Command) -> Result<(), CliError> {
     match command {
-        Command::Render(a) => commands::render::render(a),
+        Command::Render(a) => commands::render::render(*a),
         Command::Detect(a) => commands::render::detect(a),
         Command::Convert(a) => commands::checkpoint::convert(a),
         Command::Info(a) => commands::checkpoint::info(a),

@@ -9,7 +9,12 @@ use lipsync::media::image::{self as img, ImageLimits};
 use lipsync::media::Error;
 
 fn media(name: &str) -> Vec<u8> {
-    std::fs::read(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/media").join(name)).unwrap()
+    std::fs::read(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/media")
+            .join(name),
+    )
+    .unwrap()
 }
 
 #[test]
@@ -29,10 +34,15 @@ fn png_jpeg_webp_decode_with_orientation_and_without_alpha() {
     let rgba = img::load(&media("rgba.png"), &limits).unwrap();
     assert_eq!(rgba.rgb, webp.rgb);
     // The rotation moved the top-left pixel of the stored image to the top-right.
-    let stored = ::image::load_from_memory(&media("exif_rotated.jpg")).unwrap().to_rgb8();
+    let stored = ::image::load_from_memory(&media("exif_rotated.jpg"))
+        .unwrap()
+        .to_rgb8();
     let p = stored.get_pixel(0, 0);
     let q = &rotated.rgb[(31 * 3)..(31 * 3 + 3)];
-    assert!(p.0.iter().zip(q).all(|(a, b)| a.abs_diff(*b) <= 2), "{p:?} {q:?}");
+    assert!(
+        p.0.iter().zip(q).all(|(a, b)| a.abs_diff(*b) <= 2),
+        "{p:?} {q:?}"
+    );
 }
 
 #[test]
@@ -44,11 +54,19 @@ fn decompression_bombs_are_refused_before_decoding() {
     let crc = crc32(&png[12..29]);
     png[29..33].copy_from_slice(&crc.to_be_bytes());
     match img::load(&png, &ImageLimits::default()) {
-        Err(Error::TooManyPixels { width, height, .. }) => assert_eq!((width, height), (100_000, 100_000)),
+        Err(Error::TooManyPixels { width, height, .. }) => {
+            assert_eq!((width, height), (100_000, 100_000))
+        }
         other => panic!("{:?}", other.map(|f| (f.width, f.height))),
     }
-    let small = ImageLimits { max_pixels: 1000, ..Default::default() };
-    assert!(matches!(img::load(&media("astronaut.png"), &small), Err(Error::TooManyPixels { .. })));
+    let small = ImageLimits {
+        max_pixels: 1000,
+        ..Default::default()
+    };
+    assert!(matches!(
+        img::load(&media("astronaut.png"), &small),
+        Err(Error::TooManyPixels { .. })
+    ));
 }
 
 /// CRC-32 (IEEE) of a PNG chunk's type and data.
@@ -57,7 +75,11 @@ fn crc32(bytes: &[u8]) -> u32 {
     for &b in bytes {
         c ^= u32::from(b);
         for _ in 0..8 {
-            c = if c & 1 != 0 { 0xedb8_8320 ^ (c >> 1) } else { c >> 1 };
+            c = if c & 1 != 0 {
+                0xedb8_8320 ^ (c >> 1)
+            } else {
+                c >> 1
+            };
         }
     }
     !c
@@ -83,7 +105,10 @@ fn unreadable_images_get_typed_errors() {
 
 #[test]
 fn large_photos_are_downscaled_for_the_video() {
-    let l = ImageLimits { max_side: 200, ..Default::default() };
+    let l = ImageLimits {
+        max_side: 200,
+        ..Default::default()
+    };
     let f = img::load(&media("grace_hopper.jpg"), &l).unwrap();
     assert_eq!((f.width, f.height), (171, 200));
 }
@@ -94,15 +119,38 @@ fn face_crop_matches_opencv_resize() {
         &std::fs::read_to_string(common::fixture("render/reference.json")).unwrap(),
     )
     .unwrap();
-    let b: Vec<u32> = meta["box"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let b: Vec<u32> = meta["box"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
     let frame = img::load(&media("astronaut.png"), &ImageLimits::default()).unwrap();
-    let crop = face::crop_bgr(&frame, &FaceBox { x1: b[0], y1: b[1], x2: b[2], y2: b[3] });
-    let mut reference = ::image::open(common::fixture("render/crop.png")).unwrap().to_rgb8().into_raw();
+    let crop = face::crop_bgr(
+        &frame,
+        &FaceBox {
+            x1: b[0],
+            y1: b[1],
+            x2: b[2],
+            y2: b[3],
+        },
+    );
+    let mut reference = ::image::open(common::fixture("render/crop.png"))
+        .unwrap()
+        .to_rgb8()
+        .into_raw();
     face::swap_red_blue(&mut reference);
-    let diffs: Vec<u8> = crop.iter().zip(&reference).map(|(a, b)| a.abs_diff(*b)).collect();
+    let diffs: Vec<u8> = crop
+        .iter()
+        .zip(&reference)
+        .map(|(a, b)| a.abs_diff(*b))
+        .collect();
     let differing = diffs.iter().filter(|&&d| d > 0).count();
     let max = diffs.iter().copied().max().unwrap();
-    eprintln!("crop vs cv2.resize: {differing} of {} values differ, by at most {max}", diffs.len());
+    eprintln!(
+        "crop vs cv2.resize: {differing} of {} values differ, by at most {max}",
+        diffs.len()
+    );
     assert!(max <= 1, "max {max}");
     assert!(differing * 100 < diffs.len(), "{differing} values differ");
 }

@@ -10,7 +10,9 @@ use common::checkpoint;
 use lipsync::media::face::FaceBox;
 
 fn media(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/media").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/media")
+        .join(name)
 }
 
 fn lipsync(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Output {
@@ -27,7 +29,15 @@ fn text(b: &[u8]) -> String {
 /// ffprobe's JSON for the streams of `path` (with a counted video frame total).
 fn probe(path: &Path) -> serde_json::Value {
     let out = Command::new("ffprobe")
-        .args(["-v", "error", "-count_frames", "-show_streams", "-show_format", "-of", "json"])
+        .args([
+            "-v",
+            "error",
+            "-count_frames",
+            "-show_streams",
+            "-show_format",
+            "-of",
+            "json",
+        ])
         .arg(path)
         .output()
         .expect("ffprobe is needed for these tests (scripts/test.sh installs it)");
@@ -45,7 +55,8 @@ fn stream<'a>(p: &'a serde_json::Value, kind: &str) -> &'a serde_json::Value {
 }
 
 fn num(v: &serde_json::Value) -> f64 {
-    v.as_str().map_or_else(|| v.as_f64().unwrap(), |s| s.parse().unwrap())
+    v.as_str()
+        .map_or_else(|| v.as_f64().unwrap(), |s| s.parse().unwrap())
 }
 
 /// The MP4's top-level boxes, in order.
@@ -71,7 +82,10 @@ fn decode_frames(path: &Path, width: usize, height: usize) -> Vec<Vec<u8>> {
         .args(["-map", "0:v", "-f", "rawvideo", "-pix_fmt", "rgb24", "-"])
         .output()
         .unwrap();
-    out.stdout.chunks_exact(width * height * 3).map(<[u8]>::to_vec).collect()
+    out.stdout
+        .chunks_exact(width * height * 3)
+        .map(<[u8]>::to_vec)
+        .collect()
 }
 
 /// Mean absolute difference of two RGB frames inside a box.
@@ -79,7 +93,11 @@ fn box_difference(a: &[u8], b: &[u8], width: usize, r: &FaceBox) -> f64 {
     let mut sum = 0u64;
     for y in r.y1 as usize..r.y2 as usize {
         let row = (y * width + r.x1 as usize) * 3..(y * width + r.x2 as usize) * 3;
-        sum += a[row.clone()].iter().zip(&b[row]).map(|(x, y)| u64::from(x.abs_diff(*y))).sum::<u64>();
+        sum += a[row.clone()]
+            .iter()
+            .zip(&b[row])
+            .map(|(x, y)| u64::from(x.abs_diff(*y)))
+            .sum::<u64>();
     }
     sum as f64 / (f64::from(r.width()) * f64::from(r.height()) * 3.0)
 }
@@ -110,9 +128,15 @@ fn render_makes_a_playable_video_that_covers_the_audio() {
         .collect();
     names.sort();
     assert_eq!(names.len(), 97);
-    assert_eq!((names[0].as_str(), names[96].as_str()), ("00000.png", "00096.png"));
+    assert_eq!(
+        (names[0].as_str(), names[96].as_str()),
+        ("00000.png", "00096.png")
+    );
     let face = image::open(faces.join("00040.png")).unwrap();
-    assert_eq!((face.width(), face.height(), face.color()), (96, 96, image::ColorType::Rgb8));
+    assert_eq!(
+        (face.width(), face.height(), face.color()),
+        (96, 96, image::ColorType::Rgb8)
+    );
 
     // ...in a 100-frame H.264 + AAC video as long as the speech, both tracks from 0.
     let p = probe(&out);
@@ -122,43 +146,72 @@ fn render_makes_a_playable_video_that_covers_the_audio() {
     assert_eq!(a["codec_name"], "aac");
     assert_eq!(v["nb_read_frames"], "100");
     assert_eq!(v["r_frame_rate"], "25/1");
-    assert_eq!((v["width"].as_u64(), v["height"].as_u64()), (Some(512), Some(512)));
-    assert_eq!((a["sample_rate"].as_str(), a["channels"].as_u64()), (Some("16000"), Some(1)));
+    assert_eq!(
+        (v["width"].as_u64(), v["height"].as_u64()),
+        (Some(512), Some(512))
+    );
+    assert_eq!(
+        (a["sample_rate"].as_str(), a["channels"].as_u64()),
+        (Some("16000"), Some(1))
+    );
     assert_eq!(num(&v["start_time"]), 0.0);
     assert_eq!(num(&a["start_time"]), 0.0);
-    assert!((num(&v["duration"]) - 4.0).abs() < 1e-3, "{}", v["duration"]);
-    assert!((num(&a["duration"]) - 4.0).abs() < 0.07, "{}", a["duration"]);
+    assert!(
+        (num(&v["duration"]) - 4.0).abs() < 1e-3,
+        "{}",
+        v["duration"]
+    );
+    assert!(
+        (num(&a["duration"]) - 4.0).abs() < 0.07,
+        "{}",
+        a["duration"]
+    );
 
     // Fragmented: ftyp, moov, then moof/mdat pairs (a fragment at least every second).
     let bytes = std::fs::read(&out).unwrap();
     let boxes = top_level_boxes(&bytes);
     assert_eq!(&boxes[..2], ["ftyp", "moov"]);
-    assert!(boxes.iter().filter(|b| *b == "moof").count() >= 4, "{boxes:?}");
+    assert!(
+        boxes.iter().filter(|b| *b == "moof").count() >= 4,
+        "{boxes:?}"
+    );
 
     // The video holds the 97th frame to the end: inside the face box the last three frames
     // are (up to x264's refinement of a static picture) the 97th, while the model's own
     // consecutive frames differ.
     let err = text(&o.stderr);
-    let face: FaceBox = err.rsplit("face box ").next().unwrap().trim().parse().unwrap();
+    let face: FaceBox = err
+        .rsplit("face box ")
+        .next()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
     let frames = decode_frames(&out, 512, 512);
     assert_eq!(frames.len(), 100);
     let moving = box_difference(&frames[95], &frames[96], 512, &face);
     for k in 97..100 {
         let held = box_difference(&frames[96], &frames[k], 512, &face);
-        assert!(held * 2.0 < moving, "frame {k}: {held} vs model step {moving}");
+        assert!(
+            held * 2.0 < moving,
+            "frame {k}: {held} vs model step {moving}"
+        );
     }
 
     // Speech and lips in step: the decoded soundtrack lines up with the input at lag 0.
-    let input = lipsync::media::audio::load(&std::fs::read(media("arctic_a0007.wav")).unwrap(), 600.0)
-        .unwrap()
-        .samples;
+    let input =
+        lipsync::media::audio::load(&std::fs::read(media("arctic_a0007.wav")).unwrap(), 600.0)
+            .unwrap()
+            .samples;
     let track = lipsync::media::audio::load(&bytes, 600.0).unwrap().samples;
     let score = |lag: i64| -> f64 {
         (8000..56000)
             .map(|i| f64::from(input[i]) * f64::from(track[(i as i64 + lag) as usize]))
             .sum()
     };
-    let best = (-2048i64..=2048).max_by(|&x, &y| score(x).total_cmp(&score(y))).unwrap();
+    let best = (-2048i64..=2048)
+        .max_by(|&x, &y| score(x).total_cmp(&score(y)))
+        .unwrap();
     assert_eq!(best, 0, "soundtrack is {best} samples off");
 }
 
@@ -214,8 +267,24 @@ fn hard_blend_faces_match_the_pytorch_opencv_reference() {
 
 /// Brows-to-chin boxes measured by hand on zoomed, gridded crops of the test photos.
 const HAND_MEASURED: [(&str, FaceBox); 2] = [
-    ("astronaut.png", FaceBox { x1: 180, y1: 90, x2: 270, y2: 177 }),
-    ("grace_hopper.jpg", FaceBox { x1: 180, y1: 172, x2: 360, y2: 328 }),
+    (
+        "astronaut.png",
+        FaceBox {
+            x1: 180,
+            y1: 90,
+            x2: 270,
+            y2: 177,
+        },
+    ),
+    (
+        "grace_hopper.jpg",
+        FaceBox {
+            x1: 180,
+            y1: 172,
+            x2: 360,
+            y2: 328,
+        },
+    ),
 ];
 
 #[test]
@@ -230,7 +299,12 @@ fn detect_finds_brows_to_chin_boxes() {
             .iter()
             .map(|x| x.as_u64().unwrap() as u32)
             .collect();
-        let got = FaceBox { x1: b[0], y1: b[1], x2: b[2], y2: b[3] };
+        let got = FaceBox {
+            x1: b[0],
+            y1: b[1],
+            x2: b[2],
+            y2: b[3],
+        };
         let iou = got.iou(&want);
         eprintln!("{name}: {got} vs hand-measured {want}: IoU {iou:.2}");
         assert!(iou >= 0.7, "{name}: IoU {iou}");
@@ -267,7 +341,10 @@ fn odd_sizes_downscaling_and_explicit_boxes() {
     assert!(o.status.success(), "{}", text(&o.stderr));
     let p = probe(&out);
     let v = stream(&p, "video");
-    assert_eq!((v["width"].as_u64(), v["height"].as_u64()), (Some(302), Some(258)));
+    assert_eq!(
+        (v["width"].as_u64(), v["height"].as_u64()),
+        (Some(302), Some(258))
+    );
     assert_eq!(v["r_frame_rate"], "30000/1001");
     // 1.00 s at 29.97 fps: 30 frames (1.001 s) cover the speech.
     assert_eq!(v["nb_read_frames"], "30");
@@ -289,7 +366,10 @@ fn odd_sizes_downscaling_and_explicit_boxes() {
     ]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let v = stream(&probe(&out), "video").clone();
-    assert_eq!((v["width"].as_u64(), v["height"].as_u64()), (Some(256), Some(300)));
+    assert_eq!(
+        (v["width"].as_u64(), v["height"].as_u64()),
+        (Some(256), Some(300))
+    );
 }
 
 #[test]
@@ -315,10 +395,19 @@ fn jobs_render_many_and_one_failure_does_not_stop_the_rest() {
         ),
     )
     .unwrap();
-    let o = lipsync(&[&"render", &"--checkpoint", &checkpoint("zip_bare.pt"), &"--jobs", &jobs]);
+    let o = lipsync(&[
+        &"render",
+        &"--checkpoint",
+        &checkpoint("zip_bare.pt"),
+        &"--jobs",
+        &jobs,
+    ]);
     let err = text(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(err.contains("4 jobs") && err.contains("2 succeeded, 2 failed"), "{err}");
+    assert!(
+        err.contains("4 jobs") && err.contains("2 succeeded, 2 failed"),
+        "{err}"
+    );
     assert!(err.contains("missing.png"), "{err}");
     assert!(err.contains("typo"), "{err}");
     for (name, frames) in [("a.mp4", "25"), ("c.mp4", "13")] {
@@ -327,11 +416,22 @@ fn jobs_render_many_and_one_failure_does_not_stop_the_rest() {
     }
     // 1 s at 12.5 fps: the original loop draws 12 frames (the last window repeats), the video
     // needs 13.
-    assert_eq!(std::fs::read_dir(dir.path().join("c_faces")).unwrap().count(), 12);
+    assert_eq!(
+        std::fs::read_dir(dir.path().join("c_faces"))
+            .unwrap()
+            .count(),
+        12
+    );
     assert!(!dir.path().join("b.mp4").exists());
     let leftovers = std::fs::read_dir(dir.path())
         .unwrap()
-        .filter(|e| e.as_ref().unwrap().path().to_string_lossy().ends_with(".partial"))
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .path()
+                .to_string_lossy()
+                .ends_with(".partial")
+        })
         .count();
     assert_eq!(leftovers, 0);
 }
@@ -382,4 +482,127 @@ fn bad_inputs_get_clear_errors_and_exit_2() {
     assert_eq!(run(&wav, &png, &["--crf", "60"]).0, Some(1));
     assert_eq!(run(&wav, &png, &["--blend", "soft"]).0, Some(1));
     assert_eq!(run(&wav, &png, &["--box", "1,2,3"]).0, Some(1));
+}
+
+/// The model's faces (8-bit BGR) for the first second of `speech` on the astronaut photo.
+fn faces_for(
+    model: &lipsync::model::Wav2Lip,
+    avatar: &lipsync::engine::Avatar,
+    audio: &[u8],
+) -> Vec<Vec<u8>> {
+    use lipsync::engine::render::{face_batch, mel_batch};
+    use lipsync::media::audio::{self, Fps, FramePlan};
+    let mut speech = audio::load(audio, 600.0).unwrap();
+    speech.samples.truncate(16_000);
+    let mel = speech.mel();
+    let plan = FramePlan::new(mel.frames(), Fps::DEFAULT).unwrap();
+    let dev = model.device().clone();
+    let out = model
+        .forward(
+            &mel_batch(&mel, &plan, 0, plan.len(), &dev).unwrap(),
+            &face_batch(avatar, plan.len(), &dev).unwrap(),
+        )
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    out.chunks_exact(3 * 96 * 96)
+        .map(lipsync::media::face::prediction_to_bgr)
+        .collect()
+}
+
+fn mean_difference(a: &[Vec<u8>], b: &[Vec<u8>]) -> f64 {
+    let n = a.len().min(b.len());
+    let sum: u64 = a[..n]
+        .iter()
+        .zip(&b[..n])
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| u64::from(p.abs_diff(*q))))
+        .sum();
+    sum as f64 / (n * 3 * 96 * 96) as f64
+}
+
+#[test]
+fn the_same_speech_in_any_format_draws_the_same_faces() {
+    use lipsync::media::face::{Blend, Pads};
+    use lipsync::media::image::ImageLimits;
+    let (w, _) =
+        lipsync::model::GeneratorWeights::from_file(&checkpoint("legacy_plain.pth")).unwrap();
+    let model =
+        lipsync::model::Wav2Lip::load(&w, &candle_core::Device::Cpu, candle_core::DType::F32)
+            .unwrap();
+    let avatar = lipsync::engine::Avatar::prepare(
+        &std::fs::read(media("astronaut.png")).unwrap(),
+        &ImageLimits::default(),
+        None,
+        Pads::default(),
+        Blend::Feather,
+    )
+    .unwrap();
+    let read = |n: &str| std::fs::read(media(n)).unwrap();
+    let base = faces_for(&model, &avatar, &read("arctic_a0007.wav"));
+    assert_eq!(base.len(), 22);
+    // 44.1 kHz stereo WAV, made from the FLAC (lossless) with hound.
+    let flac = lipsync::media::audio::decode::decode(&read("arctic_a0007_44k_stereo.flac"), 600.0)
+        .unwrap();
+    let mut wav = std::io::Cursor::new(Vec::new());
+    {
+        let spec = hound::WavSpec {
+            channels: 2,
+            sample_rate: 44_100,
+            bits_per_sample: 16,
+            sample_format: hound::SampleFormat::Int,
+        };
+        let mut wr = hound::WavWriter::new(&mut wav, spec).unwrap();
+        for s in &flac.samples {
+            let v = (s * 32768.0).round().clamp(-32768.0, 32767.0) as i16;
+            wr.write_sample(v).unwrap();
+            wr.write_sample(v).unwrap();
+        }
+        wr.finalize().unwrap();
+    }
+    let mut inputs = vec![("44.1 kHz stereo WAV".to_string(), wav.into_inner())];
+    for ext in ["flac", "mp3", "ogg", "m4a"] {
+        inputs.push((
+            ext.to_string(),
+            read(&format!("arctic_a0007_44k_stereo.{ext}")),
+        ));
+    }
+    let mut worst_same = 0f64;
+    for (name, bytes) in &inputs {
+        let faces = faces_for(&model, &avatar, bytes);
+        let d = mean_difference(&base, &faces);
+        worst_same = worst_same.max(d);
+        eprintln!(
+            "{name}: {} frames, mean face difference {:.2}/255",
+            faces.len(),
+            d
+        );
+        assert!(faces.len().abs_diff(base.len()) <= 1, "{name}");
+        assert!(d < 3.0, "{name}: {d}/255");
+    }
+    // Different speech: the same words read backwards.
+    let mut speech = lipsync::media::audio::load(&read("arctic_a0007.wav"), 600.0).unwrap();
+    speech.samples.reverse();
+    let spec = hound::WavSpec {
+        channels: 1,
+        sample_rate: 16_000,
+        bits_per_sample: 32,
+        sample_format: hound::SampleFormat::Float,
+    };
+    let mut rev = std::io::Cursor::new(Vec::new());
+    let mut wr = hound::WavWriter::new(&mut rev, spec).unwrap();
+    speech
+        .samples
+        .iter()
+        .for_each(|s| wr.write_sample(*s).unwrap());
+    wr.finalize().unwrap();
+    let other = faces_for(&model, &avatar, &rev.into_inner());
+    let d = mean_difference(&base, &other);
+    eprintln!("different speech: mean face difference {d:.2}/255");
+    // Clearly different: beyond the same-speech bound, and far beyond any codec's effect.
+    assert!(
+        d > 3.0 && d > 2.0 * worst_same,
+        "different speech: {d}/255, same speech up to {worst_same}/255"
+    );
 }

@@ -114,7 +114,9 @@ impl Job {
             Some(serde_json::Value::Number(n)) => {
                 Fps::new(n.as_f64().unwrap_or(f64::NAN)).map_err(|e| e.to_string())?
             }
-            Some(serde_json::Value::String(s)) => s.parse().map_err(|e: lipsync::media::Error| e.to_string())?,
+            Some(serde_json::Value::String(s)) => s
+                .parse()
+                .map_err(|e: lipsync::media::Error| e.to_string())?,
             Some(v) => return Err(format!("fps {v} is not a number")),
         };
         let preset = self.preset.unwrap_or_else(|| a.preset.clone());
@@ -239,25 +241,44 @@ fn run_jobs(a: &RenderArgs, model: &Wav2Lip, batch: usize, path: &Path) -> Resul
         done + failed.len(),
         start.elapsed().as_secs_f64(),
         failed.len(),
-        if failed.is_empty() { String::new() } else { format!(" ({})", failed.join(", ")) }
+        if failed.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", failed.join(", "))
+        }
     );
     if failed.is_empty() {
         Ok(())
     } else {
-        Err(CliError::Jobs(format!("{} of {} jobs failed", failed.len(), done + failed.len())))
+        Err(CliError::Jobs(format!(
+            "{} of {} jobs failed",
+            failed.len(),
+            done + failed.len()
+        )))
     }
 }
 
 /// Writes to `<out>.partial` and renames on success, so a failed render leaves no
 /// half-written video under the requested name.
-fn render_one(a: &RenderArgs, model: &Wav2Lip, batch: usize, job: &Resolved) -> Result<(), CliError> {
+fn render_one(
+    a: &RenderArgs,
+    model: &Wav2Lip,
+    batch: usize,
+    job: &Resolved,
+) -> Result<(), CliError> {
     let start = Instant::now();
     let speech = audio::load(&read_file(&job.audio)?, a.max_audio_seconds)?;
     let limits = ImageLimits {
         max_pixels: a.max_pixels,
         max_side: a.max_side,
     };
-    let avatar = Avatar::prepare(&read_file(&job.image)?, &limits, job.face_box, job.pads, job.blend)?;
+    let avatar = Avatar::prepare(
+        &read_file(&job.image)?,
+        &limits,
+        job.face_box,
+        job.pads,
+        job.blend,
+    )?;
     let mut settings = EncoderSettings::new(avatar.frame.width, avatar.frame.height, job.fps);
     settings.preset = job.preset.clone();
     settings.crf = job.crf;
@@ -268,20 +289,29 @@ fn render_one(a: &RenderArgs, model: &Wav2Lip, batch: usize, job: &Resolved) -> 
         path: partial.clone(),
         source,
     })?;
-    let mut encoder: Box<dyn VideoEncoder> =
-        Box::new(FfmpegEncoder::spawn(settings, Box::new(std::io::BufWriter::new(file)))?);
+    let mut encoder: Box<dyn VideoEncoder> = Box::new(FfmpegEncoder::spawn(
+        settings,
+        Box::new(std::io::BufWriter::new(file)),
+    )?);
     let opts = RenderOptions {
         fps: job.fps,
         batch,
         faces_dir: job.faces_dir.clone(),
     };
     let bar = progress_bar(&job.out);
-    let result = engine::render(model, &avatar, &speech, &opts, encoder.as_mut(), &mut |done, total| {
-        if let Some(b) = &bar {
-            b.set_length(total as u64);
-            b.set_position(done as u64);
-        }
-    })
+    let result = engine::render(
+        model,
+        &avatar,
+        &speech,
+        &opts,
+        encoder.as_mut(),
+        &mut |done, total| {
+            if let Some(b) = &bar {
+                b.set_length(total as u64);
+                b.set_position(done as u64);
+            }
+        },
+    )
     .map_err(CliError::from)
     .and_then(|stats| Ok((stats, encoder.finish()?)));
     if let Some(b) = &bar {
@@ -329,9 +359,11 @@ fn progress_bar(out: &Path) -> Option<indicatif::ProgressBar> {
     }
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} frames {elapsed} (eta {eta})")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-            .progress_chars("=> "),
+        indicatif::ProgressStyle::with_template(
+            "{msg} [{bar:40}] {pos}/{len} frames {elapsed} (eta {eta})",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .progress_chars("=> "),
     );
     bar.set_message(out.display().to_string());
     Some(bar)

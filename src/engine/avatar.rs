@@ -51,7 +51,14 @@ impl Avatar {
         };
         let frame = image::downscale_to(photo, limits.max_side);
         let face = scale_box(source_face, source_size, (frame.width, frame.height));
-        Ok(Avatar::from_parts(frame, face, source_face, source_size, detection, blend))
+        Ok(Avatar::from_parts(
+            frame,
+            face,
+            source_face,
+            source_size,
+            detection,
+            blend,
+        ))
     }
 
     fn from_parts(
@@ -80,7 +87,9 @@ impl Avatar {
 
     /// Approximate memory held, for cache accounting.
     pub fn bytes(&self) -> usize {
-        self.frame.rgb.len() + self.crop_bgr.len() + self.input.len() * 4
+        self.frame.rgb.len()
+            + self.crop_bgr.len()
+            + self.input.len() * 4
             + (self.face.width() * self.face.height()) as usize * 2
     }
 }
@@ -110,9 +119,22 @@ mod tests {
 
     #[test]
     fn boxes_follow_a_downscale() {
-        let b = FaceBox { x1: 1000, y1: 500, x2: 1500, y2: 1201 };
+        let b = FaceBox {
+            x1: 1000,
+            y1: 500,
+            x2: 1500,
+            y2: 1201,
+        };
         let s = scale_box(b, (4000, 3000), (1920, 1440));
-        assert_eq!(s, FaceBox { x1: 480, y1: 240, x2: 720, y2: 577 });
+        assert_eq!(
+            s,
+            FaceBox {
+                x1: 480,
+                y1: 240,
+                x2: 720,
+                y2: 577
+            }
+        );
         assert_eq!(scale_box(b, (4000, 3000), (4000, 3000)), b);
     }
 }

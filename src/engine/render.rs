@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use candle_core::{Device, Tensor};
 
 use super::{Avatar, Error};
-use crate::media::audio::{FramePlan, Fps, Mel, Speech, WINDOW};
+use crate::media::audio::{Fps, FramePlan, Mel, Speech, WINDOW};
 use crate::media::face::{self, FACE_SIZE};
 use crate::media::image::Frame;
 use crate::media::video::VideoEncoder;
@@ -44,7 +44,13 @@ pub fn video_frames(seconds: f64, fps: Fps, model_frames: usize) -> usize {
 }
 
 /// The model's mel input for frames `first .. first + n`: `(n, 1, 80, 16)`.
-pub fn mel_batch(mel: &Mel, plan: &FramePlan, first: usize, n: usize, device: &Device) -> Result<Tensor, Error> {
+pub fn mel_batch(
+    mel: &Mel,
+    plan: &FramePlan,
+    first: usize,
+    n: usize,
+    device: &Device,
+) -> Result<Tensor, Error> {
     let mut v = Vec::with_capacity(n * MEL_BINS * WINDOW);
     for i in first..first + n {
         v.extend(mel.window(plan.start(i), WINDOW));

@@ -31,7 +31,11 @@ impl std::fmt::Debug for Frame {
 
 impl Frame {
     pub fn new(width: u32, height: u32, rgb: Vec<u8>) -> Self {
-        assert_eq!(rgb.len(), width as usize * height as usize * 3, "frame size");
+        assert_eq!(
+            rgb.len(),
+            width as usize * height as usize * 3,
+            "frame size"
+        );
         Frame { width, height, rgb }
     }
 
@@ -48,8 +52,14 @@ impl Frame {
 
     /// Writes the frame as an 8-bit RGB PNG.
     pub fn save_png(&self, path: &std::path::Path) -> std::io::Result<()> {
-        image::save_buffer(path, &self.rgb, self.width, self.height, image::ColorType::Rgb8)
-            .map_err(std::io::Error::other)
+        image::save_buffer(
+            path,
+            &self.rgb,
+            self.width,
+            self.height,
+            image::ColorType::Rgb8,
+        )
+        .map_err(std::io::Error::other)
     }
 }
 
@@ -87,7 +97,10 @@ fn image_error(e: image::ImageError) -> Error {
 /// header, EXIF orientation applied, alpha dropped (colour channels as stored, like OpenCV's
 /// `imread`), then downscaled if its longer side exceeds `limits.max_side`.
 pub fn load(bytes: &[u8], limits: &ImageLimits) -> Result<Frame, Error> {
-    Ok(downscale_to(decode(bytes, limits.max_pixels)?, limits.max_side))
+    Ok(downscale_to(
+        decode(bytes, limits.max_pixels)?,
+        limits.max_side,
+    ))
 }
 
 /// [`load`] without the downscaling: the photo at its own size.
@@ -96,7 +109,10 @@ pub fn decode(bytes: &[u8], max_pixels: u64) -> Result<Frame, Error> {
         return Err(Error::EmptyImage);
     }
     let format = image::guess_format(bytes).map_err(|_| Error::NotAnImage(sniff_other(bytes)))?;
-    if !matches!(format, ImageFormat::Png | ImageFormat::Jpeg | ImageFormat::WebP) {
+    if !matches!(
+        format,
+        ImageFormat::Png | ImageFormat::Jpeg | ImageFormat::WebP
+    ) {
         return Err(Error::UnsupportedImage(format!(
             "{format:?} images (send PNG, JPEG or WebP)"
         )));
@@ -197,9 +213,7 @@ pub fn resize_linear(src: &[u8], sw: usize, sh: usize, cn: usize, dw: usize, dh:
         for &(sx, [a0, a1]) in &xs {
             let sx1 = (sx + 1).min(sw - 1);
             for c in 0..cn {
-                out.push(
-                    i32::from(line[sx * cn + c]) * a0 + i32::from(line[sx1 * cn + c]) * a1,
-                );
+                out.push(i32::from(line[sx * cn + c]) * a0 + i32::from(line[sx1 * cn + c]) * a1);
             }
         }
         out
@@ -230,7 +244,9 @@ mod tests {
     fn resizing_a_constant_image_keeps_it_constant() {
         let src = vec![77u8; 13 * 7 * 3];
         for (dw, dh) in [(96, 96), (5, 3), (13, 7), (200, 9)] {
-            assert!(resize_linear(&src, 13, 7, 3, dw, dh).iter().all(|&v| v == 77));
+            assert!(resize_linear(&src, 13, 7, 3, dw, dh)
+                .iter()
+                .all(|&v| v == 77));
         }
     }
 

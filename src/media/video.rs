@@ -113,8 +113,14 @@ impl EncoderSettings {
         let (num, den) = self.fps.ratio();
         let gop = self.gop().to_string();
         let mut a: Vec<String> = [
-            "-hide_banner", "-nostdin", "-loglevel", "error",
-            "-f", "rawvideo", "-pix_fmt", "rgb24",
+            "-hide_banner",
+            "-nostdin",
+            "-loglevel",
+            "error",
+            "-f",
+            "rawvideo",
+            "-pix_fmt",
+            "rgb24",
         ]
         .iter()
         .map(|s| s.to_string())
@@ -151,9 +157,16 @@ impl EncoderSettings {
             // and the speech would lag the lips by 1024 samples. Trimming the same amount
             // from the input keeps speech and video in step, both streams starting at 0.
             a.extend(
-                ["-af", "atrim=start_sample=1024", "-c:a", "aac", "-b:a", "128k"]
-                    .iter()
-                    .map(|s| s.to_string()),
+                [
+                    "-af",
+                    "atrim=start_sample=1024",
+                    "-c:a",
+                    "aac",
+                    "-b:a",
+                    "128k",
+                ]
+                .iter()
+                .map(|s| s.to_string()),
             );
         }
         // Keep frame timestamps exact (i/fps); by default ffmpeg would shift all but the first
@@ -233,7 +246,10 @@ impl FfmpegEncoder {
         settings.validate()?;
         if let Some(audio) = &settings.audio {
             if !audio.is_file() {
-                return Err(Error::Encoder(format!("audio file {} not found", audio.display())));
+                return Err(Error::Encoder(format!(
+                    "audio file {} not found",
+                    audio.display()
+                )));
             }
         }
         let mut child = Command::new(&settings.ffmpeg)
@@ -359,7 +375,10 @@ impl VideoEncoder for FfmpegEncoder {
             }
             &self.buf
         };
-        let stdin = self.stdin.as_mut().ok_or_else(|| Error::Encoder("encoder closed".into()))?;
+        let stdin = self
+            .stdin
+            .as_mut()
+            .ok_or_else(|| Error::Encoder("encoder closed".into()))?;
         if let Err(e) = stdin.write_all(data) {
             // ffmpeg stopped reading: it failed; its stderr says why.
             return Err(match self.reap() {
@@ -399,7 +418,13 @@ mod tests {
 
     #[test]
     fn gop_is_at_most_one_second() {
-        for (fps, gop) in [("25", 25), ("29.97", 29), ("30000/1001", 29), ("0.5", 1), ("60", 60)] {
+        for (fps, gop) in [
+            ("25", 25),
+            ("29.97", 29),
+            ("30000/1001", 29),
+            ("0.5", 1),
+            ("60", 60),
+        ] {
             let s = EncoderSettings::new(64, 64, fps.parse().unwrap());
             assert_eq!(s.gop(), gop, "{fps}");
         }

@@ -64,11 +64,16 @@ pub fn detect(frame: &Frame) -> Result<Detection, Error> {
         .iter()
         .max_by(|a, b| a.score().total_cmp(&b.score()))
         .ok_or_else(|| {
-            Error::NoFace("no face found; use a clear, frontal photo or give the box explicitly".into())
+            Error::NoFace(
+                "no face found; use a clear, frontal photo or give the box explicitly".into(),
+            )
         })?;
     let bb = best.bbox();
     let (left, top) = (f64::from(bb.x()) * scale, f64::from(bb.y()) * scale);
-    let (side_w, side_h) = (f64::from(bb.width()) * scale, f64::from(bb.height()) * scale);
+    let (side_w, side_h) = (
+        f64::from(bb.width()) * scale,
+        f64::from(bb.height()) * scale,
+    );
     let clip = |v: f64, hi: u32| v.round().clamp(0.0, f64::from(hi)) as u32;
     let window = FaceBox {
         x1: clip(left, frame.width),
@@ -84,7 +89,9 @@ pub fn detect(frame: &Frame) -> Result<Detection, Error> {
         y2: clip(top + cb * side_h, frame.height),
     };
     if face.x1 >= face.x2 || face.y1 >= face.y2 {
-        return Err(Error::NoFace("the face found lies outside the image".into()));
+        return Err(Error::NoFace(
+            "the face found lies outside the image".into(),
+        ));
     }
     Ok(Detection {
         face,

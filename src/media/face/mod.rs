@@ -87,7 +87,8 @@ impl FromStr for FaceBox {
 
     /// `x1,y1,x2,y2`; whether it fits an image is checked by [`FaceBox::check`].
     fn from_str(s: &str) -> Result<Self, Error> {
-        let [x1, y1, x2, y2] = four::<u32>(s, "box x1,y1,x2,y2", "120,80,280,260").map_err(Error::BadBox)?;
+        let [x1, y1, x2, y2] =
+            four::<u32>(s, "box x1,y1,x2,y2", "120,80,280,260").map_err(Error::BadBox)?;
         if x1 >= x2 || y1 >= y2 {
             return Err(Error::BadBox(format!(
                 "box {s:?} is empty: need x1 < x2 and y1 < y2"
@@ -121,7 +122,11 @@ impl Default for Pads {
 
 impl fmt::Display for Pads {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{},{},{},{}", self.top, self.bottom, self.left, self.right)
+        write!(
+            f,
+            "{},{},{},{}",
+            self.top, self.bottom, self.left, self.right
+        )
     }
 }
 
@@ -229,7 +234,17 @@ pub fn prediction_to_bgr(pred: &[f32]) -> Vec<u8> {
 }
 
 /// How the predicted face goes back into the photo.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Blend {
     /// A soft lower-face mask: pixels outside the box are untouched and the mask fades to zero
@@ -277,11 +292,11 @@ impl BlendMask {
                 let mut a = Vec::with_capacity(w * h);
                 for y in 0..h {
                     let v = (y as f32 + 0.5) / h as f32;
-                    let vertical =
-                        smoothstep(0.42, 0.62, v) * (1.0 - smoothstep(0.80, 0.96, v));
+                    let vertical = smoothstep(0.42, 0.62, v) * (1.0 - smoothstep(0.80, 0.96, v));
                     for x in 0..w {
                         let u = (x as f32 + 0.5) / w as f32;
-                        let horizontal = smoothstep(0.04, 0.24, u) * smoothstep(0.04, 0.24, 1.0 - u);
+                        let horizontal =
+                            smoothstep(0.04, 0.24, u) * smoothstep(0.04, 0.24, 1.0 - u);
                         a.push((vertical * horizontal * 256.0).round() as u16);
                     }
                 }
@@ -338,40 +353,84 @@ mod tests {
     #[test]
     fn boxes_parse_check_and_print() {
         let b: FaceBox = "10, 20,110,140".parse().unwrap();
-        assert_eq!(b, FaceBox { x1: 10, y1: 20, x2: 110, y2: 140 });
+        assert_eq!(
+            b,
+            FaceBox {
+                x1: 10,
+                y1: 20,
+                x2: 110,
+                y2: 140
+            }
+        );
         assert_eq!((b.width(), b.height()), (100, 120));
         assert_eq!(b.to_string(), "10,20,110,140");
         assert!(b.check(110, 140).is_ok());
         assert!(b.check(109, 140).is_err());
-        for bad in ["1,2,3", "1,2,3,4,5", "a,b,c,d", "5,5,5,9", "9,1,3,4", "-1,0,4,4"] {
-            assert!(matches!(bad.parse::<FaceBox>(), Err(Error::BadBox(_))), "{bad}");
+        for bad in [
+            "1,2,3",
+            "1,2,3,4,5",
+            "a,b,c,d",
+            "5,5,5,9",
+            "9,1,3,4",
+            "-1,0,4,4",
+        ] {
+            assert!(
+                matches!(bad.parse::<FaceBox>(), Err(Error::BadBox(_))),
+                "{bad}"
+            );
         }
     }
 
     #[test]
     fn pads_follow_the_original_and_clip_to_the_image() {
-        let b = FaceBox { x1: 10, y1: 20, x2: 110, y2: 140 };
+        let b = FaceBox {
+            x1: 10,
+            y1: 20,
+            x2: 110,
+            y2: 140,
+        };
         let p: Pads = "5,10,-3,200".parse().unwrap();
         assert_eq!(
             p.apply(b, 200, 145).unwrap(),
-            FaceBox { x1: 13, y1: 15, x2: 200, y2: 145 }
+            FaceBox {
+                x1: 13,
+                y1: 15,
+                x2: 200,
+                y2: 145
+            }
         );
         assert_eq!(Pads::default().to_string(), "0,10,0,0");
         assert!("0,0,0".parse::<Pads>().is_err());
-        assert!("0,-200,0,0".parse::<Pads>().unwrap().apply(b, 200, 200).is_err());
+        assert!("0,-200,0,0"
+            .parse::<Pads>()
+            .unwrap()
+            .apply(b, 200, 200)
+            .is_err());
     }
 
     #[test]
     fn iou_of_boxes() {
-        let a = FaceBox { x1: 0, y1: 0, x2: 10, y2: 10 };
-        let b = FaceBox { x1: 5, y1: 0, x2: 15, y2: 10 };
+        let a = FaceBox {
+            x1: 0,
+            y1: 0,
+            x2: 10,
+            y2: 10,
+        };
+        let b = FaceBox {
+            x1: 5,
+            y1: 0,
+            x2: 15,
+            y2: 10,
+        };
         assert!((a.iou(&b) - 50.0 / 150.0).abs() < 1e-12);
         assert_eq!(a.iou(&a), 1.0);
     }
 
     #[test]
     fn model_input_masks_the_lower_half_of_the_first_copy() {
-        let crop: Vec<u8> = (0..FACE_SIZE * FACE_SIZE * 3).map(|i| (i % 251) as u8).collect();
+        let crop: Vec<u8> = (0..FACE_SIZE * FACE_SIZE * 3)
+            .map(|i| (i % 251) as u8)
+            .collect();
         let x = model_input(&crop);
         let n = FACE_SIZE * FACE_SIZE;
         let top = 10 * FACE_SIZE + 7; // row 10
@@ -379,7 +438,10 @@ mod tests {
         for c in 0..3 {
             assert_eq!(x[c * n + top], f32::from(crop[top * 3 + c]) / 255.0);
             assert_eq!(x[c * n + bottom], 0.0);
-            assert_eq!(x[(3 + c) * n + bottom], f32::from(crop[bottom * 3 + c]) / 255.0);
+            assert_eq!(
+                x[(3 + c) * n + bottom],
+                f32::from(crop[bottom * 3 + c]) / 255.0
+            );
         }
     }
 
@@ -396,13 +458,21 @@ mod tests {
         }
         assert_eq!(m.at(60, 100), 256);
         assert_eq!(m.at(60, 30), 0); // eyes stay the photo's own
-        assert!(BlendMask::new(Blend::Hard, 3, 2).alpha.iter().all(|&a| a == 256));
+        assert!(BlendMask::new(Blend::Hard, 3, 2)
+            .alpha
+            .iter()
+            .all(|&a| a == 256));
     }
 
     #[test]
     fn paste_touches_only_the_box() {
         let mut frame = Frame::new(50, 40, vec![100; 50 * 40 * 3]);
-        let b = FaceBox { x1: 10, y1: 5, x2: 30, y2: 35 };
+        let b = FaceBox {
+            x1: 10,
+            y1: 5,
+            x2: 30,
+            y2: 35,
+        };
         let face = vec![200u8; FACE_SIZE * FACE_SIZE * 3];
         paste(&mut frame, &b, &face, &BlendMask::new(Blend::Hard, 20, 30));
         for y in 0..40u32 {
