@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs lipsync's test suite. Installs what the tests need when it is missing (ffmpeg with
-# libx264 and ffprobe, from Debian/Ubuntu packages), so a fresh machine needs only this command
-# and a Rust toolchain.
+# Runs lipsync's test suite: `cargo test`, then the OpenAPI contract test (schemathesis
+# against a running server). Installs what the tests need when it is missing (ffmpeg with
+# libx264 and ffprobe, python3-venv, from Debian/Ubuntu packages; schemathesis from PyPI into
+# target/), so a fresh machine needs only this command and a Rust toolchain.
 #
 #   ./scripts/test.sh [extra cargo test args]
 set -euo pipefail
@@ -12,14 +13,19 @@ if ! command -v cargo >/dev/null; then
   exit 1
 fi
 
-if ! command -v ffmpeg >/dev/null || ! command -v ffprobe >/dev/null; then
-  echo "test.sh: installing ffmpeg (the render and service tests encode and probe video)" >&2
+missing=()
+if ! command -v ffmpeg >/dev/null || ! command -v ffprobe >/dev/null; then missing+=(ffmpeg); fi
+if ! command -v python3 >/dev/null; then missing+=(python3); fi
+if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then missing+=(python3-venv); fi
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "test.sh: installing ${missing[*]}" >&2
   sudo=""
   if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
   $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq ffmpeg >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 # Test dependencies are built with optimisation (see [profile.dev.package."*"] in Cargo.toml):
 # tensor code is far too slow unoptimised.
 cargo test --locked "$@"
+tests/contract/schemathesis.sh

@@ -4,10 +4,13 @@
 //! - [`model`]: the Wav2Lip generator in candle and checkpoint reading;
 //! - [`media`]: audio decoding, the mel front end and the frame plan; images, faces,
 //!   compositing; video encoding;
-//! - [`engine`]: avatars and the render pipeline (model batches, compositing, encoding).
+//! - [`engine`]: avatars and the render pipeline (model batches, compositing, encoding), the
+//!   model instance pool and the cross-request batcher;
+//! - [`server`]: the HTTP service (axum) on top of the engine.
 //!
 //! `model` and `media` are independent of each other and of any async runtime.
 
 pub mod engine;
 pub mod media;
 pub mod model;
+pub mod server;

@@ -23,6 +23,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the HTTP service: POST speech and a photo, get the video streamed back.
+    Serve(Box<lipsync::server::ServeArgs>),
     /// Render a talking-head video from speech and a photo (or many, with --jobs).
     Render(Box<commands::render::RenderArgs>),
     /// Find the face in a photo and print its box, to pin it with --box.
@@ -74,8 +76,20 @@ fn init_logging() {
         .init();
 }
 
+fn serve(args: lipsync::server::ServeArgs) -> Result<(), CliError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("lipsync-http")
+        .build()
+        .map_err(|e| CliError::Serve(e.to_string()))?;
+    runtime
+        .block_on(lipsync::server::run(args))
+        .map_err(|e| CliError::Serve(e.to_string()))
+}
+
 fn run(command: Command) -> Result<(), CliError> {
     match command {
+        Command::Serve(a) => serve(*a),
         Command::Render(a) => commands::render::render(*a),
         Command::Detect(a) => commands::render::detect(a),
         Command::Convert(a) => commands::checkpoint::convert(a),

@@ -25,6 +25,8 @@ pub enum CliError {
     },
     #[error("{0}")]
     Jobs(String),
+    #[error("{0}")]
+    Serve(String),
 }
 
 impl CliError {
@@ -35,6 +37,7 @@ impl CliError {
             CliError::Engine(e) => e.kind(),
             CliError::Read { .. } => "io",
             CliError::Jobs(_) => "jobs_failed",
+            CliError::Serve(_) => "serve_failed",
         }
     }
 }

@@ -61,6 +61,20 @@ impl Avatar {
         ))
     }
 
+    /// An avatar from an already decoded frame and a box in its pixels.
+    pub fn from_frame(frame: Frame, face: FaceBox, blend: Blend) -> Avatar {
+        let size = (frame.width, frame.height);
+        Avatar::from_parts(frame, face, face, size, None, blend)
+    }
+
+    /// The same avatar with another blend mode (a new mask; the rest is shared data copied).
+    pub fn with_blend(&self, blend: Blend) -> Avatar {
+        let mut a = self.clone();
+        a.mask = BlendMask::new(blend, a.face.width(), a.face.height());
+        a.blend = blend;
+        a
+    }
+
     fn from_parts(
         frame: Frame,
         face: FaceBox,

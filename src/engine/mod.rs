@@ -6,7 +6,14 @@
 //! (the CLI's main thread, or a model instance's own OS thread), never on an async runtime.
 
 pub mod avatar;
+pub mod batcher;
+pub mod cache;
+pub mod compositor;
+pub mod job;
+pub mod metrics;
+pub mod pool;
 pub mod render;
+pub mod scheduler;
 
 pub use avatar::Avatar;
 pub use render::{render, RenderOptions, RenderStats};
@@ -25,6 +32,10 @@ pub enum Error {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
+    #[error("the model failed: {0}")]
+    Inference(String),
+    #[error("the client went away")]
+    Cancelled,
 }
 
 impl Error {
@@ -34,6 +45,8 @@ impl Error {
             Error::Model(e) => e.kind(),
             Error::Media(e) => e.kind(),
             Error::Output { .. } => "output",
+            Error::Inference(_) => "inference_failed",
+            Error::Cancelled => "cancelled",
         }
     }
 }

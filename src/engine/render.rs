@@ -6,10 +6,10 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 
+use super::compositor::Compositor;
 use super::{Avatar, Error};
 use crate::media::audio::{Fps, FramePlan, Mel, Speech, WINDOW};
 use crate::media::face::{self, FACE_SIZE};
-use crate::media::image::Frame;
 use crate::media::video::VideoEncoder;
 use crate::model::arch::MEL_BINS;
 use crate::model::Wav2Lip;
@@ -81,16 +81,10 @@ pub fn render(
     stats.mel_time = t.elapsed();
     stats.model_frames = plan.len();
     stats.video_frames = video_frames(speech.seconds(), opts.fps, plan.len());
-    if let Some(dir) = &opts.faces_dir {
-        std::fs::create_dir_all(dir).map_err(|source| Error::Output {
-            path: dir.clone(),
-            source,
-        })?;
-    }
     let batch = opts.batch.max(1);
     let device = model.device().clone();
     let full_faces = face_batch(avatar, batch.min(plan.len()), &device)?;
-    let mut last: Option<Frame> = None;
+    let mut out = Compositor::new(avatar, encoder, opts.faces_dir.as_deref())?;
     let mut first = 0;
     while first < plan.len() {
         let n = batch.min(plan.len() - first);
@@ -101,48 +95,31 @@ pub fn render(
             full_faces.narrow(0, 0, n)?
         };
         let pred = model.forward(&mel_batch(&mel, &plan, first, n, &device)?, &faces)?;
-        let pred = pred
-            .to_dtype(candle_core::DType::F32)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
+        let faces = predictions_to_bgr(&pred)?;
         stats.inference_time += t.elapsed();
-        let per = 3 * FACE_SIZE * FACE_SIZE;
-        for (k, p) in pred.chunks_exact(per).enumerate() {
-            let t = Instant::now();
-            let bgr = face::prediction_to_bgr(p);
-            if let Some(dir) = &opts.faces_dir {
-                save_face(dir, first + k, &bgr)?;
-            }
-            let mut frame = avatar.frame.clone();
-            face::paste(&mut frame, &avatar.face, &bgr, &avatar.mask);
-            stats.composite_time += t.elapsed();
-            let t = Instant::now();
-            encoder.write_frame(&frame)?;
-            stats.encode_time += t.elapsed();
-            last = Some(frame);
+        for bgr in &faces {
+            out.push(bgr)?;
         }
         first += n;
         progress(first, stats.video_frames);
     }
     // The model draws a little less than the audio lasts: hold the last frame to the end.
-    if let Some(frame) = &last {
-        let t = Instant::now();
-        for _ in plan.len()..stats.video_frames {
-            encoder.write_frame(frame)?;
-        }
-        stats.encode_time += t.elapsed();
-    }
+    out.hold_until(stats.video_frames)?;
+    stats.composite_time = out.composite_time;
+    stats.encode_time = out.encode_time;
     progress(stats.video_frames, stats.video_frames);
     Ok(stats)
 }
 
-fn save_face(dir: &std::path::Path, index: usize, bgr: &[u8]) -> Result<(), Error> {
-    let mut rgb = bgr.to_vec();
-    face::swap_red_blue(&mut rgb);
-    let path = dir.join(format!("{index:05}.png"));
-    Frame::new(FACE_SIZE as u32, FACE_SIZE as u32, rgb)
-        .save_png(&path)
-        .map_err(|source| Error::Output { path, source })
+/// A batch of predictions `(n, 3, 96, 96)` to n 8-bit BGR faces.
+pub fn predictions_to_bgr(pred: &Tensor) -> Result<Vec<Vec<u8>>, Error> {
+    let v = pred
+        .to_dtype(candle_core::DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    Ok(v.chunks_exact(3 * FACE_SIZE * FACE_SIZE)
+        .map(face::prediction_to_bgr)
+        .collect())
 }
 
 #[cfg(test)]

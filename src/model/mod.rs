@@ -157,6 +157,19 @@ impl DeviceKind {
     }
 }
 
+impl DeviceKind {
+    /// A device for one model instance: on CUDA with its own stream, so instances on one GPU
+    /// overlap instead of serialising on the default stream.
+    pub fn open_instance(self) -> Result<Device> {
+        match self {
+            DeviceKind::Cpu => Ok(Device::Cpu),
+            DeviceKind::Cuda if !cfg!(feature = "cuda") => self.open(),
+            DeviceKind::Cuda => Device::new_cuda_with_stream(0)
+                .map_err(|e| Error::Device(format!("cannot open CUDA device 0: {e}"))),
+        }
+    }
+}
+
 /// The dtype the model will actually compute in on `device`. candle's CPU backend has no bf16
 /// convolution, so bf16 on the CPU runs in f32 (the caller is warned).
 pub fn compute_dtype(device: &Device, precision: Precision) -> DType {

@@ -1,0 +1,331 @@
+//! Fair, bounded batching of work items across requests, as a plain data structure: no
+//! threads, no model, no clock. [`super::scheduler`] wraps it for the model instances.
+//!
+//! - A request is admitted with all its items (a video's frames) at once; the queue bound
+//!   counts items, and a request that would push the queue over it is refused up front (so
+//!   the service can answer 429), unless the queue is empty.
+//! - Batches take items round-robin across requests, so a long clip never starves others.
+//! - A request that has not had a batch yet goes first, and that batch is capped at
+//!   `first_batch` items, so its output can start streaming early.
+//! - Each request may have at most `max_ahead` items taken but not yet acknowledged by its
+//!   consumer: a slow reader stops getting work instead of piling results up.
+//! - Cancelling a request drops its queued items (and says how many).
+
+use std::collections::VecDeque;
+
+/// Identifies an admitted request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+/// The batcher's bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub max_batch: usize,
+    pub first_batch: usize,
+    /// Queued (not yet taken) items across all requests.
+    pub max_queue: usize,
+    /// Items per request taken but not acknowledged.
+    pub max_ahead: usize,
+}
+
+/// A request refused because the queue is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Overloaded {
+    /// Items queued when refused.
+    pub queued: usize,
+}
+
+#[derive(Debug)]
+struct Lane<T> {
+    id: RequestId,
+    items: VecDeque<T>,
+    /// Taken but not acknowledged.
+    outstanding: usize,
+    /// Has had at least one batch.
+    started: bool,
+}
+
+impl<T> Lane<T> {
+    fn eligible(&self, max_ahead: usize) -> bool {
+        !self.items.is_empty() && self.outstanding < max_ahead
+    }
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub struct Batcher<T> {
+    limits: Limits,
+    lanes: Vec<Lane<T>>,
+    /// Lane index where the next round-robin pass starts.
+    cursor: usize,
+    queued: usize,
+    next_id: u64,
+}
+
+impl<T> Batcher<T> {
+    pub fn new(limits: Limits) -> Self {
+        let limits = Limits {
+            max_batch: limits.max_batch.max(1),
+            first_batch: limits.first_batch.clamp(1, limits.max_batch.max(1)),
+            max_queue: limits.max_queue,
+            max_ahead: limits.max_ahead.max(1),
+        };
+        Batcher {
+            limits,
+            lanes: Vec::new(),
+            cursor: 0,
+            queued: 0,
+            next_id: 1,
+        }
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// Items queued across all requests.
+    pub fn queued(&self) -> usize {
+        self.queued
+    }
+
+    /// Requests admitted and not yet finished.
+    pub fn requests(&self) -> usize {
+        self.lanes.len()
+    }
+
+    /// Admits a request with all its items, or refuses it when the queue would exceed its
+    /// bound (a request larger than the bound is still admitted into an empty queue).
+    pub fn admit(&mut self, items: impl IntoIterator<Item = T>) -> Result<RequestId, Overloaded> {
+        let items: VecDeque<T> = items.into_iter().collect();
+        if self.queued > 0 && self.queued + items.len() > self.limits.max_queue {
+            return Err(Overloaded {
+                queued: self.queued,
+            });
+        }
+        let id = RequestId(self.next_id);
+        self.next_id += 1;
+        self.queued += items.len();
+        self.lanes.push(Lane {
+            id,
+            items,
+            outstanding: 0,
+            started: false,
+        });
+        Ok(id)
+    }
+
+    /// Whether a batch could be formed now.
+    pub fn has_work(&self) -> bool {
+        self.lanes.iter().any(|l| l.eligible(self.limits.max_ahead))
+    }
+
+    /// The size limit of a batch formed now: `first_batch` while a request that has not had a
+    /// batch is waiting, else `max_batch`.
+    pub fn batch_cap(&self) -> usize {
+        let ahead = self.limits.max_ahead;
+        if self.lanes.iter().any(|l| !l.started && l.eligible(ahead)) {
+            self.limits.first_batch
+        } else {
+            self.limits.max_batch
+        }
+    }
+
+    /// Items a batch formed now would hold (without forming it).
+    pub fn ready_items(&self) -> usize {
+        let ahead = self.limits.max_ahead;
+        let cap = self.batch_cap();
+        self.lanes
+            .iter()
+            .map(|l| l.items.len().min(ahead.saturating_sub(l.outstanding)))
+            .sum::<usize>()
+            .min(cap)
+    }
+
+    /// The next batch (empty when no request has eligible work).
+    pub fn next_batch(&mut self) -> Vec<(RequestId, T)> {
+        let ahead = self.limits.max_ahead;
+        let fresh = self.lanes.iter().any(|l| !l.started && l.eligible(ahead));
+        let cap = self.batch_cap();
+        let mut batch = Vec::with_capacity(cap);
+        // New requests first (their first batch), then everyone, round-robin one item at a
+        // time starting after the lane served first last time.
+        let passes: &[bool] = if fresh { &[true, false] } else { &[false] };
+        for &only_new in passes {
+            let n = self.lanes.len();
+            let mut idle_in_a_row = 0;
+            let mut i = self.cursor % n.max(1);
+            while batch.len() < cap && idle_in_a_row < n {
+                let lane = &mut self.lanes[i];
+                if (!only_new || !lane.started) && lane.eligible(ahead) {
+                    let item = lane.items.pop_front().expect("eligible lane has items");
+                    lane.outstanding += 1;
+                    batch.push((lane.id, item));
+                    idle_in_a_row = 0;
+                } else {
+                    idle_in_a_row += 1;
+                }
+                i = (i + 1) % n;
+            }
+        }
+        for (id, _) in &batch {
+            if let Some(l) = self.lanes.iter_mut().find(|l| l.id == *id) {
+                l.started = true;
+            }
+        }
+        if !self.lanes.is_empty() {
+            self.cursor = (self.cursor + 1) % self.lanes.len();
+        }
+        self.queued -= batch.len();
+        batch
+    }
+
+    /// The consumer is done with `n` items of `id`: they no longer count against its
+    /// run-ahead allowance.
+    pub fn ack(&mut self, id: RequestId, n: usize) {
+        if let Some(l) = self.lanes.iter_mut().find(|l| l.id == id) {
+            l.outstanding = l.outstanding.saturating_sub(n);
+        }
+    }
+
+    /// Drops the request's queued items and the request; returns how many items were dropped.
+    pub fn cancel(&mut self, id: RequestId) -> usize {
+        let Some(pos) = self.lanes.iter().position(|l| l.id == id) else {
+            return 0;
+        };
+        let lane = self.lanes.remove(pos);
+        if pos < self.cursor {
+            self.cursor -= 1;
+        }
+        self.queued -= lane.items.len();
+        lane.items.len()
+    }
+
+    /// Forgets a request whose items have all been taken (same as [`Batcher::cancel`] with
+    /// nothing left to drop).
+    pub fn finish(&mut self, id: RequestId) {
+        self.cancel(id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(max_batch: usize, first_batch: usize, max_queue: usize, max_ahead: usize) -> Limits {
+        Limits {
+            max_batch,
+            first_batch,
+            max_queue,
+            max_ahead,
+        }
+    }
+
+    fn ids(batch: &[(RequestId, u32)]) -> Vec<u64> {
+        batch.iter().map(|(r, _)| r.0).collect()
+    }
+
+    #[test]
+    fn a_single_request_is_served_in_order_in_full_batches_after_a_small_first_one() {
+        let mut b = Batcher::new(limits(4, 2, 100, 100));
+        let r = b.admit(0..9u32).unwrap();
+        let first = b.next_batch();
+        assert_eq!(first, vec![(r, 0), (r, 1)]);
+        let items: Vec<u32> = b.next_batch().into_iter().map(|(_, i)| i).collect();
+        assert_eq!(items, vec![2, 3, 4, 5]);
+        let items: Vec<u32> = b.next_batch().into_iter().map(|(_, i)| i).collect();
+        assert_eq!(items, vec![6, 7, 8]);
+        assert!(b.next_batch().is_empty());
+        assert_eq!(b.queued(), 0);
+    }
+
+    #[test]
+    fn frames_are_taken_round_robin_across_requests() {
+        let mut b = Batcher::new(limits(6, 6, 100, 100));
+        let a = b.admit(0..10u32).unwrap();
+        let c = b.admit(100..110u32).unwrap();
+        let batch = b.next_batch();
+        assert_eq!(ids(&batch), vec![a.0, c.0, a.0, c.0, a.0, c.0]);
+        // Per request, items stay in order.
+        let of_c: Vec<u32> = batch
+            .iter()
+            .filter(|(r, _)| *r == c)
+            .map(|(_, i)| *i)
+            .collect();
+        assert_eq!(of_c, vec![100, 101, 102]);
+    }
+
+    #[test]
+    fn a_long_clip_never_starves_a_new_requests_first_batch() {
+        let mut b = Batcher::new(limits(8, 2, 10_000, 10_000));
+        let long = b.admit(0..5000u32).unwrap();
+        b.next_batch();
+        b.next_batch();
+        let new = b.admit(0..50u32).unwrap();
+        // The very next batch is the new request's first one, small, and it comes first.
+        let batch = b.next_batch();
+        assert_eq!(ids(&batch), vec![new.0, new.0]);
+        // Then both share.
+        let batch = b.next_batch();
+        assert!(batch.iter().any(|(r, _)| *r == long) && batch.iter().any(|(r, _)| *r == new));
+        assert_eq!(batch.len(), 8);
+    }
+
+    #[test]
+    fn the_queue_bound_counts_frames_and_refuses_up_front() {
+        let mut b = Batcher::new(limits(4, 4, 10, 100));
+        b.admit(0..6u32).unwrap();
+        assert_eq!(b.admit(0..5u32), Err(Overloaded { queued: 6 }));
+        assert!(b.admit(0..4u32).is_ok());
+        assert_eq!(b.queued(), 10);
+        // A request bigger than the bound still runs alone.
+        let mut b = Batcher::new(limits(4, 4, 10, 100));
+        assert!(b.admit(0..50u32).is_ok());
+    }
+
+    #[test]
+    fn a_slow_consumer_stops_getting_work_until_it_catches_up() {
+        let mut b = Batcher::new(limits(4, 4, 100, 5));
+        let r = b.admit(0..20u32).unwrap();
+        assert_eq!(b.next_batch().len(), 4);
+        assert_eq!(b.next_batch().len(), 1); // 5 outstanding: the allowance is used up
+        assert!(b.next_batch().is_empty());
+        assert!(!b.has_work());
+        b.ack(r, 3);
+        assert!(b.has_work());
+        assert_eq!(b.ready_items(), 3);
+        assert_eq!(b.next_batch().len(), 3);
+    }
+
+    #[test]
+    fn a_stalled_request_does_not_block_others() {
+        let mut b = Batcher::new(limits(4, 4, 100, 2));
+        let slow = b.admit(0..10u32).unwrap();
+        let fast = b.admit(0..10u32).unwrap();
+        b.next_batch(); // 2 + 2
+        b.ack(fast, 2);
+        let batch = b.next_batch();
+        assert_eq!(ids(&batch), vec![fast.0, fast.0]);
+        assert!(!batch.iter().any(|(r, _)| *r == slow));
+    }
+
+    #[test]
+    fn cancelling_drops_queued_work() {
+        let mut b = Batcher::new(limits(4, 4, 100, 100));
+        let gone = b.admit(0..10u32).unwrap();
+        let stays = b.admit(0..3u32).unwrap();
+        b.next_batch();
+        assert_eq!(b.cancel(gone), 8);
+        assert_eq!(b.queued(), 1);
+        assert_eq!(ids(&b.next_batch()), vec![stays.0]);
+        assert_eq!(b.cancel(gone), 0);
+        b.finish(stays);
+        assert_eq!(b.requests(), 0);
+        assert!(b.next_batch().is_empty());
+    }
+
+    #[test]
+    fn first_batch_never_exceeds_max_batch() {
+        let b: Batcher<u32> = Batcher::new(limits(4, 16, 100, 100));
+        assert_eq!(b.limits().first_batch, 4);
+    }
+}

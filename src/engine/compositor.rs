@@ -1,0 +1,84 @@
+//! Predicted faces, in frame order, to encoded video: each face (optionally saved as a PNG)
+//! pasted into a copy of the avatar's photo and handed to the encoder; at the end the last
+//! frame is held until the audio ends. Shared by `lipsync render` and the service.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use super::{Avatar, Error};
+use crate::media::face::{self, FACE_SIZE};
+use crate::media::image::Frame;
+use crate::media::video::VideoEncoder;
+
+pub struct Compositor<'a> {
+    avatar: &'a Avatar,
+    encoder: &'a mut dyn VideoEncoder,
+    faces_dir: Option<PathBuf>,
+    last: Option<Frame>,
+    pub frames: usize,
+    pub composite_time: Duration,
+    pub encode_time: Duration,
+}
+
+impl<'a> Compositor<'a> {
+    pub fn new(
+        avatar: &'a Avatar,
+        encoder: &'a mut dyn VideoEncoder,
+        faces_dir: Option<&Path>,
+    ) -> Result<Self, Error> {
+        if let Some(dir) = faces_dir {
+            std::fs::create_dir_all(dir).map_err(|source| Error::Output {
+                path: dir.to_path_buf(),
+                source,
+            })?;
+        }
+        Ok(Compositor {
+            avatar,
+            encoder,
+            faces_dir: faces_dir.map(Path::to_path_buf),
+            last: None,
+            frames: 0,
+            composite_time: Duration::ZERO,
+            encode_time: Duration::ZERO,
+        })
+    }
+
+    /// The next frame's predicted face, 96×96 BGR.
+    pub fn push(&mut self, face_bgr: &[u8]) -> Result<(), Error> {
+        let t = Instant::now();
+        if let Some(dir) = &self.faces_dir {
+            save_face(dir, self.frames, face_bgr)?;
+        }
+        let mut frame = self.avatar.frame.clone();
+        face::paste(&mut frame, &self.avatar.face, face_bgr, &self.avatar.mask);
+        self.composite_time += t.elapsed();
+        let t = Instant::now();
+        self.encoder.write_frame(&frame)?;
+        self.encode_time += t.elapsed();
+        self.last = Some(frame);
+        self.frames += 1;
+        Ok(())
+    }
+
+    /// Repeats the last frame until the video has `total` frames.
+    pub fn hold_until(&mut self, total: usize) -> Result<(), Error> {
+        let t = Instant::now();
+        if let Some(frame) = &self.last {
+            while self.frames < total {
+                self.encoder.write_frame(frame)?;
+                self.frames += 1;
+            }
+        }
+        self.encode_time += t.elapsed();
+        Ok(())
+    }
+}
+
+fn save_face(dir: &Path, index: usize, bgr: &[u8]) -> Result<(), Error> {
+    let mut rgb = bgr.to_vec();
+    face::swap_red_blue(&mut rgb);
+    let path = dir.join(format!("{index:05}.png"));
+    Frame::new(FACE_SIZE as u32, FACE_SIZE as u32, rgb)
+        .save_png(&path)
+        .map_err(|source| Error::Output { path, source })
+}

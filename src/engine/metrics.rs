@@ -1,0 +1,46 @@
+//! Metric names and the engine's measurements (through the `metrics` facade; the server
+//! installs the Prometheus recorder and renders `/metrics`). Names follow Prometheus
+//! conventions: `lipsync_` prefix, unit suffixes, `_total` counters, bounded labels.
+
+use std::time::Duration;
+
+pub const REQUESTS_TOTAL: &str = "lipsync_requests_total";
+pub const REQUEST_DURATION: &str = "lipsync_request_duration_seconds";
+pub const TIME_TO_FIRST_BYTE: &str = "lipsync_time_to_first_byte_seconds";
+pub const STAGE_DURATION: &str = "lipsync_stage_duration_seconds";
+pub const BATCH_FRAMES: &str = "lipsync_batch_frames";
+pub const BATCH_REQUESTS: &str = "lipsync_batch_requests";
+pub const FRAMES_TOTAL: &str = "lipsync_frames_total";
+pub const DROPPED_FRAMES_TOTAL: &str = "lipsync_dropped_frames_total";
+pub const QUEUE_FRAMES: &str = "lipsync_queue_frames";
+pub const INSTANCES_BUSY: &str = "lipsync_instances_busy";
+pub const INSTANCES_READY: &str = "lipsync_instances_ready";
+pub const AVATAR_CACHE_HITS: &str = "lipsync_avatar_cache_hits_total";
+pub const AVATAR_CACHE_MISSES: &str = "lipsync_avatar_cache_misses_total";
+pub const AVATAR_CACHE_BYTES: &str = "lipsync_avatar_cache_bytes";
+pub const AVATAR_CACHE_ENTRIES: &str = "lipsync_avatar_cache_entries";
+pub const RESIDENT_MEMORY: &str = "process_resident_memory_bytes";
+pub const GPU_MEMORY_USED: &str = "lipsync_gpu_memory_used_bytes";
+
+/// Stages timed per request (and per batch for inference).
+pub const STAGES: [&str; 6] = ["decode", "mel", "queue", "inference", "composite", "encode"];
+
+pub fn stage(stage: &'static str, d: Duration) {
+    metrics::histogram!(STAGE_DURATION, "stage" => stage).record(d.as_secs_f64());
+}
+
+pub fn queue_frames(n: usize) {
+    metrics::gauge!(QUEUE_FRAMES).set(n as f64);
+}
+
+pub fn dropped_frames(n: usize) {
+    if n > 0 {
+        metrics::counter!(DROPPED_FRAMES_TOTAL).increment(n as u64);
+    }
+}
+
+pub fn batch(frames: usize, requests: usize) {
+    metrics::histogram!(BATCH_FRAMES).record(frames as f64);
+    metrics::histogram!(BATCH_REQUESTS).record(requests as f64);
+    metrics::counter!(FRAMES_TOTAL).increment(frames as u64);
+}

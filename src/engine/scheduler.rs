@@ -1,0 +1,246 @@
+//! The batcher shared by the model instances: a [`Batcher`] of frames behind a mutex, with a
+//! condition variable that wakes instances when work arrives, per-request context (the face
+//! input and where results go), and a short wait that lets a batch fill up.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::batcher::{Batcher, Limits, Overloaded, RequestId};
+use super::metrics as m;
+
+/// One frame's model input.
+#[derive(Debug, Clone)]
+pub struct FrameWork {
+    /// Frame number within its request.
+    pub index: usize,
+    /// The `(1, 80, 16)` mel window.
+    pub mel: Vec<f32>,
+}
+
+/// One predicted face, 96×96×3 BGR, or why the model failed.
+pub type FrameResult = Result<(usize, Vec<u8>), String>;
+
+/// A frame taken for a batch, with what the instance needs to run and answer it.
+pub struct BatchItem {
+    pub request: RequestId,
+    pub work: FrameWork,
+    pub face: Arc<Vec<f32>>,
+    pub reply: Sender<FrameResult>,
+}
+
+struct Lane {
+    face: Arc<Vec<f32>>,
+    reply: Sender<FrameResult>,
+    admitted: Instant,
+    first_taken: bool,
+}
+
+struct State {
+    batcher: Batcher<FrameWork>,
+    lanes: HashMap<RequestId, Lane>,
+    shutdown: bool,
+}
+
+/// See the module documentation.
+pub struct Scheduler {
+    state: Mutex<State>,
+    work: Condvar,
+    fill_wait: Duration,
+}
+
+impl Scheduler {
+    /// `fill_wait`: how long a batch may wait for more frames before it runs short.
+    pub fn new(limits: Limits, fill_wait: Duration) -> Self {
+        Scheduler {
+            state: Mutex::new(State {
+                batcher: Batcher::new(limits),
+                lanes: HashMap::new(),
+                shutdown: false,
+            }),
+            work: Condvar::new(),
+            fill_wait,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panicking holder cannot leave the batcher half-updated in a way that matters more
+        // than stopping the service would.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.lock().batcher.limits()
+    }
+
+    /// Frames waiting for a model instance.
+    pub fn queued(&self) -> usize {
+        self.lock().batcher.queued()
+    }
+
+    /// Admits a request's frames (all of them) with its face input; results arrive, in any
+    /// order, on the returned receiver.
+    pub fn admit(
+        &self,
+        frames: Vec<FrameWork>,
+        face: Arc<Vec<f32>>,
+    ) -> Result<(RequestId, Receiver<FrameResult>), Overloaded> {
+        let (reply, results) = mpsc::channel();
+        let mut s = self.lock();
+        let id = s.batcher.admit(frames)?;
+        s.lanes.insert(
+            id,
+            Lane {
+                face,
+                reply,
+                admitted: Instant::now(),
+                first_taken: false,
+            },
+        );
+        m::queue_frames(s.batcher.queued());
+        drop(s);
+        self.work.notify_all();
+        Ok((id, results))
+    }
+
+    /// Blocks until a batch can be formed (waiting up to the fill time for it to grow to a full
+    /// batch); `None` after [`Scheduler::shutdown`].
+    pub fn next_batch(&self) -> Option<Vec<BatchItem>> {
+        let mut s = self.lock();
+        loop {
+            if s.shutdown {
+                return None;
+            }
+            if s.batcher.has_work() {
+                break;
+            }
+            s = self.work.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+        // Let the batch fill: more frames may arrive within the fill time.
+        let deadline = Instant::now() + self.fill_wait;
+        let full = |s: &State| s.batcher.ready_items() >= s.batcher.batch_cap();
+        while !full(&s) && !s.shutdown {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            s = self
+                .work
+                .wait_timeout(s, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        let batch = s.batcher.next_batch();
+        let now = Instant::now();
+        let mut items = Vec::with_capacity(batch.len());
+        for (request, work) in batch {
+            let Some(lane) = s.lanes.get_mut(&request) else {
+                continue;
+            };
+            if !lane.first_taken {
+                lane.first_taken = true;
+                m::stage("queue", now - lane.admitted);
+            }
+            items.push(BatchItem {
+                request,
+                work,
+                face: lane.face.clone(),
+                reply: lane.reply.clone(),
+            });
+        }
+        m::queue_frames(s.batcher.queued());
+        Some(items)
+    }
+
+    /// The consumer has used `n` frames of `id` (they stop counting against its run-ahead).
+    pub fn ack(&self, id: RequestId, n: usize) {
+        self.lock().batcher.ack(id, n);
+        self.work.notify_all();
+    }
+
+    /// Drops the request's queued frames (its client went away); returns how many.
+    pub fn cancel(&self, id: RequestId) -> usize {
+        let mut s = self.lock();
+        s.lanes.remove(&id);
+        let dropped = s.batcher.cancel(id);
+        m::queue_frames(s.batcher.queued());
+        m::dropped_frames(dropped);
+        dropped
+    }
+
+    /// Forgets a finished request.
+    pub fn finish(&self, id: RequestId) {
+        let mut s = self.lock();
+        s.lanes.remove(&id);
+        s.batcher.finish(id);
+        m::queue_frames(s.batcher.queued());
+    }
+
+    /// Wakes every instance and makes [`Scheduler::next_batch`] return `None`.
+    pub fn shutdown(&self) {
+        self.lock().shutdown = true;
+        self.work.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frames(n: usize) -> Vec<FrameWork> {
+        (0..n)
+            .map(|index| FrameWork {
+                index,
+                mel: vec![0.0; 4],
+            })
+            .collect()
+    }
+
+    fn limits() -> Limits {
+        Limits {
+            max_batch: 8,
+            first_batch: 2,
+            max_queue: 100,
+            max_ahead: 100,
+        }
+    }
+
+    #[test]
+    fn a_batch_waits_briefly_to_fill_then_runs() {
+        let s = Arc::new(Scheduler::new(limits(), Duration::from_millis(300)));
+        let face = Arc::new(vec![0f32; 1]);
+        let (a, _ra) = s.admit(frames(1), face.clone()).unwrap();
+        // The first batch is capped at first_batch (2): it waits for a second frame...
+        let s2 = s.clone();
+        let waiter = std::thread::spawn(move || s2.next_batch().unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+        let (b, _rb) = s.admit(frames(1), face).unwrap();
+        let batch = waiter.join().unwrap();
+        let reqs: Vec<RequestId> = batch.iter().map(|i| i.request).collect();
+        assert_eq!(reqs, vec![a, b]);
+    }
+
+    #[test]
+    fn shutdown_releases_waiting_instances() {
+        let s = Arc::new(Scheduler::new(limits(), Duration::from_millis(10)));
+        let s2 = s.clone();
+        let waiter = std::thread::spawn(move || s2.next_batch().is_none());
+        std::thread::sleep(Duration::from_millis(30));
+        s.shutdown();
+        assert!(waiter.join().unwrap());
+    }
+
+    #[test]
+    fn cancelled_requests_lose_their_queued_frames() {
+        let s = Scheduler::new(limits(), Duration::ZERO);
+        let (a, ra) = s.admit(frames(10), Arc::new(vec![])).unwrap();
+        let batch = s.next_batch().unwrap();
+        assert_eq!(batch.len(), 2);
+        assert_eq!(s.cancel(a), 8);
+        assert_eq!(s.queued(), 0);
+        // Replies for frames already taken go nowhere once the receiver is gone.
+        drop(ra);
+        assert!(batch[0].reply.send(Ok((0, vec![]))).is_err());
+    }
+}

@@ -1,0 +1,499 @@
+//! The HTTP service: `lipsync serve`.
+//!
+//! Routes: `POST /v1/lipsync` (streamed MP4), `POST /v1/avatars`, `GET`/`DELETE
+//! /v1/avatars/{id}`, `GET /health` (liveness), `GET /ready` (every model instance loaded and
+//! warmed up), `GET /info`, `GET /metrics` (Prometheus), `GET /openapi.yaml`. The server binds
+//! first and loads the model in the background; SIGTERM/SIGINT stop it accepting, let
+//! in-flight streams finish up to `--shutdown-timeout`, then exit.
+
+pub mod avatars;
+pub mod config;
+pub mod error;
+pub mod form;
+pub mod lipsync;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderName, HeaderValue, Method, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tokio::sync::Semaphore;
+
+use config::Resolved;
+pub use config::ServeArgs;
+use error::ApiError;
+
+use crate::engine::batcher::Limits;
+use crate::engine::cache::AvatarCache;
+use crate::engine::metrics as m;
+use crate::engine::pool::{Pool, PoolConfig};
+use crate::media::image::ImageLimits;
+use crate::model::weights::Summary;
+use crate::model::GeneratorWeights;
+use crate::{media, model};
+
+/// The OpenAPI description, served at `/openapi.yaml`.
+pub const OPENAPI: &str = include_str!("../../openapi.yaml");
+
+static REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// Why the service could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Media(#[from] media::Error),
+    #[error("cannot load the model: {0}")]
+    Model(#[from] model::Error),
+    #[error("cannot set up metrics: {0}")]
+    Metrics(String),
+    #[error("server error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// State shared by every handler.
+pub struct App {
+    pub args: ServeArgs,
+    pub cfg: Resolved,
+    pool: OnceLock<Pool>,
+    summary: OnceLock<Summary>,
+    avatars: Mutex<AvatarCache>,
+    prometheus: PrometheusHandle,
+    requests: Arc<Semaphore>,
+    shutting_down: AtomicBool,
+    started: Instant,
+}
+
+impl App {
+    fn avatars(&self) -> MutexGuard<'_, AvatarCache> {
+        self.avatars.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn image_limits(&self) -> ImageLimits {
+        ImageLimits {
+            max_pixels: self.args.max_pixels,
+            max_side: self.args.max_side,
+        }
+    }
+
+    /// The pool, if every instance is loaded and warmed up and the server is not stopping.
+    fn ready_pool(&self) -> Result<&Pool, ApiError> {
+        let unavailable = |why: String| {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_ready", why).with_retry_after(5)
+        };
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return Err(unavailable("the server is shutting down".into()));
+        }
+        let Some(pool) = self.pool.get() else {
+            return Err(unavailable("the model is loading".into()));
+        };
+        let status = pool.status();
+        if let Some(e) = status.failed() {
+            return Err(unavailable(format!(
+                "a model instance failed to start: {e}"
+            )));
+        }
+        if !status.all_ready() {
+            return Err(unavailable(format!(
+                "model instances warming up ({} of {} ready)",
+                status.ready(),
+                status.instances
+            )));
+        }
+        Ok(pool)
+    }
+
+    /// Seconds a refused client should wait: the queued frames at the observed rate.
+    fn retry_after(&self) -> u64 {
+        let queued = self.pool.get().map_or(0, |p| p.scheduler().queued()) as f64;
+        let fps = self
+            .pool
+            .get()
+            .map_or(0.0, |p| p.status().frames_per_second());
+        if fps > 0.0 {
+            (queued / fps).ceil().clamp(1.0, 300.0) as u64
+        } else {
+            5
+        }
+    }
+}
+
+/// Reads a request id from the client or makes one; every response carries it.
+async fn request_id(mut req: Request, next: Next) -> Response {
+    let id = req
+        .headers()
+        .get(&REQUEST_ID)
+        .filter(|v| v.len() <= 128 && v.to_str().is_ok_and(|s| !s.is_empty()))
+        .cloned()
+        .unwrap_or_else(|| {
+            HeaderValue::from_str(&uuid::Uuid::new_v4().simple().to_string())
+                .expect("hex is a valid header value")
+        });
+    req.headers_mut().insert(REQUEST_ID.clone(), id.clone());
+    let span = tracing::info_span!("request", id = %id.to_str().unwrap_or("?"), method = %req.method(), path = %req.uri().path());
+    let mut res = {
+        let _g = span.enter();
+        tracing::debug!("started");
+        drop(_g);
+        next.run(req).await
+    };
+    res.headers_mut().insert(REQUEST_ID.clone(), id);
+    res
+}
+
+/// With `--api-key`: `Authorization: Bearer <key>` on the /v1/ routes.
+async fn require_key(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+    if let Some(key) = &app.args.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if !constant_time_eq(given.as_bytes(), key.as_bytes()) {
+            return lipsync::refused(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "missing or wrong API key (send `Authorization: Bearer <key>`)",
+            ))
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn health() -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "status": "ok" }))
+}
+
+async fn ready(State(app): State<Arc<App>>) -> Result<Json<serde_json::Value>, ApiError> {
+    let pool = app.ready_pool()?;
+    Ok(Json(serde_json::json!({
+        "status": "ready",
+        "instances": pool.status().instances,
+    })))
+}
+
+async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
+    let a = &app.args;
+    let c = &app.cfg;
+    let summary = app.summary.get();
+    let status = app.pool.get().map(|p| p.status().clone());
+    Json(serde_json::json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "checkpoint": a.checkpoint,
+        "format": summary.map(|s| s.format),
+        "folded": summary.map(|s| s.folded),
+        "random_weights": summary.map(|s| s.random_init_seed.is_some()),
+        "device": c.device,
+        "dtype": c.precision,
+        "compute_dtype": status.as_ref().and_then(|s| s.dtype()).map(|d| d.as_str()),
+        "instances": c.instances,
+        "instances_ready": status.as_ref().map_or(0, |s| s.ready()),
+        "max_batch": c.max_batch,
+        "first_batch": c.first_batch,
+        "batch_wait_ms": a.batch_wait_ms,
+        "limits": {
+            "max_queue_frames": c.max_queue_frames,
+            "max_ahead_frames": c.max_ahead_frames,
+            "max_requests": a.max_requests,
+            "max_body_bytes": a.max_body_bytes,
+            "max_pixels": a.max_pixels,
+            "max_side": a.max_side,
+            "max_audio_seconds": a.max_audio_seconds,
+            "avatar_cache_entries": a.avatar_cache_entries,
+            "avatar_cache_bytes": a.avatar_cache_bytes,
+        },
+        "encoder": { "preset": a.preset, "crf": a.crf },
+        "auth": a.api_key.is_some(),
+        "uptime_seconds": app.started.elapsed().as_secs_f64(),
+    }))
+}
+
+/// Resident memory of this process, from /proc (Linux).
+fn resident_memory() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb * 1024.0)
+}
+
+async fn metrics_text(State(app): State<Arc<App>>) -> impl IntoResponse {
+    if let Some(rss) = resident_memory() {
+        metrics::gauge!(m::RESIDENT_MEMORY).set(rss);
+    }
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        app.prometheus.render(),
+    )
+}
+
+async fn openapi() -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "application/yaml")], OPENAPI)
+}
+
+async fn not_found(method: Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::not_found("not_found", format!("no route for {method} {}", uri.path()))
+}
+
+async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!("{method} is not allowed on {}", uri.path()),
+    )
+}
+
+/// Bodies larger than this are not even drained.
+fn hard_body_cap(limit: usize) -> usize {
+    limit.saturating_mul(4).max(limit.saturating_add(64 << 20))
+}
+
+/// The routes, with their middleware.
+pub fn router(app: Arc<App>) -> Router {
+    let v1 = Router::new()
+        .route("/v1/lipsync", post(lipsync::lipsync))
+        .route("/v1/avatars", post(avatars::create))
+        .route(
+            "/v1/avatars/{id}",
+            get(avatars::get).delete(avatars::delete),
+        )
+        .route_layer(middleware::from_fn_with_state(app.clone(), require_key));
+    let mut router = Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route("/info", get(info))
+        .route("/metrics", get(metrics_text))
+        .route("/openapi.yaml", get(openapi))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        // Forms enforce --max-body-bytes themselves and drain what is over it (see form.rs);
+        // beyond this hard cap the connection is simply cut.
+        .layer(DefaultBodyLimit::max(hard_body_cap(
+            app.args.max_body_bytes,
+        )));
+    if !app.args.cors_origins.is_empty() {
+        let origins: Vec<HeaderValue> = app
+            .args
+            .cors_origins
+            .iter()
+            .filter_map(|o| HeaderValue::from_str(o.trim()).ok())
+            .collect();
+        router = router.layer(
+            tower_http::cors::CorsLayer::new()
+                .allow_origin(origins)
+                .allow_methods([Method::GET, Method::POST, Method::DELETE])
+                .allow_headers([
+                    header::AUTHORIZATION,
+                    header::CONTENT_TYPE,
+                    REQUEST_ID.clone(),
+                ])
+                .expose_headers([REQUEST_ID.clone()]),
+        );
+    }
+    router
+        .layer(middleware::from_fn(request_id))
+        .with_state(app)
+}
+
+fn install_metrics() -> Result<PrometheusHandle, ServeError> {
+    let seconds = [
+        0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+    ];
+    let frames = [
+        1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
+    ];
+    let requests = [1.0, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0];
+    let err = |e: metrics_exporter_prometheus::BuildError| ServeError::Metrics(e.to_string());
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &seconds)
+        .map_err(err)?
+        .set_buckets_for_metric(Matcher::Full(m::BATCH_FRAMES.into()), &frames)
+        .map_err(err)?
+        .set_buckets_for_metric(Matcher::Full(m::BATCH_REQUESTS.into()), &requests)
+        .map_err(err)?
+        .install_recorder()
+        .map_err(err)?;
+    // Series that exist from the start, so dashboards and alerts see zeros, not gaps.
+    for outcome in [
+        "success",
+        "client_error",
+        "overloaded",
+        "unavailable",
+        "cancelled",
+        "failed",
+    ] {
+        metrics::counter!(m::REQUESTS_TOTAL, "outcome" => outcome).absolute(0);
+    }
+    for stage in m::STAGES {
+        let _ = metrics::histogram!(m::STAGE_DURATION, "stage" => stage);
+    }
+    for name in [
+        m::REQUEST_DURATION,
+        m::TIME_TO_FIRST_BYTE,
+        m::BATCH_FRAMES,
+        m::BATCH_REQUESTS,
+    ] {
+        let _ = metrics::histogram!(name);
+    }
+    metrics::counter!(m::FRAMES_TOTAL).absolute(0);
+    metrics::counter!(m::DROPPED_FRAMES_TOTAL).absolute(0);
+    metrics::counter!(m::AVATAR_CACHE_HITS).absolute(0);
+    metrics::counter!(m::AVATAR_CACHE_MISSES).absolute(0);
+    metrics::gauge!(m::QUEUE_FRAMES).set(0.0);
+    metrics::gauge!(m::INSTANCES_BUSY).set(0.0);
+    metrics::gauge!(m::INSTANCES_READY).set(0.0);
+    metrics::gauge!(m::AVATAR_CACHE_BYTES).set(0.0);
+    metrics::gauge!(m::AVATAR_CACHE_ENTRIES).set(0.0);
+    Ok(handle)
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
+
+/// Runs the service until SIGTERM/SIGINT (or a fatal start-up error).
+pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
+    crate::media::video::check_ffmpeg(&args.ffmpeg)?;
+    let prometheus = install_metrics()?;
+    let cfg = args.resolve();
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|source| ServeError::Bind {
+            addr: addr.clone(),
+            source,
+        })?;
+    let local = listener.local_addr()?;
+    tracing::info!(
+        "listening on http://{local} ({:?} x{}, {:?})",
+        cfg.device,
+        cfg.instances,
+        cfg.precision
+    );
+    let app = Arc::new(App {
+        avatars: Mutex::new(AvatarCache::new(
+            args.avatar_cache_entries,
+            args.avatar_cache_bytes,
+        )),
+        requests: Arc::new(Semaphore::new(args.max_requests.max(1))),
+        args,
+        cfg,
+        pool: OnceLock::new(),
+        summary: OnceLock::new(),
+        prometheus,
+        shutting_down: AtomicBool::new(false),
+        started: Instant::now(),
+    });
+
+    // Load in the background: /health answers at once, /ready once the instances are warm.
+    let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<model::Error>();
+    let loader = app.clone();
+    std::thread::Builder::new()
+        .name("lipsync-loader".into())
+        .spawn(move || match GeneratorWeights::from_file(&loader.args.checkpoint) {
+            Ok((weights, summary)) => {
+                if let Some(seed) = summary.random_init_seed {
+                    tracing::warn!("serving random test weights (seed {seed}): the faces they draw are noise");
+                }
+                let c = &loader.cfg;
+                let pool = Pool::start(
+                    Arc::new(weights),
+                    PoolConfig {
+                        device: c.device,
+                        precision: c.precision,
+                        instances: c.instances,
+                        limits: Limits {
+                            max_batch: c.max_batch,
+                            first_batch: c.first_batch,
+                            max_queue: c.max_queue_frames,
+                            max_ahead: c.max_ahead_frames,
+                        },
+                        batch_wait: Duration::from_millis(loader.args.batch_wait_ms),
+                    },
+                );
+                let _ = loader.summary.set(summary);
+                let _ = loader.pool.set(pool);
+            }
+            Err(e) => {
+                let _ = failed_tx.send(e);
+            }
+        })?;
+
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let stopping = app.clone();
+    let server = axum::serve(listener, router(app.clone())).with_graceful_shutdown(async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down: no new connections; letting in-flight streams finish");
+        stopping.shutting_down.store(true, Ordering::SeqCst);
+        let _ = stop_tx.send(());
+    });
+    let timeout = Duration::from_secs(app.args.shutdown_timeout);
+    // Each of these stays pending unless its event happens (a dropped sender is not one).
+    let load_failed = async {
+        match failed_rx.await {
+            Ok(e) => e,
+            Err(_) => std::future::pending().await,
+        }
+    };
+    let shutdown_expired = async {
+        match stop_rx.await {
+            Ok(()) => tokio::time::sleep(timeout).await,
+            Err(_) => std::future::pending().await,
+        }
+    };
+    let result = tokio::select! {
+        r = std::future::IntoFuture::into_future(server) => r.map_err(ServeError::from),
+        e = load_failed => Err(ServeError::Model(e)),
+        _ = shutdown_expired => {
+            tracing::warn!("shutdown timeout ({} s) reached; closing the remaining streams", timeout.as_secs());
+            Ok(())
+        }
+    };
+    if let Some(pool) = app.pool.get() {
+        pool.shutdown();
+    }
+    tracing::info!("stopped");
+    result
+}

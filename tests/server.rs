@@ -1,0 +1,909 @@
+//! The service over a real loopback socket, as a client uses it: `lipsync serve` started as a
+//! process with test weights, driven with HTTP. Needs ffmpeg and ffprobe (scripts/test.sh).
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use reqwest::multipart::{Form, Part};
+
+/// Servers run one at a time: model timing on two shared cores is the point of some tests.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn media(name: &str) -> Vec<u8> {
+    std::fs::read(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/media")
+            .join(name),
+    )
+    .unwrap()
+}
+
+struct Server {
+    child: Child,
+    base: String,
+    _serial: MutexGuard<'static, ()>,
+}
+
+impl Server {
+    /// Starts `lipsync serve` on a free port with the test checkpoint; returns once it listens.
+    fn start(extra: &[&str]) -> Server {
+        let serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        let mut child = Command::new(env!("CARGO_BIN_EXE_lipsync"))
+            .arg("serve")
+            .arg("--checkpoint")
+            .arg(common::checkpoint("zip_bare.pt"))
+            .args([
+                "--port",
+                "0",
+                "--max-batch",
+                "8",
+                "--first-batch",
+                "2",
+                "--shutdown-timeout",
+                "60",
+            ])
+            .args(extra)
+            .env("LIPSYNC_LOG", "info")
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let base = loop {
+            let line = lines
+                .next()
+                .expect("server exited before listening")
+                .unwrap();
+            if let Some(rest) = line.split("listening on ").nth(1) {
+                break rest.split_whitespace().next().unwrap().to_string();
+            }
+        };
+        // Keep draining the log so the server never blocks on it.
+        std::thread::spawn(move || for _ in lines.by_ref() {});
+        Server {
+            child,
+            base,
+            _serial: serial,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    async fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while Instant::now() < deadline {
+            if let Ok(r) = reqwest::get(self.url("/ready")).await {
+                if r.status() == 200 {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        panic!("server never became ready");
+    }
+
+    async fn metrics(&self) -> String {
+        reqwest::get(self.url("/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
+    /// The value of the series `name` (with its labels, exactly as exported).
+    async fn metric(&self, name: &str) -> f64 {
+        self.metrics()
+            .await
+            .lines()
+            .filter_map(|l| l.rsplit_once(' '))
+            .find(|(series, _)| *series == name)
+            .map(|(_, v)| v.parse().unwrap())
+            .unwrap_or_else(|| panic!("no metric {name}"))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn lipsync_form(audio: &str, image: &str) -> Form {
+    Form::new()
+        .part(
+            "audio",
+            Part::bytes(media(audio)).file_name(audio.to_string()),
+        )
+        .part(
+            "image",
+            Part::bytes(media(image)).file_name(image.to_string()),
+        )
+}
+
+/// Top-level MP4 boxes in `bytes` (complete ones only).
+fn boxes(bytes: &[u8]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut pos = 0usize;
+    while pos + 8 <= bytes.len() {
+        let size = u32::from_be_bytes(bytes[pos..pos + 4].try_into().unwrap()) as usize;
+        if size < 8 || pos + size > bytes.len() {
+            break;
+        }
+        out.push(String::from_utf8_lossy(&bytes[pos + 4..pos + 8]).into_owned());
+        pos += size;
+    }
+    out
+}
+
+/// Frames ffprobe decodes from an MP4 (or a prefix of one).
+fn decoded_frames(bytes: &[u8]) -> u64 {
+    let f = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(f.path(), bytes).unwrap();
+    let out = Command::new("ffprobe")
+        .args([
+            "-v",
+            "error",
+            "-count_frames",
+            "-select_streams",
+            "v",
+            "-show_entries",
+            "stream=nb_read_frames",
+            "-of",
+            "csv=p=0",
+        ])
+        .arg(f.path())
+        .output()
+        .expect("ffprobe is needed (scripts/test.sh installs it)");
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or(0)
+}
+
+fn codecs(bytes: &[u8]) -> String {
+    let f = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(f.path(), bytes).unwrap();
+    let out = Command::new("ffprobe")
+        .args([
+            "-v",
+            "error",
+            "-show_entries",
+            "stream=codec_name",
+            "-of",
+            "csv=p=0",
+        ])
+        .arg(f.path())
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_video_streams_and_its_first_fragment_arrives_before_the_last_frame_is_computed() {
+    let s = Server::start(&[]);
+    // The server answers before the model is ready.
+    let health = reqwest::get(s.url("/health")).await.unwrap();
+    assert_eq!(health.status(), 200);
+    s.wait_ready().await;
+
+    let client = reqwest::Client::new();
+    let res = client
+        .post(s.url("/v1/lipsync"))
+        .header("x-request-id", "test-stream-1")
+        .multipart(lipsync_form("arctic_a0007.wav", "astronaut.png"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(res.headers()["content-type"], "video/mp4");
+    assert_eq!(res.headers()["x-request-id"], "test-stream-1");
+    assert_eq!(res.headers()["transfer-encoding"], "chunked");
+    let mut body = res.bytes_stream();
+    let mut bytes = Vec::new();
+    let mut first_fragment = None;
+    while let Some(chunk) = body.next().await {
+        bytes.extend_from_slice(&chunk.unwrap());
+        let b = boxes(&bytes);
+        if first_fragment.is_none()
+            && b.iter().any(|x| x == "moof")
+            && b.iter().any(|x| x == "mdat")
+        {
+            // The first fragment (holding frame 0) is here: the model is still working.
+            let computed = s.metric("lipsync_frames_total").await;
+            first_fragment = Some((bytes.len(), computed));
+            assert!(
+                computed < 97.0,
+                "all {computed} frames were computed before the first fragment"
+            );
+            // What has arrived so far already decodes.
+            assert!(decoded_frames(&bytes) >= 1);
+        }
+    }
+    assert!(first_fragment.is_some(), "no fragment ever arrived");
+    assert_eq!(codecs(&bytes), "h264,aac");
+    assert_eq!(decoded_frames(&bytes), 100);
+    let m = s.metrics().await;
+    assert!(
+        m.contains("lipsync_requests_total{outcome=\"success\"} 1"),
+        "{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_requests_share_batches() {
+    let s = Server::start(&[]);
+    s.wait_ready().await;
+    let client = reqwest::Client::new();
+    let one = || {
+        let c = client.clone();
+        let url = s.url("/v1/lipsync");
+        async move {
+            let r = c
+                .post(url)
+                .multipart(lipsync_form("arctic_a0007_1s.wav", "astronaut.png"))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            r.bytes().await.unwrap()
+        }
+    };
+    let (a, b) = tokio::join!(one(), one());
+    assert_eq!(decoded_frames(&a), 25);
+    assert_eq!(decoded_frames(&b), 25);
+    let batches = s.metric("lipsync_batch_requests_count").await;
+    let single = s.metric("lipsync_batch_requests_bucket{le=\"1\"}").await;
+    assert!(
+        single < batches,
+        "no batch held frames of both requests ({single} of {batches} single)"
+    );
+    assert_eq!(s.metric("lipsync_frames_total").await, 44.0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn overload_is_refused_with_429_and_retry_after() {
+    let s = Server::start(&["--max-queue-frames", "30"]);
+    s.wait_ready().await;
+    let client = reqwest::Client::new();
+    // 97 frames fill the queue (a request larger than the bound still runs alone)...
+    let first = client
+        .post(s.url("/v1/lipsync"))
+        .multipart(lipsync_form("arctic_a0007.wav", "astronaut.png"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(first.status(), 200);
+    // ...so the next is refused up front.
+    let second = client
+        .post(s.url("/v1/lipsync"))
+        .multipart(lipsync_form("arctic_a0007_1s.wav", "astronaut.png"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(second.status(), 429);
+    let retry: u64 = second.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(retry >= 1);
+    let e: serde_json::Value = second.json().await.unwrap();
+    assert_eq!(e["error_type"], "overloaded");
+    drop(first);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_disconnects_frees_its_queued_work() {
+    let s = Server::start(&[]);
+    s.wait_ready().await;
+    let res = reqwest::Client::new()
+        .post(s.url("/v1/lipsync"))
+        .multipart(lipsync_form("arctic_a0007.wav", "astronaut.png"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    let mut body = res.bytes_stream();
+    body.next().await.unwrap().unwrap();
+    drop(body); // hang up mid-stream
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let m = s.metrics().await;
+        if m.contains("lipsync_requests_total{outcome=\"cancelled\"} 1") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the server never noticed: {m}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(s.metric("lipsync_dropped_frames_total").await > 0.0);
+    assert_eq!(s.metric("lipsync_queue_frames").await, 0.0);
+    assert!(s.metric("lipsync_frames_total").await < 97.0);
+    // The server is still there and serves the next request.
+    let r = reqwest::Client::new()
+        .post(s.url("/v1/lipsync"))
+        .multipart(lipsync_form("arctic_a0007_1s.wav", "astronaut.png"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(decoded_frames(&r.bytes().await.unwrap()), 25);
+}
+
+/// A multipart/form-data body by hand, for raw-socket clients.
+fn multipart_body(boundary: &str, files: &[(&str, &[u8])], texts: &[(&str, &str)]) -> Vec<u8> {
+    let mut b = Vec::new();
+    for (name, data) in files {
+        b.extend(format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"; filename=\"{name}\"\r\n\r\n").bytes());
+        b.extend_from_slice(data);
+        b.extend(b"\r\n");
+    }
+    for (name, value) in texts {
+        b.extend(format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n").bytes());
+    }
+    b.extend(format!("--{boundary}--\r\n").bytes());
+    b
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_reader_holds_back_its_own_work_instead_of_growing_memory() {
+    use std::io::{Read, Write};
+    let s = Server::start(&["--max-ahead-frames", "8"]);
+    s.wait_ready().await;
+    let rss_before = s.metric("process_resident_memory_bytes").await;
+    // A client with a tiny receive window that stops reading after the first bytes (a stalled
+    // mobile client), and a large lossless video: a 1920x1920 photo gives about 7 MB, more
+    // than the buffers on the way (pipes, channel, a socket's 4 MB at most) hold.
+    let big =
+        image::open(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/media/astronaut.png"))
+            .unwrap()
+            .resize_exact(1920, 1920, image::imageops::FilterType::Triangle);
+    let mut png = std::io::Cursor::new(Vec::new());
+    big.write_to(&mut png, image::ImageFormat::Png).unwrap();
+    let png = png.into_inner();
+    let addr: std::net::SocketAddr = s.base.trim_start_matches("http://").parse().unwrap();
+    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    sock.connect(&addr.into()).unwrap();
+    let mut tcp: std::net::TcpStream = sock.into();
+    // 8 s of speech (the clip twice): 197 model frames.
+    let speech = {
+        let clip = lipsync::media::audio::load(&media("arctic_a0007.wav"), 60.0)
+            .unwrap()
+            .samples;
+        let mut out = std::io::Cursor::new(Vec::new());
+        let spec = hound::WavSpec {
+            channels: 1,
+            sample_rate: 16_000,
+            bits_per_sample: 16,
+            sample_format: hound::SampleFormat::Int,
+        };
+        let mut w = hound::WavWriter::new(&mut out, spec).unwrap();
+        for x in clip.iter().chain(&clip) {
+            w.write_sample((x * 32767.0) as i16).unwrap();
+        }
+        w.finalize().unwrap();
+        out.into_inner()
+    };
+    let body = multipart_body(
+        "XyZbOuNdArY",
+        &[("audio", &speech), ("image", &png)],
+        &[("crf", "0")],
+    );
+    let head = format!(
+        "POST /v1/lipsync HTTP/1.1\r\nHost: {addr}\r\nContent-Type: multipart/form-data; boundary=XyZbOuNdArY\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    tcp.write_all(head.as_bytes()).unwrap();
+    tcp.write_all(&body).unwrap();
+    let mut raw = vec![0u8; 16 << 10];
+    tcp.read_exact(&mut raw).unwrap();
+    assert!(
+        raw.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&raw[..64])
+    );
+
+    // Stop reading. Once the buffers between encoder and client are full (ffmpeg also holds
+    // the current one-second fragment until it is complete), the model work stalls.
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let mut previous = -1.0;
+    let stalled = loop {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let now = s.metric("lipsync_frames_total").await;
+        if now == previous {
+            break now;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "work never stalled without a reader ({now} frames)"
+        );
+        previous = now;
+    };
+    eprintln!("stalled at {stalled} of 197 frames");
+    assert!(
+        stalled < 160.0,
+        "{stalled} frames computed for a client that is not reading"
+    );
+    let rss = s.metric("process_resident_memory_bytes").await;
+    assert!(
+        rss < rss_before + 300e6,
+        "memory grew from {rss_before} to {rss}"
+    );
+
+    // Hanging up releases the stalled work.
+    drop(tcp);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !s
+        .metrics()
+        .await
+        .contains("lipsync_requests_total{outcome=\"cancelled\"} 1")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the stalled request was never cancelled"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(s.metric("lipsync_dropped_frames_total").await > 0.0);
+    assert_eq!(s.metric("lipsync_queue_frames").await, 0.0);
+}
+
+/// 0.1 s of silence: less than one 16-column mel window.
+fn short_wav() -> Vec<u8> {
+    let mut out = std::io::Cursor::new(Vec::new());
+    let spec = hound::WavSpec {
+        channels: 1,
+        sample_rate: 16_000,
+        bits_per_sample: 16,
+        sample_format: hound::SampleFormat::Int,
+    };
+    let mut w = hound::WavWriter::new(&mut out, spec).unwrap();
+    (0..1600).for_each(|_| w.write_sample(0i16).unwrap());
+    w.finalize().unwrap();
+    out.into_inner()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_inputs_get_the_right_4xx_and_the_server_stays_up() {
+    let s = Server::start(&[
+        "--max-audio-seconds",
+        "3",
+        "--max-pixels",
+        "300000",
+        "--max-body-bytes",
+        "2000000",
+    ]);
+    s.wait_ready().await;
+    let client = reqwest::Client::new();
+    let gray = {
+        let mut out = std::io::Cursor::new(Vec::new());
+        image::RgbImage::from_pixel(200, 200, image::Rgb([120, 120, 120]))
+            .write_to(&mut out, image::ImageFormat::Png)
+            .unwrap();
+        out.into_inner()
+    };
+    let part = |name: &str, b: Vec<u8>| Part::bytes(b).file_name(name.to_string());
+    let cases: Vec<(&str, Form, u16, &str)> = vec![
+        (
+            "audio sent as the image",
+            Form::new()
+                .part("audio", part("a", media("astronaut.png")))
+                .part("image", part("i", media("astronaut.png"))),
+            415,
+            "not_audio",
+        ),
+        (
+            "image sent as the audio",
+            Form::new()
+                .part("audio", part("a", media("arctic_a0007_1s.wav")))
+                .part("image", part("i", media("arctic_a0007_1s.wav"))),
+            415,
+            "not_an_image",
+        ),
+        (
+            "no audio",
+            Form::new().part("image", part("i", media("astronaut.png"))),
+            400,
+            "missing_field",
+        ),
+        (
+            "no image",
+            Form::new().part("audio", part("a", media("arctic_a0007_1s.wav"))),
+            400,
+            "missing_field",
+        ),
+        (
+            "unknown field",
+            lipsync_form("arctic_a0007_1s.wav", "astronaut.png").text("color", "red"),
+            400,
+            "unknown_field",
+        ),
+        (
+            "bad box",
+            lipsync_form("arctic_a0007_1s.wav", "astronaut.png").text("box", "1,2,3"),
+            400,
+            "bad_field",
+        ),
+        (
+            "box outside",
+            lipsync_form("arctic_a0007_1s.wav", "astronaut.png").text("box", "400,400,600,600"),
+            400,
+            "bad_box",
+        ),
+        (
+            "bad fps",
+            lipsync_form("arctic_a0007_1s.wav", "astronaut.png").text("fps", "90"),
+            400,
+            "bad_field",
+        ),
+        (
+            "bad blend",
+            lipsync_form("arctic_a0007_1s.wav", "astronaut.png").text("blend", "soft"),
+            400,
+            "bad_field",
+        ),
+        (
+            "bad crf",
+            lipsync_form("arctic_a0007_1s.wav", "astronaut.png").text("crf", "99"),
+            400,
+            "bad_field",
+        ),
+        (
+            "no face",
+            Form::new()
+                .part("audio", part("a", media("arctic_a0007_1s.wav")))
+                .part("image", part("i", gray)),
+            422,
+            "no_face",
+        ),
+        (
+            "too short",
+            Form::new()
+                .part("audio", part("a", short_wav()))
+                .part("image", part("i", media("astronaut.png"))),
+            422,
+            "audio_too_short",
+        ),
+        (
+            "truncated audio",
+            Form::new()
+                .part(
+                    "audio",
+                    part("a", media("arctic_a0007_1s.wav")[..3000].to_vec()),
+                )
+                .part("image", part("i", media("astronaut.png"))),
+            400,
+            "truncated_audio",
+        ),
+        (
+            "too long",
+            lipsync_form("arctic_a0007.wav", "astronaut.png"),
+            413,
+            "audio_too_long",
+        ),
+        (
+            "too many pixels",
+            Form::new()
+                .part("audio", part("a", media("arctic_a0007_1s.wav")))
+                .part("image", part("i", media("grace_hopper.jpg"))),
+            413,
+            "image_too_large",
+        ),
+        (
+            "body too large",
+            Form::new()
+                .part("audio", part("a", vec![0u8; 3_000_000]))
+                .part("image", part("i", media("astronaut.png"))),
+            413,
+            "body_too_large",
+        ),
+        (
+            "unknown avatar",
+            Form::new()
+                .part("audio", part("a", media("arctic_a0007_1s.wav")))
+                .text("avatar_id", "0".repeat(64)),
+            404,
+            "avatar_not_found",
+        ),
+        (
+            "empty audio",
+            Form::new()
+                .part("audio", part("a", vec![]))
+                .part("image", part("i", media("astronaut.png"))),
+            400,
+            "empty_audio",
+        ),
+    ];
+    for (what, form, status, kind) in cases {
+        let r = client
+            .post(s.url("/v1/lipsync"))
+            .multipart(form)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), status, "{what}");
+        assert!(r.headers().contains_key("x-request-id"), "{what}");
+        let e: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(e["error_type"], kind, "{what}: {e}");
+        assert!(e["error"].as_str().is_some_and(|m| !m.is_empty()), "{what}");
+        assert_eq!(e.as_object().unwrap().len(), 2, "{what}: {e}");
+    }
+    let r = client
+        .post(s.url("/v1/lipsync"))
+        .body("not a form")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    let r = reqwest::get(s.url("/v1/nothing")).await.unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    assert_eq!(
+        r.json::<serde_json::Value>().await.unwrap()["error_type"],
+        "not_found"
+    );
+    let r = client.delete(s.url("/health")).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 405);
+    // Still up, and the refusals are counted.
+    assert_eq!(reqwest::get(s.url("/ready")).await.unwrap().status(), 200);
+    assert!(
+        s.metric("lipsync_requests_total{outcome=\"client_error\"}")
+            .await
+            >= 18.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn avatars_are_made_once_and_reused() {
+    let s = Server::start(&["--avatar-cache-entries", "2"]);
+    s.wait_ready().await;
+    let client = reqwest::Client::new();
+    let make = || {
+        Form::new().part(
+            "image",
+            Part::bytes(media("astronaut.png")).file_name("a.png"),
+        )
+    };
+    let r = client
+        .post(s.url("/v1/avatars"))
+        .multipart(make())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let a: serde_json::Value = r.json().await.unwrap();
+    let id = a["id"].as_str().unwrap().to_string();
+    assert_eq!(id.len(), 64);
+    assert_eq!(
+        (a["width"].as_u64(), a["height"].as_u64()),
+        (Some(512), Some(512))
+    );
+    assert_eq!(a["box"].as_array().unwrap().len(), 4);
+    let r = client
+        .post(s.url("/v1/avatars"))
+        .multipart(make())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<serde_json::Value>().await.unwrap(), a);
+    // A pinned box is another avatar.
+    let pinned = make().text("box", "180,90,270,187");
+    let r = client
+        .post(s.url("/v1/avatars"))
+        .multipart(pinned)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let b: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(b["box"], serde_json::json!([180, 90, 270, 187]));
+    assert_ne!(b["id"], a["id"]);
+
+    let got: serde_json::Value = reqwest::get(s.url(&format!("/v1/avatars/{id}")))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(got, a);
+    let form = Form::new()
+        .part(
+            "audio",
+            Part::bytes(media("arctic_a0007_1s.wav")).file_name("a.wav"),
+        )
+        .text("avatar_id", id.clone());
+    let r = client
+        .post(s.url("/v1/lipsync"))
+        .multipart(form)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(decoded_frames(&r.bytes().await.unwrap()), 25);
+    let with_box = Form::new()
+        .part(
+            "audio",
+            Part::bytes(media("arctic_a0007_1s.wav")).file_name("a.wav"),
+        )
+        .text("avatar_id", id.clone())
+        .text("box", "1,2,3,4");
+    let r = client
+        .post(s.url("/v1/lipsync"))
+        .multipart(with_box)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert!(s.metric("lipsync_avatar_cache_hits_total").await >= 2.0);
+    assert!(s.metric("lipsync_avatar_cache_bytes").await > 0.0);
+
+    let r = client
+        .delete(s.url(&format!("/v1/avatars/{id}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    let r = reqwest::get(s.url(&format!("/v1/avatars/{id}")))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    assert_eq!(
+        r.json::<serde_json::Value>().await.unwrap()["error_type"],
+        "avatar_not_found"
+    );
+    let r = client
+        .delete(s.url(&format!("/v1/avatars/{id}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn api_key_and_cors() {
+    let s = Server::start(&[
+        "--api-key",
+        "s3cret",
+        "--cors-origins",
+        "https://app.example",
+    ]);
+    let client = reqwest::Client::new();
+    let r = client.post(s.url("/v1/lipsync")).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    assert_eq!(r.headers()["www-authenticate"], "Bearer");
+    assert_eq!(
+        r.json::<serde_json::Value>().await.unwrap()["error_type"],
+        "unauthorized"
+    );
+    let r = reqwest::get(s.url("/v1/avatars/x")).await.unwrap();
+    assert_eq!(r.status(), 401);
+    let r = client
+        .get(s.url("/v1/avatars/x"))
+        .bearer_auth("wrong")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let r = client
+        .get(s.url("/v1/avatars/x"))
+        .bearer_auth("s3cret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    for open in ["/health", "/info", "/metrics", "/openapi.yaml"] {
+        assert_eq!(
+            reqwest::get(s.url(open)).await.unwrap().status(),
+            200,
+            "{open}"
+        );
+    }
+    let preflight = |origin: &'static str| {
+        client
+            .request(reqwest::Method::OPTIONS, s.url("/v1/lipsync"))
+            .header("origin", origin)
+            .header("access-control-request-method", "POST")
+            .send()
+    };
+    let r = preflight("https://app.example").await.unwrap();
+    assert_eq!(
+        r.headers()["access-control-allow-origin"],
+        "https://app.example"
+    );
+    let r = preflight("https://evil.example").await.unwrap();
+    assert!(!r.headers().contains_key("access-control-allow-origin"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ready_info_metrics_and_openapi() {
+    let s = Server::start(&[]);
+    let early = reqwest::get(s.url("/ready")).await.unwrap();
+    if early.status() != 200 {
+        assert_eq!(early.status(), 503);
+        assert_eq!(
+            early.json::<serde_json::Value>().await.unwrap()["error_type"],
+            "not_ready"
+        );
+    }
+    s.wait_ready().await;
+    let info: serde_json::Value = reqwest::get(s.url("/info"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info["device"], "cpu");
+    assert_eq!(info["dtype"], "f32");
+    assert_eq!(info["format"], "zip-torch-save");
+    assert_eq!(info["folded"], false);
+    assert_eq!(
+        (info["instances"].as_u64(), info["instances_ready"].as_u64()),
+        (Some(1), Some(1))
+    );
+    assert_eq!(
+        (info["max_batch"].as_u64(), info["first_batch"].as_u64()),
+        (Some(8), Some(2))
+    );
+    assert_eq!(info["limits"]["max_audio_seconds"], 600.0);
+    let m = s.metrics().await;
+    for name in [
+        "lipsync_requests_total",
+        "lipsync_frames_total",
+        "lipsync_dropped_frames_total",
+        "lipsync_queue_frames",
+        "lipsync_instances_busy",
+        "lipsync_avatar_cache_hits_total",
+        "lipsync_avatar_cache_misses_total",
+        "lipsync_avatar_cache_bytes",
+        "process_resident_memory_bytes",
+        "lipsync_stage_duration_seconds",
+        "lipsync_batch_frames",
+    ] {
+        assert!(m.contains(name), "{name} missing from /metrics");
+    }
+    let r = reqwest::get(s.url("/openapi.yaml")).await.unwrap();
+    assert_eq!(r.headers()["content-type"], "application/yaml");
+    assert!(r.text().await.unwrap().starts_with("openapi: 3.0"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_lets_the_stream_in_flight_finish() {
+    let mut s = Server::start(&[]);
+    s.wait_ready().await;
+    let res = reqwest::Client::new()
+        .post(s.url("/v1/lipsync"))
+        .multipart(lipsync_form("arctic_a0007_1s.wav", "astronaut.png"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    let status = Command::new("kill")
+        .args(["-TERM", &s.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let bytes = res.bytes().await.unwrap();
+    assert_eq!(decoded_frames(&bytes), 25);
+    // New connections are refused once it is shutting down; then it exits cleanly.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let exit = loop {
+        if let Some(st) = s.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "server did not exit");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(exit.success(), "{exit:?}");
+    assert!(reqwest::get(s.url("/health")).await.is_err());
+}
