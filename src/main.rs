@@ -24,6 +24,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the HTTP service: POST speech and a photo, get the video streamed back.
+    #[command(after_help = "Logging: LIPSYNC_LOG sets the log filter (default: info).")]
     Serve(Box<lipsync::server::ServeArgs>),
     /// Render a talking-head video from speech and a photo (or many, with --jobs).
     Render(Box<commands::render::RenderArgs>),

@@ -33,32 +33,38 @@ struct Server {
 impl Server {
     /// Starts `lipsync serve` on a free port with the test checkpoint; returns once it listens.
     fn start(extra: &[&str]) -> Server {
+        Self::start_with_checkpoint(
+            &common::checkpoint("zip_bare.pt").display().to_string(),
+            extra,
+        )
+    }
+
+    fn start_with_checkpoint(checkpoint: &str, extra: &[&str]) -> Server {
         let serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
         let mut child = Command::new(env!("CARGO_BIN_EXE_lipsync"))
             .arg("serve")
             .arg("--checkpoint")
-            .arg(common::checkpoint("zip_bare.pt"))
-            .args([
-                "--port",
-                "0",
-                "--max-batch",
-                "8",
-                "--first-batch",
-                "2",
-                "--shutdown-timeout",
-                "60",
-            ])
+            .arg(checkpoint)
+            .args(["--port", "0", "--shutdown-timeout", "60"])
+            // Small batches keep CPU warm-up short, unless the test sets its own.
+            .args(
+                [("--max-batch", "8"), ("--first-batch", "2")]
+                    .iter()
+                    .filter(|(flag, _)| !extra.contains(flag))
+                    .flat_map(|(flag, value)| [*flag, *value]),
+            )
             .args(extra)
             .env("LIPSYNC_LOG", "info")
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let mut seen = Vec::new();
         let base = loop {
-            let line = lines
-                .next()
-                .expect("server exited before listening")
-                .unwrap();
+            let Some(Ok(line)) = lines.next() else {
+                panic!("server exited before listening:\n{}", seen.join("\n"));
+            };
+            seen.push(line.clone());
             if let Some(rest) = line.split("listening on ").nth(1) {
                 break rest.split_whitespace().next().unwrap().to_string();
             }
@@ -906,4 +912,102 @@ async fn sigterm_lets_the_stream_in_flight_finish() {
     };
     assert!(exit.success(), "{exit:?}");
     assert!(reqwest::get(s.url("/health")).await.is_err());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn out_of_memory_splits_batches_and_the_request_completes() {
+    // f32 estimates: a batch of 8 needs ~417 MB, of 4 ~281 MB, of 2 ~213 MB.
+    let s = Server::start(&["--gpu-memory-limit", "250M", "--pad-batches", "true"]);
+    s.wait_ready().await;
+    let r = reqwest::Client::new()
+        .post(s.url("/v1/lipsync"))
+        .multipart(lipsync_form("arctic_a0007_1s.wav", "astronaut.png"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(decoded_frames(&r.bytes().await.unwrap()), 25);
+    assert_eq!(s.metric("lipsync_frames_total").await, 22.0);
+    let info: serde_json::Value = reqwest::get(s.url("/info"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info["pad_batches"], true);
+    assert_eq!(info["gpu_memory_limit"], 250u64 << 20);
+    // No batch larger than 2 ran.
+    assert_eq!(
+        s.metric("lipsync_batch_frames_bucket{le=\"2\"}").await,
+        s.metric("lipsync_batch_frames_count").await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn half_precision_overflow_is_recomputed_in_f32() {
+    // The test weights with the output block's convolution scaled up: in f16 its activations
+    // overflow to infinity (the sigmoid's input turns NaN); in f32 they stay finite.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("overflow.safetensors");
+    let ck = lipsync::model::checkpoint::read(&common::checkpoint("zip_bare.pt")).unwrap();
+    let tensors: Vec<(String, candle_core::Tensor)> = ck
+        .tensors
+        .iter()
+        .filter(|(k, _)| !k.ends_with("num_batches_tracked"))
+        .map(|(k, t)| {
+            let mut v = t.to_tensor().unwrap();
+            if k == "output_block.0.conv_block.0.weight" {
+                v = (v * 1e5).unwrap();
+            }
+            (k.clone(), v)
+        })
+        .collect();
+    lipsync::model::checkpoint::write_safetensors(&path, &tensors, &Default::default()).unwrap();
+    let path = path.display().to_string();
+    let s = Server::start_with_checkpoint(
+        &path,
+        &["--dtype", "f16", "--max-batch", "2", "--first-batch", "2"],
+    );
+    s.wait_ready().await;
+    // 0.4 s of speech (7 model frames): f16 convolutions are slow on the CPU.
+    let speech = {
+        let clip = lipsync::media::audio::load(&media("arctic_a0007.wav"), 60.0)
+            .unwrap()
+            .samples;
+        let mut out = std::io::Cursor::new(Vec::new());
+        let spec = hound::WavSpec {
+            channels: 1,
+            sample_rate: 16_000,
+            bits_per_sample: 16,
+            sample_format: hound::SampleFormat::Int,
+        };
+        let mut w = hound::WavWriter::new(&mut out, spec).unwrap();
+        clip[16_000..22_400]
+            .iter()
+            .for_each(|x| w.write_sample((x * 32767.0) as i16).unwrap());
+        w.finalize().unwrap();
+        out.into_inner()
+    };
+    let form = Form::new()
+        .part("audio", Part::bytes(speech).file_name("a.wav"))
+        .part(
+            "image",
+            Part::bytes(media("astronaut.png")).file_name("a.png"),
+        );
+    let r = reqwest::Client::new()
+        .post(s.url("/v1/lipsync"))
+        .multipart(form)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(decoded_frames(&r.bytes().await.unwrap()), 10);
+    assert!(s.metric("lipsync_precision_fallbacks_total").await >= 1.0);
+    let info: serde_json::Value = reqwest::get(s.url("/info"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info["compute_dtype"], "f16");
 }

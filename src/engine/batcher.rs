@@ -143,9 +143,15 @@ impl<T> Batcher<T> {
 
     /// The next batch (empty when no request has eligible work).
     pub fn next_batch(&mut self) -> Vec<(RequestId, T)> {
+        self.next_batch_within(usize::MAX)
+    }
+
+    /// The next batch, at most `limit` items (an instance that ran out of memory asks for
+    /// less than the configured maximum).
+    pub fn next_batch_within(&mut self, limit: usize) -> Vec<(RequestId, T)> {
         let ahead = self.limits.max_ahead;
         let fresh = self.lanes.iter().any(|l| !l.started && l.eligible(ahead));
-        let cap = self.batch_cap();
+        let cap = self.batch_cap().min(limit.max(1));
         let mut batch = Vec::with_capacity(cap);
         // New requests first (their first batch), then everyone, round-robin one item at a
         // time starting after the lane served first last time.
@@ -321,6 +327,15 @@ mod tests {
         b.finish(stays);
         assert_eq!(b.requests(), 0);
         assert!(b.next_batch().is_empty());
+    }
+
+    #[test]
+    fn an_instance_can_ask_for_smaller_batches() {
+        let mut b = Batcher::new(limits(8, 8, 100, 100));
+        b.admit(0..20u32).unwrap();
+        assert_eq!(b.next_batch_within(3).len(), 3);
+        assert_eq!(b.next_batch_within(0).len(), 1);
+        assert_eq!(b.next_batch().len(), 8);
     }
 
     #[test]

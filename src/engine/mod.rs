@@ -34,6 +34,8 @@ pub enum Error {
     },
     #[error("the model failed: {0}")]
     Inference(String),
+    #[error("out of device memory: {0}")]
+    OutOfMemory(String),
     #[error("the client went away")]
     Cancelled,
 }
@@ -46,6 +48,7 @@ impl Error {
             Error::Media(e) => e.kind(),
             Error::Output { .. } => "output",
             Error::Inference(_) => "inference_failed",
+            Error::OutOfMemory(_) => "out_of_memory",
             Error::Cancelled => "cancelled",
         }
     }

@@ -107,6 +107,11 @@ impl Scheduler {
     /// Blocks until a batch can be formed (waiting up to the fill time for it to grow to a full
     /// batch); `None` after [`Scheduler::shutdown`].
     pub fn next_batch(&self) -> Option<Vec<BatchItem>> {
+        self.next_batch_within(usize::MAX)
+    }
+
+    /// [`Scheduler::next_batch`] with at most `limit` frames.
+    pub fn next_batch_within(&self, limit: usize) -> Option<Vec<BatchItem>> {
         let mut s = self.lock();
         loop {
             if s.shutdown {
@@ -119,7 +124,7 @@ impl Scheduler {
         }
         // Let the batch fill: more frames may arrive within the fill time.
         let deadline = Instant::now() + self.fill_wait;
-        let full = |s: &State| s.batcher.ready_items() >= s.batcher.batch_cap();
+        let full = |s: &State| s.batcher.ready_items() >= s.batcher.batch_cap().min(limit);
         while !full(&s) && !s.shutdown {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -131,7 +136,7 @@ impl Scheduler {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
-        let batch = s.batcher.next_batch();
+        let batch = s.batcher.next_batch_within(limit);
         let now = Instant::now();
         let mut items = Vec::with_capacity(batch.len());
         for (request, work) in batch {

@@ -39,6 +39,14 @@ pub struct ServeArgs {
     /// How long the batcher may wait for more frames to fill a batch, in milliseconds.
     #[arg(long, env = "LIPSYNC_BATCH_WAIT_MS", default_value_t = 2)]
     pub batch_wait_ms: u64,
+    /// Run model batches at fixed sizes (powers of two up to --max-batch, padded with copies),
+    /// so warm-up covers every shape served [default: true on CUDA, false on CPU].
+    #[arg(long, env = "LIPSYNC_PAD_BATCHES", value_parser = clap::builder::BoolishValueParser::new())]
+    pub pad_batches: Option<bool>,
+    /// Device memory each model instance may use, e.g. 20G or 512M: a batch estimated to need
+    /// more is treated as out of memory (split and retried smaller) [default: no limit].
+    #[arg(long, env = "LIPSYNC_GPU_MEMORY_LIMIT", value_parser = parse_bytes)]
+    pub gpu_memory_limit: Option<u64>,
     /// Frames allowed to wait for the model across all requests; a request that would exceed
     /// it is refused with 429 and Retry-After [default: 50000 on CUDA, 2000 on CPU].
     #[arg(long, env = "LIPSYNC_MAX_QUEUE_FRAMES")]
@@ -111,6 +119,22 @@ impl std::fmt::Debug for ServeArgs {
     }
 }
 
+/// `1000`, `512K`, `20M`, `8G` (powers of 1024 for the suffixes).
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M') => (&s[..s.len() - 1], 1 << 20),
+        Some('G') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.trim()
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("{s:?} is not a size (e.g. 8G, 512M, 1000000)"))
+}
+
 /// Settings with the device-dependent defaults filled in.
 #[derive(Debug, Clone)]
 pub struct Resolved {
@@ -121,6 +145,7 @@ pub struct Resolved {
     pub first_batch: usize,
     pub max_queue_frames: usize,
     pub max_ahead_frames: usize,
+    pub pad_batches: bool,
 }
 
 impl ServeArgs {
@@ -146,6 +171,22 @@ impl ServeArgs {
                 .max_queue_frames
                 .unwrap_or(if cuda { 50_000 } else { 2_000 }),
             max_ahead_frames: self.max_ahead_frames.unwrap_or(2 * max_batch).max(1),
+            pad_batches: self.pad_batches.unwrap_or(cuda),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!(parse_bytes("1000"), Ok(1000));
+        assert_eq!(parse_bytes("512K"), Ok(512 << 10));
+        assert_eq!(parse_bytes("20m"), Ok(20 << 20));
+        assert_eq!(parse_bytes("8G"), Ok(8 << 30));
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("99999999999999999999G").is_err());
     }
 }

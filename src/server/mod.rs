@@ -207,6 +207,8 @@ async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
         "max_batch": c.max_batch,
         "first_batch": c.first_batch,
         "batch_wait_ms": a.batch_wait_ms,
+        "pad_batches": c.pad_batches,
+        "gpu_memory_limit": a.gpu_memory_limit,
         "limits": {
             "max_queue_frames": c.max_queue_frames,
             "max_ahead_frames": c.max_ahead_frames,
@@ -361,6 +363,8 @@ fn install_metrics() -> Result<PrometheusHandle, ServeError> {
         let _ = metrics::histogram!(name);
     }
     metrics::counter!(m::FRAMES_TOTAL).absolute(0);
+    metrics::counter!(m::OOM_SPLITS).absolute(0);
+    metrics::counter!(m::PRECISION_FALLBACKS).absolute(0);
     metrics::counter!(m::DROPPED_FRAMES_TOTAL).absolute(0);
     metrics::counter!(m::AVATAR_CACHE_HITS).absolute(0);
     metrics::counter!(m::AVATAR_CACHE_MISSES).absolute(0);
@@ -451,6 +455,8 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
                             max_ahead: c.max_ahead_frames,
                         },
                         batch_wait: Duration::from_millis(loader.args.batch_wait_ms),
+                        pad_batches: c.pad_batches,
+                        memory_limit: loader.args.gpu_memory_limit,
                     },
                 );
                 let _ = loader.summary.set(summary);
