@@ -38,6 +38,9 @@ enum Command {
     /// Write deterministic random generator weights, to try the pipeline without the real
     /// checkpoint (the faces they draw are noise).
     InitWeights(commands::checkpoint::InitWeightsArgs),
+    /// Measure model frames/s (by batch, precision, instances), encoder frames/s and
+    /// end-to-end time and time to first byte.
+    Bench(Box<commands::bench::BenchArgs>),
     /// Decode an audio file the way rendering will: what it is, its duration, the mel
     /// spectrogram size and how many video frames it drives.
     Audio(commands::audio::AudioArgs),
@@ -97,5 +100,6 @@ fn run(command: Command) -> Result<(), CliError> {
         Command::Info(a) => commands::checkpoint::info(a),
         Command::InitWeights(a) => commands::checkpoint::init_weights(a),
         Command::Audio(a) => commands::audio::audio_info(a),
+        Command::Bench(a) => commands::bench::bench(*a),
     }
 }

@@ -246,3 +246,54 @@ fn audio_errors_are_typed_and_exit_2() {
         Some(1)
     );
 }
+
+#[test]
+fn bench_runs_every_section_and_writes_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("bench.json");
+    let o = Command::new(env!("CARGO_BIN_EXE_lipsync"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["bench", "--checkpoint"])
+        .arg(checkpoint("zip_bare.pt"))
+        .args([
+            "--device",
+            "cpu",
+            "--batches",
+            "1,2",
+            "--instances",
+            "1,2",
+            "--instance-batch",
+            "1",
+        ])
+        .args([
+            "--seconds",
+            "0.2",
+            "--encode-frames",
+            "10",
+            "--e2e",
+            "0.5",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let out = text(&o.stdout);
+    for section in [
+        "## Model only",
+        "## Instances",
+        "## Encoder only",
+        "## End to end",
+    ] {
+        assert!(out.contains(section), "{section} missing:\n{out}");
+    }
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(v["model"].as_array().unwrap().len(), 2);
+    assert!(v["model"][0]["fps"].as_f64().unwrap() > 0.0);
+    assert_eq!(v["instances"].as_array().unwrap().len(), 2);
+    assert!(v["encoder"]["fps"].as_f64().unwrap() > 0.0);
+    let e2e = &v["end_to_end"][0];
+    assert_eq!(e2e["model_frames"], 10); // 0.5 s: 41 mel columns, windows at i = 0..8, then the last 16
+    assert_eq!(e2e["video_frames"], 13);
+    assert!(e2e["ttfb_seconds"].as_f64().unwrap() <= e2e["seconds"].as_f64().unwrap());
+}

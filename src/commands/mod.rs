@@ -2,6 +2,7 @@
 //! helpers.
 
 pub mod audio;
+pub mod bench;
 pub mod checkpoint;
 pub mod render;
 

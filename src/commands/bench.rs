@@ -1,0 +1,379 @@
+//! `bench`: model-only frames/s by batch size, precision and instance count; encoder
+//! frames/s; end-to-end seconds and time to first byte through the service's pipeline (pool,
+//! batcher, job, compositor, encoder), without HTTP.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Tensor};
+use lipsync::engine::batcher::Limits;
+use lipsync::engine::job::Job;
+use lipsync::engine::pool::{Pool, PoolConfig};
+use lipsync::engine::render::video_frames;
+use lipsync::engine::scheduler::FrameWork;
+use lipsync::engine::Avatar;
+use lipsync::media::audio::{self, Fps, FramePlan, WINDOW};
+use lipsync::media::face::{Blend, Pads};
+use lipsync::media::image::ImageLimits;
+use lipsync::media::video::{EncoderSettings, FfmpegEncoder, VideoEncoder};
+use lipsync::model::arch::{FACE_CHANNELS, FACE_SIZE, MEL_BINS, MEL_STEPS};
+use lipsync::model::{self, DeviceKind, GeneratorWeights, Precision, Wav2Lip};
+
+use super::{read_file, CliError};
+
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Wav2Lip checkpoint (any form; `lipsync init-weights` output is fine: speed does not
+    /// depend on the values).
+    #[arg(long, env = "LIPSYNC_CHECKPOINT")]
+    pub checkpoint: PathBuf,
+    /// Where the model runs [default: cuda when built with CUDA and a GPU is present, else cpu].
+    #[arg(long, value_enum)]
+    pub device: Option<DeviceKind>,
+    /// Precisions to measure, comma-separated [default: f32,f16,bf16 on CUDA, f32 on CPU].
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub dtypes: Vec<Precision>,
+    /// Batch sizes to measure [default: 1,16,64,128,256,512 on CUDA, 1,4,16 on CPU].
+    #[arg(long, value_delimiter = ',')]
+    pub batches: Vec<usize>,
+    /// Instance counts for the concurrency run [default: 1,2,3 on CUDA, 1,2 on CPU].
+    #[arg(long, value_delimiter = ',')]
+    pub instances: Vec<usize>,
+    /// Batch size of the concurrency run [default: 128 on CUDA, 8 on CPU].
+    #[arg(long)]
+    pub instance_batch: Option<usize>,
+    /// Seconds to measure each configuration.
+    #[arg(long, default_value_t = 3.0)]
+    pub seconds: f64,
+    /// Frames to encode in the encoder-only run (0 skips it).
+    #[arg(long, default_value_t = 500)]
+    pub encode_frames: usize,
+    /// Seconds of speech for the end-to-end runs [default: 10,40 on CUDA, 10 on CPU].
+    #[arg(long, value_delimiter = ',')]
+    pub e2e: Vec<f64>,
+    /// Speech for the end-to-end runs (looped to length).
+    #[arg(long, default_value = "tests/media/arctic_a0007.wav")]
+    pub audio: PathBuf,
+    /// Avatar for the encoder and end-to-end runs.
+    #[arg(long, default_value = "tests/media/astronaut.png")]
+    pub image: PathBuf,
+    /// Also write the results as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// The ffmpeg executable.
+    #[arg(long, env = "LIPSYNC_FFMPEG", default_value = "ffmpeg")]
+    pub ffmpeg: PathBuf,
+}
+
+/// Runs `f` repeatedly for at least `seconds` (and 3 times); returns (runs, elapsed).
+fn timed(
+    seconds: f64,
+    mut f: impl FnMut() -> Result<(), CliError>,
+) -> Result<(usize, Duration), CliError> {
+    let start = Instant::now();
+    let mut runs = 0;
+    while runs < 3 || start.elapsed().as_secs_f64() < seconds {
+        f()?;
+        runs += 1;
+    }
+    Ok((runs, start.elapsed()))
+}
+
+fn inputs(n: usize, dev: &candle_core::Device) -> Result<(Tensor, Tensor), CliError> {
+    let mel =
+        Tensor::randn(0f32, 1.0, (n, 1, MEL_BINS, MEL_STEPS), dev).map_err(model::Error::from)?;
+    let face = Tensor::rand(0f32, 1.0, (n, FACE_CHANNELS, FACE_SIZE, FACE_SIZE), dev)
+        .map_err(model::Error::from)?;
+    Ok((mel, face))
+}
+
+/// One forward, waited for (reading a scalar back synchronises the device).
+fn forward_sync(model: &Wav2Lip, mel: &Tensor, face: &Tensor) -> Result<(), CliError> {
+    let out = model.forward(mel, face)?;
+    out.to_dtype(DType::F32)
+        .and_then(|t| t.sum_all())
+        .and_then(|t| t.to_scalar::<f32>())
+        .map_err(model::Error::from)?;
+    Ok(())
+}
+
+pub fn bench(a: BenchArgs) -> Result<(), CliError> {
+    let device = a.device.unwrap_or_else(DeviceKind::default_for_host);
+    let cuda = device == DeviceKind::Cuda;
+    let or = |v: &Vec<usize>, d: &[usize]| if v.is_empty() { d.to_vec() } else { v.clone() };
+    let batches = or(
+        &a.batches,
+        if cuda {
+            &[1, 16, 64, 128, 256, 512]
+        } else {
+            &[1, 4, 16]
+        },
+    );
+    let instances = or(&a.instances, if cuda { &[1, 2, 3] } else { &[1, 2] });
+    let instance_batch = a.instance_batch.unwrap_or(if cuda { 128 } else { 8 });
+    let dtypes = if a.dtypes.is_empty() {
+        if cuda {
+            vec![Precision::F32, Precision::F16, Precision::Bf16]
+        } else {
+            vec![Precision::F32]
+        }
+    } else {
+        a.dtypes.clone()
+    };
+    let e2e = if a.e2e.is_empty() {
+        if cuda {
+            vec![10.0, 40.0]
+        } else {
+            vec![10.0]
+        }
+    } else {
+        a.e2e.clone()
+    };
+    let (weights, _) = GeneratorWeights::from_file(&a.checkpoint)?;
+    let weights = Arc::new(weights);
+    let mut results = serde_json::json!({
+        "device": device, "host_cpus": std::thread::available_parallelism().map_or(1, |n| n.get()),
+        "version": env!("CARGO_PKG_VERSION"),
+    });
+
+    println!("## Model only ({device:?}, frames/s, one instance)\n");
+    println!(
+        "| dtype | {} |",
+        batches
+            .iter()
+            .map(|b| format!("batch {b}"))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    );
+    println!("|---|{}", "---|".repeat(batches.len()));
+    let mut model_rows = Vec::new();
+    for &p in &dtypes {
+        let dev = device.open_instance()?;
+        let dtype = model::compute_dtype(&dev, p);
+        let m = Wav2Lip::load(&weights, &dev, dtype)?;
+        let mut cells = Vec::new();
+        for &b in &batches {
+            let (mel, face) = inputs(b, &dev)?;
+            forward_sync(&m, &mel, &face)?; // warm-up
+            let (runs, t) = timed(a.seconds, || forward_sync(&m, &mel, &face))?;
+            let fps = (runs * b) as f64 / t.as_secs_f64();
+            model_rows.push(serde_json::json!({ "dtype": p, "compute_dtype": dtype.as_str(), "batch": b, "fps": fps }));
+            cells.push(format!("{fps:.1}"));
+        }
+        println!("| {} | {} |", dtype.as_str(), cells.join(" | "));
+    }
+    results["model"] = serde_json::Value::Array(model_rows);
+
+    println!(
+        "\n## Instances (batch {instance_batch}, {:?}, aggregate frames/s)\n",
+        dtypes[0]
+    );
+    println!("| instances | frames/s | vs one |");
+    println!("|---|---|---|");
+    let mut inst_rows = Vec::new();
+    let mut one = 0.0;
+    let precision = dtypes[0];
+    for &n in &instances {
+        let frames = Arc::new(AtomicU64::new(0));
+        let errors = Arc::new(Mutex::new(None));
+        let start = Instant::now();
+        std::thread::scope(|s| {
+            for _ in 0..n {
+                let (weights, frames, errors) = (weights.clone(), frames.clone(), errors.clone());
+                let seconds = a.seconds;
+                s.spawn(move || {
+                    let run = || -> Result<(), CliError> {
+                        let dev = device.open_instance()?;
+                        let m =
+                            Wav2Lip::load(&weights, &dev, model::compute_dtype(&dev, precision))?;
+                        let (mel, face) = inputs(instance_batch, &dev)?;
+                        forward_sync(&m, &mel, &face)?;
+                        let t = Instant::now();
+                        while t.elapsed().as_secs_f64() < seconds {
+                            forward_sync(&m, &mel, &face)?;
+                            frames.fetch_add(instance_batch as u64, Ordering::Relaxed);
+                        }
+                        Ok(())
+                    };
+                    if let Err(e) = run() {
+                        *errors.lock().unwrap() = Some(e.to_string());
+                    }
+                });
+            }
+        });
+        if let Some(e) = errors.lock().unwrap().take() {
+            return Err(CliError::Jobs(format!("instance run failed: {e}")));
+        }
+        // Loading overlaps the measurement start; use the measured window.
+        let elapsed = a.seconds.min(start.elapsed().as_secs_f64());
+        let fps = frames.load(Ordering::Relaxed) as f64 / elapsed;
+        if n == instances[0] {
+            one = fps / n as f64;
+        }
+        inst_rows.push(serde_json::json!({ "instances": n, "batch": instance_batch, "fps": fps }));
+        println!("| {n} | {fps:.1} | {:.2}x |", fps / one.max(1e-9));
+    }
+    results["instances"] = serde_json::Value::Array(inst_rows);
+
+    let avatar = Avatar::prepare(
+        &read_file(&a.image)?,
+        &ImageLimits::default(),
+        None,
+        Pads::default(),
+        Blend::Feather,
+    )?;
+    if a.encode_frames > 0 {
+        let mut settings =
+            EncoderSettings::new(avatar.frame.width, avatar.frame.height, Fps::DEFAULT);
+        settings.ffmpeg = a.ffmpeg.clone();
+        let mut enc: Box<dyn VideoEncoder> =
+            Box::new(FfmpegEncoder::spawn(settings, Box::new(std::io::sink()))?);
+        let t = Instant::now();
+        for _ in 0..a.encode_frames {
+            enc.write_frame(&avatar.frame)?;
+        }
+        enc.finish()?;
+        let fps = a.encode_frames as f64 / t.elapsed().as_secs_f64();
+        println!(
+            "\n## Encoder only\n\n{} frames of {}x{} (x264 veryfast, crf 20, one stream): {fps:.1} frames/s",
+            a.encode_frames, avatar.frame.width, avatar.frame.height
+        );
+        results["encoder"] = serde_json::json!({ "frames": a.encode_frames, "width": avatar.frame.width, "height": avatar.frame.height, "fps": fps });
+    }
+
+    println!("\n## End to end (pool, batcher, compositor, encoder; no HTTP)\n");
+    println!("| speech | model frames | video frames | total | time to first byte |");
+    println!("|---|---|---|---|---|");
+    let pool = Pool::start(
+        weights.clone(),
+        PoolConfig {
+            device,
+            precision: dtypes[0],
+            instances: instances
+                .iter()
+                .copied()
+                .max()
+                .unwrap_or(1)
+                .min(if cuda { 3 } else { 1 }),
+            limits: Limits {
+                max_batch: if cuda { 512 } else { 16 },
+                first_batch: if cuda { 16 } else { 4 },
+                max_queue: usize::MAX,
+                max_ahead: if cuda { 1024 } else { 32 },
+            },
+            batch_wait: Duration::from_millis(2),
+            pad_batches: cuda,
+            memory_limit: None,
+        },
+    );
+    while !pool.status().all_ready() {
+        if let Some(e) = pool.status().failed() {
+            return Err(CliError::Jobs(e));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let clip = audio::load(&read_file(&a.audio)?, 3600.0)?.samples;
+    let mut e2e_rows = Vec::new();
+    for &seconds in &e2e {
+        let n = (seconds * 16_000.0) as usize;
+        let samples: Vec<f32> = clip.iter().copied().cycle().take(n).collect();
+        let wav = tempfile::Builder::new()
+            .suffix(".wav")
+            .tempfile()
+            .map_err(|e| CliError::Jobs(e.to_string()))?;
+        write_wav(wav.path(), &samples)?;
+        let bytes = read_file(wav.path())?;
+        let start = Instant::now();
+        let speech = audio::load(&bytes, 3600.0)?;
+        let mel = speech.mel();
+        let plan = FramePlan::new(mel.frames(), Fps::DEFAULT)?;
+        let frames: Vec<FrameWork> = (0..plan.len())
+            .map(|index| FrameWork {
+                index,
+                mel: mel.window(plan.start(index), WINDOW),
+            })
+            .collect();
+        let (request, results_rx) = pool
+            .scheduler()
+            .admit(frames, Arc::new(avatar.input.clone()))
+            .map_err(|_| CliError::Jobs("queue full".into()))?;
+        let mut settings =
+            EncoderSettings::new(avatar.frame.width, avatar.frame.height, Fps::DEFAULT);
+        settings.audio = Some(wav.path().to_path_buf());
+        settings.ffmpeg = a.ffmpeg.clone();
+        let first = Arc::new(Mutex::new(None));
+        let sink = FirstByte {
+            start,
+            first: first.clone(),
+        };
+        let encoder = FfmpegEncoder::spawn(settings, Box::new(sink))?;
+        let job = Job {
+            request,
+            results: results_rx,
+            model_frames: plan.len(),
+            video_frames: video_frames(speech.seconds(), Fps::DEFAULT, plan.len()),
+            avatar: Arc::new(avatar.clone()),
+        };
+        let summary = job.run(pool.scheduler(), Box::new(encoder), &|| false)?;
+        let total = start.elapsed().as_secs_f64();
+        let ttfb = first.lock().unwrap().unwrap_or(f64::NAN);
+        println!(
+            "| {seconds} s | {} | {} | {total:.2} s | {ttfb:.2} s |",
+            plan.len(),
+            summary.frames
+        );
+        e2e_rows.push(serde_json::json!({ "speech_seconds": seconds, "model_frames": plan.len(), "video_frames": summary.frames, "seconds": total, "ttfb_seconds": ttfb }));
+    }
+    pool.shutdown();
+    results["end_to_end"] = serde_json::Value::Array(e2e_rows);
+    if let Some(path) = &a.json {
+        std::fs::write(
+            path,
+            serde_json::to_vec_pretty(&results).unwrap_or_default(),
+        )
+        .map_err(|source| CliError::Read {
+            path: path.clone(),
+            source,
+        })?;
+    }
+    Ok(())
+}
+
+/// Discards the video, noting when its first byte came.
+struct FirstByte {
+    start: Instant,
+    first: Arc<Mutex<Option<f64>>>,
+}
+
+impl Write for FirstByte {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.first
+            .lock()
+            .unwrap()
+            .get_or_insert_with(|| self.start.elapsed().as_secs_f64());
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn write_wav(path: &std::path::Path, samples: &[f32]) -> Result<(), CliError> {
+    let spec = hound::WavSpec {
+        channels: 1,
+        sample_rate: 16_000,
+        bits_per_sample: 16,
+        sample_format: hound::SampleFormat::Int,
+    };
+    let err = |e: hound::Error| CliError::Jobs(format!("cannot write {}: {e}", path.display()));
+    let mut w = hound::WavWriter::create(path, spec).map_err(err)?;
+    for s in samples {
+        w.write_sample((s.clamp(-1.0, 1.0) * 32767.0) as i16)
+            .map_err(err)?;
+    }
+    w.finalize().map_err(err)
+}
