@@ -2,20 +2,10 @@
 
 mod common;
 
-use std::path::PathBuf;
+use common::media;
 
 use lipsync::media::audio::{self, mel_spectrogram, Fps, FramePlan, Mel};
 use lipsync::media::Error;
-
-fn media(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/media")
-        .join(name)
-}
-
-fn read(name: &str) -> Vec<u8> {
-    std::fs::read(media(name)).unwrap()
-}
 
 /// A reference mel from tests/fixtures/audio/mel.safetensors, as (80, T) values.
 fn reference(name: &str) -> (Vec<f32>, usize) {
@@ -45,7 +35,7 @@ const MAX_SECONDS: f64 = audio::DEFAULT_MAX_SECONDS;
 
 #[test]
 fn speech_mel_matches_librosa() {
-    let speech = audio::load(&read("arctic_a0007.wav"), MAX_SECONDS).unwrap();
+    let speech = audio::load(&media("arctic_a0007.wav"), MAX_SECONDS).unwrap();
     assert_eq!(speech.samples.len(), 64_000);
     assert_eq!((speech.source_rate, speech.container), (16_000, "wav"));
     let mel = speech.mel();
@@ -71,7 +61,7 @@ fn golden_tone_matches_librosa() {
 
 #[test]
 fn every_format_gives_the_same_frames_and_close_mels() {
-    let base = audio::load(&read("arctic_a0007.wav"), MAX_SECONDS).unwrap();
+    let base = audio::load(&media("arctic_a0007.wav"), MAX_SECONDS).unwrap();
     let base_mel = base.mel();
     let base_plan = FramePlan::new(base_mel.frames(), Fps::DEFAULT).unwrap();
     assert_eq!(base_plan.len(), 97);
@@ -82,7 +72,7 @@ fn every_format_gives_the_same_frames_and_close_mels() {
         ("arctic_a0007_44k_stereo.ogg", "vorbis"),
         ("arctic_a0007_44k_stereo.m4a", "aac"),
     ] {
-        let s = audio::load(&read(file), MAX_SECONDS).unwrap();
+        let s = audio::load(&media(file), MAX_SECONDS).unwrap();
         assert_eq!((s.source_rate, s.source_channels), (44_100, 2), "{file}");
         assert_eq!(s.codec, codec);
         let mel = s.mel();
@@ -106,7 +96,7 @@ fn every_format_gives_the_same_frames_and_close_mels() {
 
 #[test]
 fn resampled_speech_matches_librosa_resampling() {
-    let mel = audio::load(&read("arctic_a0007_44k_stereo.flac"), MAX_SECONDS)
+    let mel = audio::load(&media("arctic_a0007_44k_stereo.flac"), MAX_SECONDS)
         .unwrap()
         .mel();
     let (max, mean) = diff(&mel, &reference("arctic_flac"));
@@ -130,7 +120,7 @@ fn best_lag(a: &[f32], b: &[f32]) -> i64 {
 
 #[test]
 fn encoder_delay_is_removed_so_speech_starts_at_zero() {
-    let base = audio::load(&read("arctic_a0007.wav"), MAX_SECONDS)
+    let base = audio::load(&media("arctic_a0007.wav"), MAX_SECONDS)
         .unwrap()
         .samples;
     for file in [
@@ -139,7 +129,7 @@ fn encoder_delay_is_removed_so_speech_starts_at_zero() {
         "arctic_a0007_44k_stereo.ogg",
         "arctic_a0007_44k_stereo.m4a",
     ] {
-        let s = audio::load(&read(file), MAX_SECONDS).unwrap().samples;
+        let s = audio::load(&media(file), MAX_SECONDS).unwrap().samples;
         assert_eq!(best_lag(&base, &s), 0, "{file}");
     }
 }
@@ -170,7 +160,7 @@ fn wav_bytes(spec: hound::WavSpec, samples: &[f64]) -> Vec<u8> {
 }
 
 fn arctic_samples() -> Vec<f64> {
-    audio::load(&read("arctic_a0007.wav"), MAX_SECONDS)
+    audio::load(&media("arctic_a0007.wav"), MAX_SECONDS)
         .unwrap()
         .samples
         .iter()
@@ -218,7 +208,7 @@ fn wav_of_every_bit_depth_and_channel_count_decodes() {
 
 #[test]
 fn streamed_wav_headers_without_a_length_decode() {
-    let mut b = read("arctic_a0007.wav");
+    let mut b = media("arctic_a0007.wav");
     let data = b.windows(4).position(|w| w == b"data").unwrap();
     b[data + 4..data + 8].copy_from_slice(&u32::MAX.to_le_bytes());
     assert_eq!(audio::load(&b, MAX_SECONDS).unwrap().samples.len(), 64_000);
@@ -233,7 +223,7 @@ fn truncated_files_are_reported_as_truncated() {
         "arctic_a0007_44k_stereo.ogg",
         "arctic_a0007_44k_stereo.m4a",
     ] {
-        let b = read(file);
+        let b = media(file);
         for keep in [0.5, 0.9] {
             let cut = &b[..(b.len() as f64 * keep) as usize];
             match audio::load(cut, MAX_SECONDS) {
@@ -255,12 +245,12 @@ fn bad_audio_gets_a_clear_error() {
         Some("not_audio")
     );
     // Longer than the limit: refused from the header, before decoding.
-    let e = audio::load(&read("arctic_a0007.wav"), 1.5).unwrap_err();
+    let e = audio::load(&media("arctic_a0007.wav"), 1.5).unwrap_err();
     assert!(
         matches!(e, Error::AudioTooLong { seconds, max_seconds } if seconds == 4.0 && max_seconds == 1.5)
     );
     assert_eq!(
-        kind(&read("arctic_a0007_44k_stereo.mp3"), 1.5),
+        kind(&media("arctic_a0007_44k_stereo.mp3"), 1.5),
         Some("audio_too_long")
     );
     // Shorter than one 16-column mel window (0.1875 s).

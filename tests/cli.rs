@@ -3,21 +3,12 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 
-use common::{checkpoint, expected_tensors, sha256_f32, CHECKPOINT_FORMS};
+use common::{
+    checkpoint, expected_tensors, lipsync, media_path, sha256_f32, text, CHECKPOINT_FORMS,
+};
 use lipsync::model::GeneratorWeights;
-
-fn lipsync(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_lipsync"))
-        .args(args.iter().map(|a| a.as_ref()))
-        .output()
-        .unwrap()
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
 
 #[test]
 fn convert_writes_the_302_source_tensors_from_every_form() {
@@ -187,12 +178,6 @@ fn init_weights_writes_loadable_random_weights() {
     assert_eq!(s.random_init_seed, Some(3));
 }
 
-fn media(name: &str) -> std::path::PathBuf {
-    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/media")
-        .join(name)
-}
-
 #[test]
 fn audio_reports_frames_for_every_format() {
     for file in [
@@ -202,7 +187,7 @@ fn audio_reports_frames_for_every_format() {
         "arctic_a0007_44k_stereo.ogg",
         "arctic_a0007_44k_stereo.m4a",
     ] {
-        let o = lipsync(&[&"audio", &media(file), &"--json"]);
+        let o = lipsync(&[&"audio", &media_path(file), &"--json"]);
         assert!(o.status.success(), "{file}: {}", text(&o.stderr));
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         assert_eq!(v["frames"], 97, "{file}");
@@ -213,7 +198,7 @@ fn audio_reports_frames_for_every_format() {
     for fps in ["29.97", "30000/1001"] {
         let o = lipsync(&[
             &"audio",
-            &media("arctic_a0007.wav"),
+            &media_path("arctic_a0007.wav"),
             &"--fps",
             &fps,
             &"--json",
@@ -221,7 +206,7 @@ fn audio_reports_frames_for_every_format() {
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         assert_eq!(v["frames"], 116, "{fps}");
     }
-    let o = lipsync(&[&"audio", &media("arctic_a0007.wav")]);
+    let o = lipsync(&[&"audio", &media_path("arctic_a0007.wav")]);
     assert!(
         text(&o.stdout).contains("97 at 25 fps"),
         "{}",
@@ -236,11 +221,16 @@ fn audio_errors_are_typed_and_exit_2() {
     assert_eq!(o.status.code(), Some(2));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["error_type"], "not_audio");
-    let o = lipsync(&[&"audio", &media("arctic_a0007.wav"), &"--max-seconds", &"2"]);
+    let o = lipsync(&[
+        &"audio",
+        &media_path("arctic_a0007.wav"),
+        &"--max-seconds",
+        &"2",
+    ]);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o.stderr).contains("too long"), "{}", text(&o.stderr));
     assert_eq!(
-        lipsync(&[&"audio", &media("arctic_a0007.wav"), &"--fps", &"61"])
+        lipsync(&[&"audio", &media_path("arctic_a0007.wav"), &"--fps", &"61"])
             .status
             .code(),
         Some(1)

@@ -2,20 +2,11 @@
 
 mod common;
 
-use std::path::PathBuf;
+use common::media;
 
 use lipsync::media::face::{self, FaceBox};
 use lipsync::media::image::{self as img, ImageLimits};
 use lipsync::media::Error;
-
-fn media(name: &str) -> Vec<u8> {
-    std::fs::read(
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/media")
-            .join(name),
-    )
-    .unwrap()
-}
 
 #[test]
 fn png_jpeg_webp_decode_with_orientation_and_without_alpha() {

@@ -3,28 +3,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
+use std::process::Command;
 
-use common::checkpoint;
+use common::{checkpoint, lipsync, media_path, text, top_level_boxes};
 use lipsync::media::face::FaceBox;
-
-fn media(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/media")
-        .join(name)
-}
-
-fn lipsync(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_lipsync"))
-        .args(args.iter().map(|a| a.as_ref()))
-        .output()
-        .unwrap()
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
 
 /// ffprobe's JSON for the streams of `path` (with a counted video frame total).
 fn probe(path: &Path) -> serde_json::Value {
@@ -57,21 +40,6 @@ fn stream<'a>(p: &'a serde_json::Value, kind: &str) -> &'a serde_json::Value {
 fn num(v: &serde_json::Value) -> f64 {
     v.as_str()
         .map_or_else(|| v.as_f64().unwrap(), |s| s.parse().unwrap())
-}
-
-/// The MP4's top-level boxes, in order.
-fn top_level_boxes(bytes: &[u8]) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut pos = 0usize;
-    while pos + 8 <= bytes.len() {
-        let size = u32::from_be_bytes(bytes[pos..pos + 4].try_into().unwrap()) as usize;
-        out.push(String::from_utf8_lossy(&bytes[pos + 4..pos + 8]).into_owned());
-        if size < 8 {
-            break;
-        }
-        pos += size;
-    }
-    out
 }
 
 /// The decoded video as RGB frames.
@@ -112,9 +80,9 @@ fn render_makes_a_playable_video_that_covers_the_audio() {
         &"--checkpoint",
         &checkpoint("legacy_plain.pth"),
         &"--audio",
-        &media("arctic_a0007.wav"),
+        &media_path("arctic_a0007.wav"),
         &"--image",
-        &media("astronaut.png"),
+        &media_path("astronaut.png"),
         &"--out",
         &out,
         &"--faces-dir",
@@ -199,10 +167,12 @@ fn render_makes_a_playable_video_that_covers_the_audio() {
     }
 
     // Speech and lips in step: the decoded soundtrack lines up with the input at lag 0.
-    let input =
-        lipsync::media::audio::load(&std::fs::read(media("arctic_a0007.wav")).unwrap(), 600.0)
-            .unwrap()
-            .samples;
+    let input = lipsync::media::audio::load(
+        &std::fs::read(media_path("arctic_a0007.wav")).unwrap(),
+        600.0,
+    )
+    .unwrap()
+    .samples;
     let track = lipsync::media::audio::load(&bytes, 600.0).unwrap().samples;
     let score = |lag: i64| -> f64 {
         (8000..56000)
@@ -230,9 +200,9 @@ fn hard_blend_faces_match_the_pytorch_opencv_reference() {
         &"--checkpoint",
         &checkpoint("legacy_plain.pth"),
         &"--audio",
-        &media("arctic_a0007_1s.wav"),
+        &media_path("arctic_a0007_1s.wav"),
         &"--image",
-        &media("astronaut.png"),
+        &media_path("astronaut.png"),
         &"--box",
         &box_arg,
         &"--blend",
@@ -290,7 +260,7 @@ const HAND_MEASURED: [(&str, FaceBox); 2] = [
 #[test]
 fn detect_finds_brows_to_chin_boxes() {
     for (name, want) in HAND_MEASURED {
-        let o = lipsync(&[&"detect", &media(name), &"--json"]);
+        let o = lipsync(&[&"detect", &media_path(name), &"--json"]);
         assert!(o.status.success(), "{}", text(&o.stderr));
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         let b: Vec<u32> = v["box"]
@@ -311,7 +281,7 @@ fn detect_finds_brows_to_chin_boxes() {
         // Default pads add 10 pixels below the chin.
         assert_eq!(v["unpadded"][3].as_u64().unwrap() + 10, u64::from(got.y2));
         // The text form is the box alone, ready for --box.
-        let o = lipsync(&[&"detect", &media(name)]);
+        let o = lipsync(&[&"detect", &media_path(name)]);
         assert_eq!(text(&o.stdout).trim(), got.to_string());
     }
 }
@@ -319,7 +289,7 @@ fn detect_finds_brows_to_chin_boxes() {
 #[test]
 fn odd_sizes_downscaling_and_explicit_boxes() {
     let dir = tempfile::tempdir().unwrap();
-    let photo = image::open(media("astronaut.png")).unwrap();
+    let photo = image::open(media_path("astronaut.png")).unwrap();
     let odd = dir.path().join("odd.png");
     photo.crop_imm(100, 30, 301, 257).save(&odd).unwrap();
     let out = dir.path().join("odd.mp4");
@@ -328,7 +298,7 @@ fn odd_sizes_downscaling_and_explicit_boxes() {
         &"--checkpoint",
         &checkpoint("zip_bare.pt"),
         &"--audio",
-        &media("arctic_a0007_1s.wav"),
+        &media_path("arctic_a0007_1s.wav"),
         &"--image",
         &odd,
         &"--box",
@@ -356,9 +326,9 @@ fn odd_sizes_downscaling_and_explicit_boxes() {
         &"--checkpoint",
         &checkpoint("zip_bare.pt"),
         &"--audio",
-        &media("arctic_a0007_1s.wav"),
+        &media_path("arctic_a0007_1s.wav"),
         &"--image",
-        &media("grace_hopper.jpg"),
+        &media_path("grace_hopper.jpg"),
         &"--max-side",
         &"300",
         &"--out",
@@ -377,10 +347,10 @@ fn jobs_render_many_and_one_failure_does_not_stop_the_rest() {
     let dir = tempfile::tempdir().unwrap();
     let jobs = dir.path().join("jobs.jsonl");
     let d = dir.path().display();
-    let wav = media("arctic_a0007_1s.wav");
+    let wav = media_path("arctic_a0007_1s.wav");
     let wav = wav.display();
-    let astro = media("astronaut.png");
-    let hopper = media("grace_hopper.jpg");
+    let astro = media_path("astronaut.png");
+    let hopper = media_path("grace_hopper.jpg");
     std::fs::write(
         &jobs,
         format!(
@@ -457,8 +427,8 @@ fn bad_inputs_get_clear_errors_and_exit_2() {
             .unwrap();
         (o.status.code(), text(&o.stderr))
     };
-    let wav = media("arctic_a0007_1s.wav");
-    let png = media("astronaut.png");
+    let wav = media_path("arctic_a0007_1s.wav");
+    let png = media_path("astronaut.png");
     let (code, err) = run(&wav, &gray, &[]);
     assert_eq!(code, Some(2));
     assert!(err.contains("no face"), "{err}");
@@ -532,36 +502,22 @@ fn the_same_speech_in_any_format_draws_the_same_faces() {
         lipsync::model::Wav2Lip::load(&w, &candle_core::Device::Cpu, candle_core::DType::F32)
             .unwrap();
     let avatar = lipsync::engine::Avatar::prepare(
-        &std::fs::read(media("astronaut.png")).unwrap(),
+        &std::fs::read(media_path("astronaut.png")).unwrap(),
         &ImageLimits::default(),
         None,
         Pads::default(),
         Blend::Feather,
     )
     .unwrap();
-    let read = |n: &str| std::fs::read(media(n)).unwrap();
+    let read = |n: &str| std::fs::read(media_path(n)).unwrap();
     let base = faces_for(&model, &avatar, &read("arctic_a0007.wav"));
     assert_eq!(base.len(), 22);
     // 44.1 kHz stereo WAV, made from the FLAC (lossless) with hound.
     let flac = lipsync::media::audio::decode::decode(&read("arctic_a0007_44k_stereo.flac"), 600.0)
         .unwrap();
-    let mut wav = std::io::Cursor::new(Vec::new());
-    {
-        let spec = hound::WavSpec {
-            channels: 2,
-            sample_rate: 44_100,
-            bits_per_sample: 16,
-            sample_format: hound::SampleFormat::Int,
-        };
-        let mut wr = hound::WavWriter::new(&mut wav, spec).unwrap();
-        for s in &flac.samples {
-            let v = (s * 32768.0).round().clamp(-32768.0, 32767.0) as i16;
-            wr.write_sample(v).unwrap();
-            wr.write_sample(v).unwrap();
-        }
-        wr.finalize().unwrap();
-    }
-    let mut inputs = vec![("44.1 kHz stereo WAV".to_string(), wav.into_inner())];
+    let stereo: Vec<f32> = flac.samples.iter().flat_map(|&x| [x, x]).collect();
+    let wav = common::wav(&stereo, 44_100, 2);
+    let mut inputs = vec![("44.1 kHz stereo WAV".to_string(), wav)];
     for ext in ["flac", "mp3", "ogg", "m4a"] {
         inputs.push((
             ext.to_string(),
@@ -584,20 +540,7 @@ fn the_same_speech_in_any_format_draws_the_same_faces() {
     // Different speech: the same words read backwards.
     let mut speech = lipsync::media::audio::load(&read("arctic_a0007.wav"), 600.0).unwrap();
     speech.samples.reverse();
-    let spec = hound::WavSpec {
-        channels: 1,
-        sample_rate: 16_000,
-        bits_per_sample: 32,
-        sample_format: hound::SampleFormat::Float,
-    };
-    let mut rev = std::io::Cursor::new(Vec::new());
-    let mut wr = hound::WavWriter::new(&mut rev, spec).unwrap();
-    speech
-        .samples
-        .iter()
-        .for_each(|s| wr.write_sample(*s).unwrap());
-    wr.finalize().unwrap();
-    let other = faces_for(&model, &avatar, &rev.into_inner());
+    let other = faces_for(&model, &avatar, &common::wav(&speech.samples, 16_000, 1));
     let d = mean_difference(&base, &other);
     eprintln!("different speech: mean face difference {d:.2}/255");
     // Clearly different: beyond the same-speech bound, and far beyond any codec's effect.

@@ -3,6 +3,8 @@
 
 mod common;
 
+use common::media;
+
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -14,15 +16,6 @@ use reqwest::multipart::{Form, Part};
 
 /// Servers run one at a time: model timing on two shared cores is the point of some tests.
 static SERIAL: Mutex<()> = Mutex::new(());
-
-fn media(name: &str) -> Vec<u8> {
-    std::fs::read(
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/media")
-            .join(name),
-    )
-    .unwrap()
-}
 
 struct Server {
     child: Child,
@@ -135,21 +128,6 @@ fn lipsync_form(audio: &str, image: &str) -> Form {
         )
 }
 
-/// Top-level MP4 boxes in `bytes` (complete ones only).
-fn boxes(bytes: &[u8]) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut pos = 0usize;
-    while pos + 8 <= bytes.len() {
-        let size = u32::from_be_bytes(bytes[pos..pos + 4].try_into().unwrap()) as usize;
-        if size < 8 || pos + size > bytes.len() {
-            break;
-        }
-        out.push(String::from_utf8_lossy(&bytes[pos + 4..pos + 8]).into_owned());
-        pos += size;
-    }
-    out
-}
-
 /// Frames ffprobe decodes from an MP4 (or a prefix of one).
 fn decoded_frames(bytes: &[u8]) -> u64 {
     let f = tempfile::NamedTempFile::new().unwrap();
@@ -221,7 +199,7 @@ async fn the_video_streams_and_its_first_fragment_arrives_before_the_last_frame_
     let mut first_fragment = None;
     while let Some(chunk) = body.next().await {
         bytes.extend_from_slice(&chunk.unwrap());
-        let b = boxes(&bytes);
+        let b = common::top_level_boxes(&bytes);
         if first_fragment.is_none()
             && b.iter().any(|x| x == "moof")
             && b.iter().any(|x| x == "mdat")
@@ -383,24 +361,10 @@ async fn a_slow_reader_holds_back_its_own_work_instead_of_growing_memory() {
     sock.connect(&addr.into()).unwrap();
     let mut tcp: std::net::TcpStream = sock.into();
     // 8 s of speech (the clip twice): 197 model frames.
-    let speech = {
-        let clip = lipsync::media::audio::load(&media("arctic_a0007.wav"), 60.0)
-            .unwrap()
-            .samples;
-        let mut out = std::io::Cursor::new(Vec::new());
-        let spec = hound::WavSpec {
-            channels: 1,
-            sample_rate: 16_000,
-            bits_per_sample: 16,
-            sample_format: hound::SampleFormat::Int,
-        };
-        let mut w = hound::WavWriter::new(&mut out, spec).unwrap();
-        for x in clip.iter().chain(&clip) {
-            w.write_sample((x * 32767.0) as i16).unwrap();
-        }
-        w.finalize().unwrap();
-        out.into_inner()
-    };
+    let clip = lipsync::media::audio::load(&media("arctic_a0007.wav"), 60.0)
+        .unwrap()
+        .samples;
+    let speech = common::wav(&[clip.as_slice(), clip.as_slice()].concat(), 16_000, 1);
     let body = multipart_body(
         "XyZbOuNdArY",
         &[("audio", &speech), ("image", &png)],
@@ -467,17 +431,7 @@ async fn a_slow_reader_holds_back_its_own_work_instead_of_growing_memory() {
 
 /// 0.1 s of silence: less than one 16-column mel window.
 fn short_wav() -> Vec<u8> {
-    let mut out = std::io::Cursor::new(Vec::new());
-    let spec = hound::WavSpec {
-        channels: 1,
-        sample_rate: 16_000,
-        bits_per_sample: 16,
-        sample_format: hound::SampleFormat::Int,
-    };
-    let mut w = hound::WavWriter::new(&mut out, spec).unwrap();
-    (0..1600).for_each(|_| w.write_sample(0i16).unwrap());
-    w.finalize().unwrap();
-    out.into_inner()
+    common::wav(&[0.0; 1600], 16_000, 1)
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -970,24 +924,10 @@ async fn half_precision_overflow_is_recomputed_in_f32() {
     );
     s.wait_ready().await;
     // 0.4 s of speech (7 model frames): f16 convolutions are slow on the CPU.
-    let speech = {
-        let clip = lipsync::media::audio::load(&media("arctic_a0007.wav"), 60.0)
-            .unwrap()
-            .samples;
-        let mut out = std::io::Cursor::new(Vec::new());
-        let spec = hound::WavSpec {
-            channels: 1,
-            sample_rate: 16_000,
-            bits_per_sample: 16,
-            sample_format: hound::SampleFormat::Int,
-        };
-        let mut w = hound::WavWriter::new(&mut out, spec).unwrap();
-        clip[16_000..22_400]
-            .iter()
-            .for_each(|x| w.write_sample((x * 32767.0) as i16).unwrap());
-        w.finalize().unwrap();
-        out.into_inner()
-    };
+    let clip = lipsync::media::audio::load(&media("arctic_a0007.wav"), 60.0)
+        .unwrap()
+        .samples;
+    let speech = common::wav(&clip[16_000..22_400], 16_000, 1);
     let form = Form::new()
         .part("audio", Part::bytes(speech).file_name("a.wav"))
         .part(

@@ -85,3 +85,60 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
         .to_scalar::<f32>()
         .unwrap()
 }
+
+/// A file of `tests/media`.
+pub fn media_path(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/media")
+        .join(name)
+}
+
+/// The bytes of a file of `tests/media`.
+pub fn media(name: &str) -> Vec<u8> {
+    std::fs::read(media_path(name)).unwrap()
+}
+
+/// Runs the `lipsync` binary.
+pub fn lipsync(args: &[&dyn AsRef<std::ffi::OsStr>]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_lipsync"))
+        .args(args.iter().map(|a| a.as_ref()))
+        .output()
+        .unwrap()
+}
+
+pub fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// A 16-bit WAV of interleaved samples in [-1, 1].
+pub fn wav(samples: &[f32], rate: u32, channels: u16) -> Vec<u8> {
+    let mut out = std::io::Cursor::new(Vec::new());
+    let spec = hound::WavSpec {
+        channels,
+        sample_rate: rate,
+        bits_per_sample: 16,
+        sample_format: hound::SampleFormat::Int,
+    };
+    let mut w = hound::WavWriter::new(&mut out, spec).unwrap();
+    for s in samples {
+        w.write_sample((s.clamp(-1.0, 1.0) * 32767.0).round() as i16)
+            .unwrap();
+    }
+    w.finalize().unwrap();
+    out.into_inner()
+}
+
+/// The complete top-level boxes at the start of an MP4 (or a prefix of one), in order.
+pub fn top_level_boxes(bytes: &[u8]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut pos = 0usize;
+    while pos + 8 <= bytes.len() {
+        let size = u32::from_be_bytes(bytes[pos..pos + 4].try_into().unwrap()) as usize;
+        if size < 8 || pos + size > bytes.len() {
+            break;
+        }
+        out.push(String::from_utf8_lossy(&bytes[pos + 4..pos + 8]).into_owned());
+        pos += size;
+    }
+    out
+}
