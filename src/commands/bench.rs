@@ -133,7 +133,7 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
         a.e2e.clone()
     };
     let (weights, _) = GeneratorWeights::from_file(&a.checkpoint)?;
-    let weights = Arc::new(weights);
+    let weights = Arc::new(weights.fold()?);
     let mut results = serde_json::json!({
         "device": device, "host_cpus": std::thread::available_parallelism().map_or(1, |n| n.get()),
         "version": env!("CARGO_PKG_VERSION"),

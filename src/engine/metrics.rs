@@ -21,6 +21,7 @@ pub const AVATAR_CACHE_BYTES: &str = "lipsync_avatar_cache_bytes";
 pub const AVATAR_CACHE_ENTRIES: &str = "lipsync_avatar_cache_entries";
 pub const RESIDENT_MEMORY: &str = "process_resident_memory_bytes";
 pub const GPU_MEMORY_USED: &str = "lipsync_gpu_memory_used_bytes";
+pub const GPU_MEMORY_TOTAL: &str = "lipsync_gpu_memory_total_bytes";
 pub const OOM_SPLITS: &str = "lipsync_oom_splits_total";
 pub const PRECISION_FALLBACKS: &str = "lipsync_precision_fallbacks_total";
 

@@ -240,9 +240,37 @@ fn resident_memory() -> Option<f64> {
     Some(kb * 1024.0)
 }
 
+/// Used and total memory of GPU 0, from NVML (loaded at run time; `None` without it).
+#[cfg(feature = "cuda")]
+fn gpu_memory() -> Option<(u64, u64)> {
+    static NVML: OnceLock<Option<nvml_wrapper::Nvml>> = OnceLock::new();
+    let nvml = NVML
+        .get_or_init(|| match nvml_wrapper::Nvml::init() {
+            Ok(n) => Some(n),
+            Err(e) => {
+                tracing::warn!("NVML unavailable, no GPU memory metrics: {e}");
+                None
+            }
+        })
+        .as_ref()?;
+    let info = nvml.device_by_index(0).ok()?.memory_info().ok()?;
+    Some((info.used, info.total))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_memory() -> Option<(u64, u64)> {
+    None
+}
+
 async fn metrics_text(State(app): State<Arc<App>>) -> impl IntoResponse {
     if let Some(rss) = resident_memory() {
         metrics::gauge!(m::RESIDENT_MEMORY).set(rss);
+    }
+    if app.cfg.device == crate::model::DeviceKind::Cuda {
+        if let Some((used, total)) = gpu_memory() {
+            metrics::gauge!(m::GPU_MEMORY_USED).set(used as f64);
+            metrics::gauge!(m::GPU_MEMORY_TOTAL).set(total as f64);
+        }
     }
     (
         [(
@@ -436,7 +464,10 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
     let loader = app.clone();
     std::thread::Builder::new()
         .name("lipsync-loader".into())
-        .spawn(move || match GeneratorWeights::from_file(&loader.args.checkpoint) {
+        .spawn(move || match GeneratorWeights::from_file(&loader.args.checkpoint)
+            .and_then(|(w, summary)| Ok((w.fold()?, summary)))
+        {
+            // Folded once here rather than by every instance.
             Ok((weights, summary)) => {
                 if let Some(seed) = summary.random_init_seed {
                     tracing::warn!("serving random test weights (seed {seed}): the faces they draw are noise");
