@@ -151,8 +151,7 @@ impl DeviceKind {
             DeviceKind::Cuda if !cfg!(feature = "cuda") => Err(Error::Device(
                 "this lipsync binary was built without CUDA support (cargo feature `cuda`)".into(),
             )),
-            DeviceKind::Cuda => Device::new_cuda(0)
-                .map_err(|e| Error::Device(format!("cannot open CUDA device 0: {e}"))),
+            DeviceKind::Cuda => Device::new_cuda(0).map_err(cuda_error),
         }
     }
 }
@@ -164,10 +163,16 @@ impl DeviceKind {
         match self {
             DeviceKind::Cpu => Ok(Device::Cpu),
             DeviceKind::Cuda if !cfg!(feature = "cuda") => self.open(),
-            DeviceKind::Cuda => Device::new_cuda_with_stream(0)
-                .map_err(|e| Error::Device(format!("cannot open CUDA device 0: {e}"))),
+            DeviceKind::Cuda => Device::new_cuda_with_stream(0).map_err(cuda_error),
         }
     }
+}
+
+/// A CUDA device error in one line (candle's text may carry a backtrace).
+fn cuda_error(e: candle_core::Error) -> Error {
+    let text = e.to_string();
+    let first = text.lines().next().unwrap_or("unknown error");
+    Error::Device(format!("cannot open CUDA device 0: {first}"))
 }
 
 /// The dtype the model will actually compute in on `device`. candle's CPU backend has no bf16

@@ -460,41 +460,54 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
     });
 
     // Load in the background: /health answers at once, /ready once the instances are warm.
+    // A model that cannot load, or instances that cannot start, end the server with an error
+    // (a server that can never be ready should not pretend to be one).
     let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<model::Error>();
     let loader = app.clone();
     std::thread::Builder::new()
         .name("lipsync-loader".into())
-        .spawn(move || match GeneratorWeights::from_file(&loader.args.checkpoint)
-            .and_then(|(w, summary)| Ok((w.fold()?, summary)))
-        {
-            // Folded once here rather than by every instance.
-            Ok((weights, summary)) => {
-                if let Some(seed) = summary.random_init_seed {
-                    tracing::warn!("serving random test weights (seed {seed}): the faces they draw are noise");
+        .spawn(move || {
+            let loaded = GeneratorWeights::from_file(&loader.args.checkpoint)
+                .and_then(|(w, summary)| Ok((w.fold()?, summary))); // folded once for all instances
+            let (weights, summary) = match loaded {
+                Ok(x) => x,
+                Err(e) => {
+                    let _ = failed_tx.send(e);
+                    return;
                 }
-                let c = &loader.cfg;
-                let pool = Pool::start(
-                    Arc::new(weights),
-                    PoolConfig {
-                        device: c.device,
-                        precision: c.precision,
-                        instances: c.instances,
-                        limits: Limits {
-                            max_batch: c.max_batch,
-                            first_batch: c.first_batch,
-                            max_queue: c.max_queue_frames,
-                            max_ahead: c.max_ahead_frames,
-                        },
-                        batch_wait: Duration::from_millis(loader.args.batch_wait_ms),
-                        pad_batches: c.pad_batches,
-                        memory_limit: loader.args.gpu_memory_limit,
-                    },
+            };
+            if let Some(seed) = summary.random_init_seed {
+                tracing::warn!(
+                    "serving random test weights (seed {seed}): the faces they draw are noise"
                 );
-                let _ = loader.summary.set(summary);
-                let _ = loader.pool.set(pool);
             }
-            Err(e) => {
-                let _ = failed_tx.send(e);
+            let c = &loader.cfg;
+            let pool = Pool::start(
+                Arc::new(weights),
+                PoolConfig {
+                    device: c.device,
+                    precision: c.precision,
+                    instances: c.instances,
+                    limits: Limits {
+                        max_batch: c.max_batch,
+                        first_batch: c.first_batch,
+                        max_queue: c.max_queue_frames,
+                        max_ahead: c.max_ahead_frames,
+                    },
+                    batch_wait: Duration::from_millis(loader.args.batch_wait_ms),
+                    pad_batches: c.pad_batches,
+                    memory_limit: loader.args.gpu_memory_limit,
+                },
+            );
+            let status = pool.status().clone();
+            let _ = loader.summary.set(summary);
+            let _ = loader.pool.set(pool);
+            while !status.all_ready() {
+                if let Some(e) = status.failed() {
+                    let _ = failed_tx.send(model::Error::Device(e));
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
             }
         })?;
 
