@@ -6,55 +6,10 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use common::{checkpoint, lipsync, media_path, text, top_level_boxes};
+use common::{
+    checkpoint, decode_frames, lipsync, media_path, num, probe, stream, text, top_level_boxes,
+};
 use lipsync::media::face::FaceBox;
-
-/// ffprobe's JSON for the streams of `path` (with a counted video frame total).
-fn probe(path: &Path) -> serde_json::Value {
-    let out = Command::new("ffprobe")
-        .args([
-            "-v",
-            "error",
-            "-count_frames",
-            "-show_streams",
-            "-show_format",
-            "-of",
-            "json",
-        ])
-        .arg(path)
-        .output()
-        .expect("ffprobe is needed for these tests (scripts/test.sh installs it)");
-    assert!(out.status.success(), "ffprobe: {}", text(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
-fn stream<'a>(p: &'a serde_json::Value, kind: &str) -> &'a serde_json::Value {
-    p["streams"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["codec_type"] == kind)
-        .unwrap_or_else(|| panic!("no {kind} stream"))
-}
-
-fn num(v: &serde_json::Value) -> f64 {
-    v.as_str()
-        .map_or_else(|| v.as_f64().unwrap(), |s| s.parse().unwrap())
-}
-
-/// The decoded video as RGB frames.
-fn decode_frames(path: &Path, width: usize, height: usize) -> Vec<Vec<u8>> {
-    let out = Command::new("ffmpeg")
-        .args(["-v", "error", "-i"])
-        .arg(path)
-        .args(["-map", "0:v", "-f", "rawvideo", "-pix_fmt", "rgb24", "-"])
-        .output()
-        .unwrap();
-    out.stdout
-        .chunks_exact(width * height * 3)
-        .map(<[u8]>::to_vec)
-        .collect()
-}
 
 /// Mean absolute difference of two RGB frames inside a box.
 fn box_difference(a: &[u8], b: &[u8], width: usize, r: &FaceBox) -> f64 {

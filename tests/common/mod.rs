@@ -142,3 +142,50 @@ pub fn top_level_boxes(bytes: &[u8]) -> Vec<String> {
     }
     out
 }
+
+/// ffprobe's JSON for the streams of `path` (with a counted video frame total).
+pub fn probe(path: &std::path::Path) -> serde_json::Value {
+    let out = std::process::Command::new("ffprobe")
+        .args([
+            "-v",
+            "error",
+            "-count_frames",
+            "-show_streams",
+            "-show_format",
+            "-of",
+            "json",
+        ])
+        .arg(path)
+        .output()
+        .expect("ffprobe is needed for these tests (scripts/test.sh installs it)");
+    assert!(out.status.success(), "ffprobe: {}", text(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+pub fn stream<'a>(p: &'a serde_json::Value, kind: &str) -> &'a serde_json::Value {
+    p["streams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["codec_type"] == kind)
+        .unwrap_or_else(|| panic!("no {kind} stream"))
+}
+
+pub fn num(v: &serde_json::Value) -> f64 {
+    v.as_str()
+        .map_or_else(|| v.as_f64().unwrap(), |s| s.parse().unwrap())
+}
+
+/// The decoded video as RGB frames.
+pub fn decode_frames(path: &std::path::Path, width: usize, height: usize) -> Vec<Vec<u8>> {
+    let out = std::process::Command::new("ffmpeg")
+        .args(["-v", "error", "-i"])
+        .arg(path)
+        .args(["-map", "0:v", "-f", "rawvideo", "-pix_fmt", "rgb24", "-"])
+        .output()
+        .unwrap();
+    out.stdout
+        .chunks_exact(width * height * 3)
+        .map(<[u8]>::to_vec)
+        .collect()
+}

@@ -1,0 +1,416 @@
+//! Video out: H.264 + AAC in fragmented MP4, emitted while frames are still being made.
+//!
+//! [`VideoEncoder`] is the interface; [`spawn`] picks the implementation:
+//!
+//! - [`FfmpegEncoder`] (one worker): a single `ffmpeg` child process takes raw RGB frames on
+//!   its stdin, encodes them with libx264 tuned for low latency (no B-frames, no lookahead, a
+//!   keyframe every second), muxes the speech file as the AAC track, and writes fragmented MP4
+//!   (`frag_keyframe+empty_moov+default_base_moof`) to its stdout, which is passed to a sink
+//!   as it arrives.
+//! - [`SegmentedEncoder`] (several workers): x264 on one process is bounded by one process's
+//!   serial work (pixel conversion, muxing), so the frames are cut into keyframe-aligned
+//!   one-second segments, encoded round-robin by several x264 processes, joined in order into
+//!   one H.264 stream and muxed (stream copy, plus the AAC track) by a last ffmpeg process.
+//!   The result is the same kind of file, streamed the same way.
+//!
+//! Every process's stdout is drained by its own thread (and stderr kept for error messages),
+//! so ffmpeg can never block on a full pipe; unfinished processes are killed and reaped.
+
+mod process;
+mod segmented;
+mod single;
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use crate::media::audio::Fps;
+use crate::media::image::Frame;
+use crate::media::Error;
+
+pub use segmented::SegmentedEncoder;
+pub use single::FfmpegEncoder;
+
+/// x264 presets, fastest first.
+pub const PRESETS: &[&str] = &[
+    "ultrafast",
+    "superfast",
+    "veryfast",
+    "faster",
+    "fast",
+    "medium",
+    "slow",
+    "slower",
+    "veryslow",
+];
+
+/// The most encoder workers one video may use.
+pub const MAX_WORKERS: usize = 64;
+
+/// Where encoded MP4 bytes go (a file, an HTTP body channel).
+pub type Sink = Box<dyn std::io::Write + Send>;
+
+/// Encodes frames, in order, into a video.
+pub trait VideoEncoder: Send {
+    /// Appends the next frame (RGB, the size the encoder was made for).
+    fn write_frame(&mut self, frame: &Frame) -> Result<(), Error>;
+    /// Flushes everything to the sink and waits for the encoder to finish.
+    fn finish(self: Box<Self>) -> Result<EncodeSummary, Error>;
+}
+
+/// What an encoder produced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EncodeSummary {
+    pub frames: u64,
+    pub bytes: u64,
+}
+
+/// How to encode.
+#[derive(Debug, Clone)]
+pub struct EncoderSettings {
+    pub width: u32,
+    pub height: u32,
+    pub fps: Fps,
+    /// x264 preset (see [`PRESETS`]).
+    pub preset: String,
+    /// x264 constant rate factor, 0–51 (lower is better quality).
+    pub crf: u8,
+    /// Audio file muxed as the AAC track (ffmpeg decodes it: any format it reads).
+    pub audio: Option<PathBuf>,
+    /// The ffmpeg executable.
+    pub ffmpeg: PathBuf,
+    /// x264 threads per process (`None`: ffmpeg's choice with one worker, the cores divided
+    /// among the workers with several).
+    pub threads: Option<usize>,
+    /// x264 processes encoding segments in parallel (1: a single ffmpeg process).
+    pub workers: usize,
+}
+
+/// Encoder workers for one stream when frames come from a model on a GPU (faster than one
+/// x264 process can take them): half the cores, at most 8; one when they come from the
+/// CPU, where the model is the bottleneck and needs the cores.
+pub fn default_workers(gpu: bool) -> usize {
+    if !gpu {
+        return 1;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / 2).clamp(1, 8)
+}
+
+/// Starts the encoder `settings` ask for; encoded bytes go to `sink` as they are made.
+pub fn spawn(settings: EncoderSettings, sink: Sink) -> Result<Box<dyn VideoEncoder>, Error> {
+    Ok(if settings.workers <= 1 {
+        Box::new(FfmpegEncoder::spawn(settings, sink)?)
+    } else {
+        Box::new(SegmentedEncoder::spawn(settings, sink)?)
+    })
+}
+
+fn strings<'a>(items: &'a [&'a str]) -> impl Iterator<Item = String> + 'a {
+    items.iter().map(|s| s.to_string())
+}
+
+impl EncoderSettings {
+    pub fn new(width: u32, height: u32, fps: Fps) -> Self {
+        EncoderSettings {
+            width,
+            height,
+            fps,
+            preset: "veryfast".into(),
+            crf: 20,
+            audio: None,
+            ffmpeg: default_ffmpeg(),
+            threads: None,
+            workers: 1,
+        }
+    }
+
+    fn validate(&self) -> Result<(), Error> {
+        if !PRESETS.contains(&self.preset.as_str()) {
+            return Err(Error::Encoder(format!(
+                "unknown x264 preset {:?} (one of {})",
+                self.preset,
+                PRESETS.join(", ")
+            )));
+        }
+        if self.crf > 51 {
+            return Err(Error::Encoder(format!("crf {} is outside 0–51", self.crf)));
+        }
+        if self.width == 0 || self.height == 0 {
+            return Err(Error::Encoder("empty frame size".into()));
+        }
+        if self.workers == 0 || self.workers > MAX_WORKERS {
+            return Err(Error::Encoder(format!(
+                "{} encoder workers: use 1–{MAX_WORKERS}",
+                self.workers
+            )));
+        }
+        if self.threads == Some(0) {
+            return Err(Error::Encoder("0 encoder threads".into()));
+        }
+        if let Some(audio) = &self.audio {
+            if !audio.is_file() {
+                return Err(Error::Encoder(format!(
+                    "audio file {} not found",
+                    audio.display()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Frames between keyframes (and per segment): at most one second's worth.
+    fn gop(&self) -> u32 {
+        (self.fps.value().floor() as u32).max(1)
+    }
+
+    /// H.264 in 4:2:0 needs even dimensions: odd sizes are padded by one row/column.
+    fn coded_size(&self) -> (u32, u32) {
+        (self.width + self.width % 2, self.height + self.height % 2)
+    }
+
+    /// Bytes of one coded RGB frame.
+    fn coded_frame_bytes(&self) -> usize {
+        let (w, h) = self.coded_size();
+        w as usize * h as usize * 3
+    }
+
+    /// The frame's pixels as the encoder takes them: checks the size and pads odd sizes by
+    /// repeating the last column and/or row (into `buf`).
+    fn coded_frame<'a>(&self, frame: &'a Frame, buf: &'a mut Vec<u8>) -> Result<&'a [u8], Error> {
+        if (frame.width, frame.height) != (self.width, self.height) {
+            return Err(Error::Encoder(format!(
+                "frame is {}x{}, the encoder expects {}x{}",
+                frame.width, frame.height, self.width, self.height
+            )));
+        }
+        let (cw, ch) = self.coded_size();
+        if (cw, ch) == (self.width, self.height) {
+            return Ok(&frame.rgb);
+        }
+        let (w, h) = (self.width as usize, self.height as usize);
+        buf.clear();
+        for y in 0..ch as usize {
+            let row = &frame.rgb[y.min(h - 1) * w * 3..(y.min(h - 1) + 1) * w * 3];
+            buf.extend_from_slice(row);
+            if cw as usize > w {
+                buf.extend_from_slice(&row[(w - 1) * 3..]);
+            }
+        }
+        Ok(buf)
+    }
+
+    /// Quiet ffmpeg reading raw RGB frames from stdin.
+    fn raw_input_args(&self) -> Vec<String> {
+        let (w, h) = self.coded_size();
+        let (num, den) = self.fps.ratio();
+        let mut a: Vec<String> = strings(&["-hide_banner", "-nostdin", "-loglevel", "error"])
+            .chain(strings(&["-f", "rawvideo", "-pix_fmt", "rgb24"]))
+            .collect();
+        a.extend(["-video_size".into(), format!("{w}x{h}")]);
+        a.extend(["-framerate".into(), format!("{num}/{den}")]);
+        a.extend(["-i".into(), "pipe:0".into()]);
+        a
+    }
+
+    /// libx264, low latency: no B-frames, no lookahead, an IDR frame exactly every `gop`.
+    fn x264_args(&self, threads: Option<usize>) -> Vec<String> {
+        let gop = self.gop().to_string();
+        let mut a = Vec::new();
+        for (k, v) in [
+            ("-c:v", "libx264"),
+            ("-preset", self.preset.as_str()),
+            ("-tune", "zerolatency"),
+            ("-bf", "0"),
+            ("-g", gop.as_str()),
+            ("-keyint_min", gop.as_str()),
+            ("-sc_threshold", "0"),
+            ("-pix_fmt", "yuv420p"),
+        ] {
+            a.extend([k.to_string(), v.to_string()]);
+        }
+        a.extend(["-crf".into(), self.crf.to_string()]);
+        if let Some(t) = threads {
+            a.extend(["-threads".into(), t.to_string()]);
+        }
+        a
+    }
+
+    /// The audio file as a second input, and the stream mapping.
+    fn audio_input_args(&self) -> Vec<String> {
+        let mut a = Vec::new();
+        if let Some(audio) = &self.audio {
+            a.extend(["-i".into(), audio.display().to_string()]);
+        }
+        a.extend(strings(&["-map", "0:v:0"]));
+        if self.audio.is_some() {
+            a.extend(strings(&["-map", "1:a:0"]));
+        }
+        a
+    }
+
+    /// AAC audio (if any) and fragmented MP4 on stdout.
+    fn mp4_output_args(&self) -> Vec<String> {
+        let mut a = Vec::new();
+        if self.audio.is_some() {
+            // ffmpeg's AAC encoder starts with 1024 samples of priming, which a fragmented MP4
+            // written up front (empty_moov) cannot mark with an edit list: they would play,
+            // and the speech would lag the lips by 1024 samples. Trimming the same amount
+            // from the input keeps speech and video in step, both streams starting at 0.
+            a.extend(strings(&[
+                "-af",
+                "atrim=start_sample=1024",
+                "-c:a",
+                "aac",
+                "-b:a",
+                "128k",
+            ]));
+        }
+        // Keep frame timestamps exact (i/fps); by default ffmpeg would shift all but the first
+        // frame to compensate for the audio priming instead.
+        a.extend(strings(&["-avoid_negative_ts", "disabled"]));
+        a.extend(strings(&[
+            "-movflags",
+            "frag_keyframe+empty_moov+default_base_moof",
+            "-frag_duration",
+            "1000000",
+            "-f",
+            "mp4",
+            "pipe:1",
+        ]));
+        a
+    }
+
+    /// The single-process encoder: raw frames in, MP4 out.
+    fn single_args(&self) -> Vec<String> {
+        let mut a = self.raw_input_args();
+        a.extend(self.audio_input_args());
+        a.extend(self.x264_args(self.threads));
+        a.extend(self.mp4_output_args());
+        a
+    }
+
+    /// x264 threads of each segment worker.
+    pub fn worker_threads(&self) -> usize {
+        self.threads.unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (cores / self.workers).max(1)
+        })
+    }
+
+    /// A segment worker: raw frames in, H.264 out in FLV (each frame a tag with its length,
+    /// written as soon as it is encoded).
+    fn worker_args(&self) -> Vec<String> {
+        let mut a = self.raw_input_args();
+        a.extend(self.x264_args(Some(self.worker_threads())));
+        a.extend(strings(&["-flush_packets", "1", "-f", "flv", "pipe:1"]));
+        a
+    }
+
+    /// The muxer of the segmented encoder: the joined H.264 stream (Annex B, timestamps
+    /// rewritten to frame index / fps) copied into MP4, plus the audio.
+    fn muxer_args(&self) -> Vec<String> {
+        let (num, den) = self.fps.ratio();
+        // Read the stream as it comes rather than probing seconds of it first.
+        let mut a: Vec<String> = strings(&["-hide_banner", "-nostdin", "-loglevel", "error"])
+            .chain(strings(&["-probesize", "32", "-analyzeduration", "0"]))
+            .chain(strings(&["-f", "h264"]))
+            .collect();
+        a.extend(["-framerate".into(), format!("{num}/{den}")]);
+        a.extend(strings(&["-i", "pipe:0"]));
+        a.extend(self.audio_input_args());
+        // Raw H.264 carries no timestamps: picture N is at N/fps, in the raw demuxer's time
+        // base (TB, 1/1200000), which the MP4 keeps. (Setting another track timescale here
+        // makes ffmpeg 5 apply the expression in the wrong time base.)
+        a.extend(strings(&["-c:v", "copy", "-bsf:v"]));
+        a.push(format!(
+            "setts=pts=N*{den}/({num}*TB):dts=N*{den}/({num}*TB)"
+        ));
+        a.extend(self.mp4_output_args());
+        a
+    }
+}
+
+/// `$LIPSYNC_FFMPEG`, else `ffmpeg` on the PATH.
+pub fn default_ffmpeg() -> PathBuf {
+    std::env::var_os("LIPSYNC_FFMPEG")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("ffmpeg"))
+}
+
+fn missing(ffmpeg: &std::path::Path, e: &std::io::Error) -> Error {
+    Error::FfmpegMissing(format!(
+        "cannot run {:?} ({e}); install ffmpeg (e.g. apt-get install ffmpeg) or point \
+         LIPSYNC_FFMPEG at it",
+        ffmpeg
+    ))
+}
+
+/// Checks that `ffmpeg` runs and has the libx264 and aac encoders.
+pub fn check_ffmpeg(ffmpeg: &std::path::Path) -> Result<(), Error> {
+    let out = Command::new(ffmpeg)
+        .args(["-hide_banner", "-encoders"])
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .map_err(|e| missing(ffmpeg, &e))?;
+    let list = String::from_utf8_lossy(&out.stdout);
+    for enc in ["libx264", "aac"] {
+        if !list.split_whitespace().any(|w| w == enc) {
+            return Err(Error::FfmpegMissing(format!(
+                "{:?} has no {enc} encoder",
+                ffmpeg
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gop_is_at_most_one_second() {
+        for (fps, gop) in [
+            ("25", 25),
+            ("29.97", 29),
+            ("30000/1001", 29),
+            ("0.5", 1),
+            ("60", 60),
+        ] {
+            let s = EncoderSettings::new(64, 64, fps.parse().unwrap());
+            assert_eq!(s.gop(), gop, "{fps}");
+        }
+    }
+
+    #[test]
+    fn odd_sizes_are_coded_even() {
+        let s = EncoderSettings::new(101, 75, Fps::DEFAULT);
+        assert_eq!(s.coded_size(), (102, 76));
+        let args = s.single_args().join(" ");
+        assert!(args.contains("-video_size 102x76"), "{args}");
+        assert!(args.contains("-framerate 25/1"));
+        assert!(args.contains("frag_keyframe+empty_moov+default_base_moof"));
+    }
+
+    #[test]
+    fn bad_settings_are_refused() {
+        let mut s = EncoderSettings::new(64, 64, Fps::DEFAULT);
+        s.preset = "warp".into();
+        assert!(s.validate().is_err());
+        s.preset = "veryfast".into();
+        s.crf = 52;
+        assert!(s.validate().is_err());
+    }
+
+    #[test]
+    fn a_missing_ffmpeg_is_a_clear_error() {
+        let mut s = EncoderSettings::new(64, 64, Fps::DEFAULT);
+        s.ffmpeg = "/nonexistent/ffmpeg".into();
+        match FfmpegEncoder::spawn(s, Box::new(std::io::sink())) {
+            Err(Error::FfmpegMissing(m)) => assert!(m.contains("install ffmpeg"), "{m}"),
+            other => panic!("{:?}", other.map(|_| ())),
+        }
+        assert!(check_ffmpeg(std::path::Path::new("/nonexistent/ffmpeg")).is_err());
+    }
+}

@@ -1,0 +1,709 @@
+//! Parallel encoding: keyframe-aligned segments encoded round-robin by several x264
+//! processes, joined in order into one H.264 stream, muxed into MP4 by one more ffmpeg.
+//!
+//! ```text
+//!             ┌─ worker 0: ffmpeg rgb→x264→FLV ─ segments 0, K, 2K, …  ─┐
+//! write_frame ┼─ worker 1: …                     segments 1, K+1, …    ─┼─ joiner ─ muxer ─ sink
+//!             └─ worker K-1                                            ─┘  (Annex B)  (ffmpeg: copy
+//!                                                                                      + AAC → fMP4)
+//! ```
+//!
+//! A segment is one GOP: `gop` frames (one second), the last one shorter. Each worker encodes
+//! its segments back to back with an IDR frame every `gop` frames, so every segment starts
+//! with one; the joiner checks that. Workers write FLV because it frames every encoded
+//! picture with its length, and ffmpeg writes each one as soon as it is encoded
+//! (`-flush_packets 1`): the joiner can forward a picture the moment it exists, without
+//! waiting for the next one to find where it ends. It forwards segment 0 from worker 0,
+//! then segment 1 from worker 1, and so on, converting to Annex B (an access unit
+//! delimiter, the parameter sets before every IDR frame); the muxer rewrites timestamps to
+//! frame index / fps and copies the stream into fragmented MP4 with the audio, exactly as
+//! the single-process encoder would lay it out.
+//!
+//! Every queue is bounded, so a slow client still slows the producer down: sink ← muxer ←
+//! joiner ← workers' output queues ← workers ← frame queues ← `write_frame`.
+
+use std::collections::VecDeque;
+use std::process::ChildStdin;
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+use super::process::{spawn_thread, Process, StdoutConsumer};
+use super::single::SinkError;
+use super::{EncodeSummary, EncoderSettings, Sink, VideoEncoder};
+use crate::media::image::Frame;
+use crate::media::Error;
+
+/// Raw frames queued for all workers together, at most (a 512×512 frame is 0.75 MiB).
+const FRAME_QUEUE_BYTES: usize = 128 << 20;
+/// Encoded pictures waiting in each worker's output for their turn, at most (one picture
+/// always fits).
+const PICTURE_QUEUE_BYTES: usize = 16 << 20;
+
+/// The segmented encoder (`workers > 1`).
+pub struct SegmentedEncoder {
+    settings: EncoderSettings,
+    segment_len: u64,
+    workers: Vec<Worker>,
+    joiner: Option<JoinHandle<Result<u64, Error>>>,
+    muxer: Process,
+    sink_error: SinkError,
+    frames: u64,
+    buf: Vec<u8>,
+}
+
+struct Worker {
+    /// Frames for this worker; dropping it ends the worker's input.
+    frames: Option<SyncSender<Vec<u8>>>,
+    /// Writes queued frames to ffmpeg's stdin.
+    feeder: Option<JoinHandle<()>>,
+    process: Process,
+}
+
+impl SegmentedEncoder {
+    pub fn spawn(settings: EncoderSettings, sink: Sink) -> Result<Self, Error> {
+        settings.validate()?;
+        let k = settings.workers.max(1);
+        let segment_len = settings.gop() as usize;
+        // Enough queued frames per worker that the producer can hand each its next segment
+        // while the others encode, within the memory budget for large frames.
+        let frame_queue =
+            (FRAME_QUEUE_BYTES / (k * settings.coded_frame_bytes())).clamp(2, segment_len);
+
+        let sink_error = SinkError::default();
+        let mut muxer = Process::spawn(
+            &settings.ffmpeg,
+            &settings.muxer_args(),
+            "the ffmpeg muxer",
+            sink_error.consumer(sink),
+        )?;
+        let muxer_stdin = muxer
+            .take_stdin()
+            .ok_or_else(|| Error::Internal("muxer without stdin".into()))?;
+
+        let worker_args = settings.worker_args();
+        let mut workers = Vec::with_capacity(k);
+        let mut outputs = Vec::with_capacity(k);
+        for i in 0..k {
+            // One segment of pictures: a worker can finish its next segment while the joiner
+            // forwards the others', and no more.
+            let au_rx = PictureQueue::new(segment_len, PICTURE_QUEUE_BYTES);
+            let au_tx = au_rx.clone();
+            let mut process = Process::spawn(
+                &settings.ffmpeg,
+                &worker_args,
+                &format!("encoder worker {i}"),
+                flv_consumer(au_tx),
+            )?;
+            let stdin = process
+                .take_stdin()
+                .ok_or_else(|| Error::Internal("worker without stdin".into()))?;
+            let (tx, rx) = sync_channel::<Vec<u8>>(frame_queue);
+            let feeder = spawn_thread("encoder-feeder", move || feed(stdin, rx))?;
+            workers.push(Worker {
+                frames: Some(tx),
+                feeder: Some(feeder),
+                process,
+            });
+            outputs.push(au_rx);
+        }
+        let joiner = spawn_thread("encoder-joiner", move || {
+            join_segments(outputs, segment_len, muxer_stdin)
+        })?;
+        Ok(SegmentedEncoder {
+            settings,
+            segment_len: segment_len as u64,
+            workers,
+            joiner: Some(joiner),
+            muxer,
+            sink_error,
+            frames: 0,
+            buf: Vec::new(),
+        })
+    }
+
+    /// Ends every worker's input, waits for all processes and threads, and reports the
+    /// first failure in causal order: the output going away, a worker, the muxer, the
+    /// joiner. Returns the bytes written and the frames the joiner forwarded.
+    fn wind_down(&mut self) -> Result<(u64, u64), Error> {
+        for w in &mut self.workers {
+            drop(w.frames.take());
+        }
+        let mut worker_error = None;
+        for w in &mut self.workers {
+            if let Some(f) = w.feeder.take() {
+                let _ = f.join();
+            }
+            if let Err(e) = w.process.finish() {
+                worker_error.get_or_insert(e);
+            }
+        }
+        let joined = match self.joiner.take().map(|j| j.join()) {
+            Some(Ok(r)) => r,
+            Some(Err(_)) => Err(Error::Internal("the segment joiner panicked".into())),
+            None => Ok(0),
+        };
+        let muxed = self.muxer.finish();
+        if let Some(e) = self.sink_error.get() {
+            return Err(e);
+        }
+        // A failed worker starves the muxer, never the other way round.
+        if let Some(e) = worker_error {
+            return Err(e);
+        }
+        Ok((muxed?, joined?))
+    }
+}
+
+impl VideoEncoder for SegmentedEncoder {
+    fn write_frame(&mut self, frame: &Frame) -> Result<(), Error> {
+        if let Some(e) = self.sink_error.get() {
+            return Err(e);
+        }
+        if self.joiner.as_ref().is_some_and(|j| j.is_finished()) {
+            // The joiner only stops early when something failed.
+            return Err(match self.wind_down() {
+                Err(e) => e,
+                Ok(_) => Error::Encoder("the encoder stopped early".into()),
+            });
+        }
+        let data = self.settings.coded_frame(frame, &mut self.buf)?.to_vec();
+        let k = self.workers.len() as u64;
+        let w = ((self.frames / self.segment_len) % k) as usize;
+        let sent = self.workers[w]
+            .frames
+            .as_ref()
+            .is_some_and(|tx| tx.send(data).is_ok());
+        if !sent {
+            // That worker's ffmpeg stopped reading: it failed, and its stderr says why.
+            return Err(match self.wind_down() {
+                Err(e) => e,
+                Ok(_) => Error::Encoder(format!("encoder worker {w} stopped reading frames")),
+            });
+        }
+        self.frames += 1;
+        Ok(())
+    }
+
+    fn finish(mut self: Box<Self>) -> Result<EncodeSummary, Error> {
+        let (bytes, joined) = self.wind_down()?;
+        if joined != self.frames {
+            return Err(Error::Encoder(format!(
+                "the encoder workers returned {joined} of {} frames",
+                self.frames
+            )));
+        }
+        Ok(EncodeSummary {
+            frames: self.frames,
+            bytes,
+        })
+    }
+}
+
+impl Drop for SegmentedEncoder {
+    /// An unfinished encoder kills every process first (so no thread can wait on another
+    /// that is still blocked), then reaps them and joins the threads.
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            drop(w.frames.take());
+        }
+        self.muxer.signal_kill();
+        for w in &mut self.workers {
+            w.process.signal_kill();
+        }
+        for w in &mut self.workers {
+            if let Some(f) = w.feeder.take() {
+                let _ = f.join();
+            }
+            w.process.kill();
+        }
+        if let Some(j) = self.joiner.take() {
+            let _ = j.join();
+        }
+        self.muxer.kill();
+    }
+}
+
+/// Writes queued frames to a worker's stdin until the queue closes or ffmpeg stops reading
+/// (the worker's exit status then tells why).
+fn feed(mut stdin: ChildStdin, frames: Receiver<Vec<u8>>) {
+    use std::io::Write;
+    while let Ok(frame) = frames.recv() {
+        if stdin.write_all(&frame).is_err() {
+            return;
+        }
+    }
+}
+
+/// Forwards the workers' pictures to the muxer, segment by segment in round-robin order,
+/// until a worker's output ends inside (or at the start of) its segment. Returns the
+/// number of pictures forwarded.
+fn join_segments(
+    outputs: Vec<PictureQueue>,
+    segment_len: usize,
+    muxer: ChildStdin,
+) -> Result<u64, Error> {
+    let result = forward_segments(&outputs, segment_len, muxer);
+    // Whatever happened, the workers' readers must not wait for this joiner any more.
+    for q in &outputs {
+        q.close();
+    }
+    result
+}
+
+fn forward_segments(
+    outputs: &[PictureQueue],
+    segment_len: usize,
+    mut muxer: ChildStdin,
+) -> Result<u64, Error> {
+    use std::io::Write;
+    let mut forwarded = 0u64;
+    let mut params: Option<Arc<Vec<u8>>> = None;
+    for segment in 0.. {
+        let w = segment % outputs.len();
+        let mut count = 0;
+        while count < segment_len {
+            let picture = match outputs[w].pop() {
+                Some(p) => p?,
+                None => break, // that worker has finished (or failed: its status says)
+            };
+            if count == 0 && !picture.key {
+                return Err(Error::Encoder(format!(
+                    "segment {segment} from encoder worker {w} does not start with a keyframe"
+                )));
+            }
+            let mut au: &[u8] = &picture.data;
+            let mut with_params = Vec::new();
+            if picture.key {
+                match &params {
+                    None => params = Some(picture.params.clone()),
+                    Some(p) if **p != *picture.params => {
+                        return Err(Error::Encoder(
+                            "encoder workers disagree on the H.264 parameter sets".into(),
+                        ))
+                    }
+                    Some(_) => {}
+                }
+                with_params.extend_from_slice(AUD);
+                with_params.extend_from_slice(&picture.params);
+                with_params.extend_from_slice(&picture.data[AUD.len()..]);
+                au = &with_params;
+            }
+            muxer
+                .write_all(au)
+                .map_err(|e| Error::Encoder(format!("the ffmpeg muxer stopped reading: {e}")))?;
+            count += 1;
+            forwarded += 1;
+        }
+        if count < segment_len {
+            break;
+        }
+    }
+    Ok(forwarded)
+}
+
+/// A worker's encoded pictures on their way to the joiner, bounded by count and bytes: when
+/// it is full the worker's reader waits, its ffmpeg blocks on its stdout, and so on back to
+/// `write_frame`. Either side going away (the reader at the end of ffmpeg's output, the
+/// joiner when it stops) closes it, and the other side's next call says so.
+#[derive(Clone)]
+struct PictureQueue(Arc<(Mutex<QueueState>, Condvar)>);
+
+struct QueueState {
+    items: VecDeque<Result<Picture, Error>>,
+    bytes: usize,
+    max_items: usize,
+    max_bytes: usize,
+    closed: bool,
+}
+
+impl PictureQueue {
+    fn new(max_items: usize, max_bytes: usize) -> Self {
+        PictureQueue(Arc::new((
+            Mutex::new(QueueState {
+                items: VecDeque::new(),
+                bytes: 0,
+                max_items: max_items.max(1),
+                max_bytes,
+                closed: false,
+            }),
+            Condvar::new(),
+        )))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
+        self.0 .0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits for room (an empty queue always has room); false once closed.
+    fn push(&self, item: Result<Picture, Error>) -> bool {
+        let size = item.as_ref().map_or(0, |p| p.data.len());
+        let mut q = self.lock();
+        while !q.closed
+            && !q.items.is_empty()
+            && (q.items.len() >= q.max_items || q.bytes + size > q.max_bytes)
+        {
+            q = self.0 .1.wait(q).unwrap_or_else(|p| p.into_inner());
+        }
+        if q.closed {
+            return false;
+        }
+        q.bytes += size;
+        q.items.push_back(item);
+        self.0 .1.notify_all();
+        true
+    }
+
+    /// The next picture; `None` once the queue is closed and empty.
+    fn pop(&self) -> Option<Result<Picture, Error>> {
+        let mut q = self.lock();
+        loop {
+            if let Some(item) = q.items.pop_front() {
+                q.bytes -= item.as_ref().map_or(0, |p| p.data.len());
+                self.0 .1.notify_all();
+                return Some(item);
+            }
+            if q.closed {
+                return None;
+            }
+            q = self.0 .1.wait(q).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn close(&self) {
+        self.lock().closed = true;
+        self.0 .1.notify_all();
+    }
+}
+
+/// Annex B start code.
+const START: &[u8] = &[0, 0, 0, 1];
+/// An access unit delimiter NAL (type 9, primary_pic_type 7: any slice type).
+const AUD: &[u8] = &[0, 0, 0, 1, 0x09, 0xF0];
+
+/// One encoded picture, in Annex B.
+#[derive(Debug, Clone)]
+struct Picture {
+    key: bool,
+    /// Access unit delimiter, then the picture's NAL units.
+    data: Vec<u8>,
+    /// SPS and PPS (inserted before keyframes by the joiner).
+    params: Arc<Vec<u8>>,
+}
+
+/// A stdout consumer that parses a worker's FLV and sends its pictures (or the first parse
+/// error) to the joiner; after the joiner has gone it just drains.
+fn flv_consumer(queue: PictureQueue) -> StdoutConsumer {
+    let mut reader = FlvReader::default();
+    let mut done = false;
+    Box::new(move |data| {
+        let end = data.is_none();
+        if !done {
+            let result = match data {
+                Some(d) => reader.push(d),
+                None => reader.end().map(|_| Vec::new()),
+            };
+            match result {
+                Ok(pictures) => done = !pictures.into_iter().all(|p| queue.push(Ok(p))),
+                Err(e) => {
+                    queue.push(Err(e));
+                    done = true;
+                }
+            }
+        }
+        if end {
+            queue.close();
+        }
+    })
+}
+
+/// Incremental FLV reader for ffmpeg's H.264 output (legacy AVC tags and enhanced-FLV
+/// `avc1` tags): yields every coded picture, converted to Annex B.
+#[derive(Default)]
+struct FlvReader {
+    buf: Vec<u8>,
+    header_done: bool,
+    /// Bytes of each NAL unit's length prefix (from the decoder configuration).
+    length_size: usize,
+    params: Option<Arc<Vec<u8>>>,
+}
+
+fn flv_error(what: impl std::fmt::Display) -> Error {
+    Error::Encoder(format!("unexpected output from an encoder worker: {what}"))
+}
+
+fn be(bytes: &[u8]) -> usize {
+    bytes.iter().fold(0, |acc, &b| (acc << 8) | b as usize)
+}
+
+impl FlvReader {
+    fn push(&mut self, data: &[u8]) -> Result<Vec<Picture>, Error> {
+        self.buf.extend_from_slice(data);
+        let mut pos = 0;
+        let mut out = Vec::new();
+        if !self.header_done {
+            // "FLV", version, flags, header size (u32), then PreviousTagSize0 (u32).
+            if self.buf.len() < 9 {
+                return Ok(out);
+            }
+            if &self.buf[..3] != b"FLV" {
+                return Err(flv_error("not FLV"));
+            }
+            let header = be(&self.buf[5..9]);
+            if self.buf.len() < header + 4 {
+                return Ok(out);
+            }
+            pos = header + 4;
+            self.header_done = true;
+        }
+        // Tag: type (u8), data size (u24), timestamp (u24 + u8), stream id (u24), data,
+        // then PreviousTagSize (u32).
+        while self.buf.len() >= pos + 11 {
+            let size = be(&self.buf[pos + 1..pos + 4]);
+            let end = pos + 11 + size + 4;
+            if self.buf.len() < end {
+                break;
+            }
+            if self.buf[pos] == 9 {
+                let tag = self.buf[pos + 11..pos + 11 + size].to_vec();
+                if let Some(p) = self.video_tag(&tag)? {
+                    out.push(p);
+                }
+            }
+            pos = end;
+        }
+        self.buf.drain(..pos);
+        Ok(out)
+    }
+
+    fn end(&self) -> Result<(), Error> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err(flv_error(format!(
+                "{} bytes of a truncated tag",
+                self.buf.len()
+            )))
+        }
+    }
+
+    fn video_tag(&mut self, tag: &[u8]) -> Result<Option<Picture>, Error> {
+        let Some(&first) = tag.first() else {
+            return Ok(None);
+        };
+        // (key, packet kind, payload): kind 0 = decoder configuration, 1 = NAL units, else skip.
+        let (key, kind, payload) = if first & 0x80 != 0 {
+            // Enhanced FLV: frame type (3 bits), packet type (4 bits), FourCC.
+            if tag.len() < 5 || &tag[1..5] != b"avc1" {
+                return Err(flv_error("not H.264"));
+            }
+            let key = (first >> 4) & 0x07 == 1;
+            match first & 0x0f {
+                0 => (key, 0, &tag[5..]),
+                1 if tag.len() >= 8 => (key, 1, &tag[8..]), // composition time (s24) first
+                3 => (key, 1, &tag[5..]),
+                _ => (key, 2, &tag[..0]),
+            }
+        } else {
+            if first & 0x0f != 7 {
+                return Err(flv_error("not H.264"));
+            }
+            if tag.len() < 5 {
+                return Err(flv_error("short AVC tag"));
+            }
+            let key = first >> 4 == 1;
+            // AVC packet type, composition time (s24), payload.
+            (key, tag[1].min(2), &tag[5..])
+        };
+        match kind {
+            0 => {
+                self.configure(payload)?;
+                Ok(None)
+            }
+            1 => {
+                let params = self
+                    .params
+                    .clone()
+                    .ok_or_else(|| flv_error("picture before the decoder configuration"))?;
+                let mut data = AUD.to_vec();
+                let mut rest = payload;
+                while !rest.is_empty() {
+                    if rest.len() < self.length_size {
+                        return Err(flv_error("truncated NAL length"));
+                    }
+                    let n = be(&rest[..self.length_size]);
+                    let nal = rest
+                        .get(self.length_size..self.length_size + n)
+                        .ok_or_else(|| flv_error("truncated NAL unit"))?;
+                    // The workers' own delimiters and parameter sets are replaced by ours.
+                    if !matches!(nal.first().map(|b| b & 0x1f), Some(7..=9)) {
+                        data.extend_from_slice(START);
+                        data.extend_from_slice(nal);
+                    }
+                    rest = &rest[self.length_size + n..];
+                }
+                Ok(Some(Picture { key, data, params }))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Reads an AVCDecoderConfigurationRecord: NAL length size, SPS and PPS.
+    fn configure(&mut self, rec: &[u8]) -> Result<(), Error> {
+        let short = || flv_error("short decoder configuration");
+        if rec.len() < 7 || rec[0] != 1 {
+            return Err(flv_error("bad decoder configuration"));
+        }
+        self.length_size = (rec[4] & 0x03) as usize + 1;
+        let mut params = Vec::new();
+        let mut pos = 5;
+        for (i, mask) in [0x1f, 0xff].into_iter().enumerate() {
+            // SPS count (low 5 bits), then PPS count (a whole byte).
+            let count = (*rec.get(pos).ok_or_else(short)? & mask) as usize;
+            pos += 1;
+            if count == 0 {
+                return Err(flv_error(if i == 0 { "no SPS" } else { "no PPS" }));
+            }
+            for _ in 0..count {
+                let n = be(rec.get(pos..pos + 2).ok_or_else(short)?);
+                let nal = rec.get(pos + 2..pos + 2 + n).ok_or_else(short)?;
+                params.extend_from_slice(START);
+                params.extend_from_slice(nal);
+                pos += 2 + n;
+            }
+        }
+        self.params = Some(Arc::new(params));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tag(kind: u8, data: &[u8]) -> Vec<u8> {
+        let mut t = vec![kind];
+        t.extend_from_slice(&(data.len() as u32).to_be_bytes()[1..]);
+        t.extend_from_slice(&[0; 7]);
+        t.extend_from_slice(data);
+        t.extend_from_slice(&(11 + data.len() as u32).to_be_bytes());
+        t
+    }
+
+    fn flv(tags: &[Vec<u8>]) -> Vec<u8> {
+        let mut f = b"FLV\x01\x01\x00\x00\x00\x09\x00\x00\x00\x00".to_vec();
+        for t in tags {
+            f.extend_from_slice(t);
+        }
+        f
+    }
+
+    const SPS: &[u8] = &[0x67, 0x64, 0x00, 0x1f, 0xac];
+    const PPS: &[u8] = &[0x68, 0xeb, 0xe3];
+
+    fn avcc() -> Vec<u8> {
+        let mut r = vec![1, 0x64, 0x00, 0x1f, 0xff, 0xe1, 0, SPS.len() as u8];
+        r.extend_from_slice(SPS);
+        r.extend_from_slice(&[1, 0, PPS.len() as u8]);
+        r.extend_from_slice(PPS);
+        r
+    }
+
+    fn nals(units: &[&[u8]]) -> Vec<u8> {
+        let mut v = Vec::new();
+        for u in units {
+            v.extend_from_slice(&(u.len() as u32).to_be_bytes());
+            v.extend_from_slice(u);
+        }
+        v
+    }
+
+    fn stream() -> Vec<u8> {
+        let mut config = vec![0x17, 0, 0, 0, 0];
+        config.extend_from_slice(&avcc());
+        let mut idr = vec![0x17, 1, 0, 0, 0];
+        idr.extend_from_slice(&nals(&[&[0x06, 0x05, 0x01], &[0x65, 0x88, 0x84]]));
+        let mut p = vec![0x27, 1, 0, 0, 0];
+        p.extend_from_slice(&nals(&[&[0x09, 0x10], &[0x41, 0x9a, 0x02]]));
+        flv(&[
+            tag(18, b"onMetaData"),
+            tag(9, &config),
+            tag(9, &idr),
+            tag(9, &p),
+            tag(9, &[0x17, 2, 0, 0, 0]), // end of sequence
+        ])
+    }
+
+    fn check(pictures: &[Picture]) {
+        assert_eq!(pictures.len(), 2);
+        assert!(pictures[0].key && !pictures[1].key);
+        let params = [START, SPS, START, PPS].concat();
+        assert_eq!(*pictures[0].params, params);
+        let idr = [AUD, START, &[0x06, 0x05, 0x01], START, &[0x65, 0x88, 0x84]].concat();
+        assert_eq!(pictures[0].data, idr);
+        // The worker's own delimiter is dropped (ours leads every picture).
+        assert_eq!(pictures[1].data, [AUD, START, &[0x41, 0x9a, 0x02]].concat());
+    }
+
+    #[test]
+    fn flv_pictures_become_annex_b_in_one_piece_or_byte_by_byte() {
+        let s = stream();
+        let mut r = FlvReader::default();
+        let all = r.push(&s).unwrap();
+        r.end().unwrap();
+        check(&all);
+
+        let mut r = FlvReader::default();
+        let mut all = Vec::new();
+        for b in &s {
+            all.extend(r.push(std::slice::from_ref(b)).unwrap());
+        }
+        r.end().unwrap();
+        check(&all);
+    }
+
+    #[test]
+    fn enhanced_flv_avc_tags_are_read_too() {
+        let mut config = vec![0x90];
+        config.extend_from_slice(b"avc1");
+        config.extend_from_slice(&avcc());
+        let mut idr = vec![0x93]; // key frame, coded frames without composition time
+        idr.extend_from_slice(b"avc1");
+        idr.extend_from_slice(&nals(&[&[0x65, 0x88]]));
+        let mut r = FlvReader::default();
+        let p = r.push(&flv(&[tag(9, &config), tag(9, &idr)])).unwrap();
+        assert_eq!(p.len(), 1);
+        assert!(p[0].key);
+        assert_eq!(p[0].data, [AUD, START, &[0x65, 0x88]].concat());
+    }
+
+    #[test]
+    fn broken_flv_is_an_error_not_a_panic() {
+        let s = stream();
+        let mut r = FlvReader::default();
+        r.push(&s[..s.len() - 3]).unwrap();
+        assert!(r.end().is_err(), "a truncated tag is reported");
+
+        let mut r = FlvReader::default();
+        assert!(r.push(b"RIFF\0\0\0\0\0\0\0\0\0").is_err());
+
+        // A picture before its decoder configuration, a non-H.264 codec, junk lengths.
+        let mut p = vec![0x27, 1, 0, 0, 0];
+        p.extend_from_slice(&nals(&[&[0x41, 0x9a]]));
+        assert!(FlvReader::default().push(&flv(&[tag(9, &p)])).is_err());
+        assert!(FlvReader::default()
+            .push(&flv(&[tag(9, &[0x12, 0, 0, 0, 0])]))
+            .is_err());
+        let mut config = vec![0x17, 0, 0, 0, 0];
+        config.extend_from_slice(&avcc());
+        let bad = [0x27, 1, 0, 0, 0, 0, 0, 0, 99, 0x41];
+        assert!(FlvReader::default()
+            .push(&flv(&[tag(9, &config), tag(9, &bad)]))
+            .is_err());
+        for cut in 0..avcc().len() {
+            let mut c = vec![0x17, 0, 0, 0, 0];
+            c.extend_from_slice(&avcc()[..cut]);
+            let _ = FlvReader::default().push(&flv(&[tag(9, &c)]));
+        }
+    }
+}
