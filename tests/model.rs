@@ -29,6 +29,35 @@ fn full_forward_matches_pytorch_in_f32() {
 }
 
 #[test]
+fn the_own_cpu_pass_and_candles_operations_agree_with_pytorch() {
+    // `forward` on the CPU in f32 is the own NHWC/GEMM pass; `forward_candle` candle's
+    // convolutions. Both against the float64 reference, and against each other.
+    let model = Wav2Lip::load(&reference_weights(), &Device::Cpu, DType::F32).unwrap();
+    let own = model.forward(&parity("mel"), &parity("face")).unwrap();
+    let candle = model
+        .forward_candle(&parity("mel"), &parity("face"))
+        .unwrap();
+    let (e_own, e_candle) = (
+        max_abs_diff(&own, &parity("out")),
+        max_abs_diff(&candle, &parity("out")),
+    );
+    eprintln!("max |own - PyTorch f64| = {e_own:.2e}, |candle - PyTorch f64| = {e_candle:.2e}");
+    assert!(e_own < TOL && e_candle < TOL, "{e_own} {e_candle}");
+    assert!(max_abs_diff(&own, &candle) < TOL);
+    // Batches of any size (tiles split differently) give each frame the same face.
+    for n in [1, 3] {
+        let one = model
+            .forward(
+                &parity("mel").narrow(0, 1, n).unwrap(),
+                &parity("face").narrow(0, 1, n).unwrap(),
+            )
+            .unwrap();
+        let want = parity("out").narrow(0, 1, n).unwrap();
+        assert!(max_abs_diff(&one, &want) < TOL, "batch {n}");
+    }
+}
+
+#[test]
 fn every_checkpoint_form_gives_the_same_faces() {
     let mel = parity("mel").narrow(0, 0, 1).unwrap();
     let face = parity("face").narrow(0, 0, 1).unwrap();

@@ -6,6 +6,7 @@
 
 pub mod arch;
 pub mod checkpoint;
+pub mod cpu;
 pub mod init;
 pub mod wav2lip;
 pub mod weights;

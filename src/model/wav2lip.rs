@@ -4,6 +4,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::arch::{self, LayerKind, LayerSpec};
+use super::cpu::CpuNet;
 use super::weights::GeneratorWeights;
 use super::{Error, Result};
 
@@ -51,6 +52,26 @@ impl ConvBlock {
 
     pub fn spec(&self) -> &LayerSpec {
         &self.spec
+    }
+
+    /// A layer from its parts (tests build single layers this way).
+    pub fn from_parts(path: &str, spec: LayerSpec, weight: Tensor, bias: Tensor) -> Self {
+        ConvBlock {
+            path: path.to_string(),
+            spec,
+            weight,
+            bias,
+        }
+    }
+
+    /// The (folded) convolution weight, PyTorch layout.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The (folded) bias, broadcastable over the output.
+    pub fn bias(&self) -> &Tensor {
+        &self.bias
     }
 
     /// The convolution plus bias, before residual and activation.
@@ -116,6 +137,8 @@ pub struct Wav2Lip {
     audio_encoder: Vec<ConvBlock>,
     face_decoder_blocks: Vec<Vec<ConvBlock>>,
     output_block: Vec<ConvBlock>,
+    /// The same layers for the own CPU pass (f32 on the CPU only).
+    cpu: Option<CpuNet>,
     device: Device,
     dtype: DType,
 }
@@ -145,11 +168,26 @@ impl Wav2Lip {
                 .map(|(b, block)| seq(&format!("{name}.{b}"), block))
                 .collect()
         };
+        let face_encoder_blocks = blocks("face_encoder_blocks", arch::FACE_ENCODER_BLOCKS)?;
+        let audio_encoder = seq("audio_encoder", arch::AUDIO_ENCODER)?;
+        let face_decoder_blocks = blocks("face_decoder_blocks", arch::FACE_DECODER_BLOCKS)?;
+        let output_block = seq("output_block", arch::OUTPUT_BLOCK)?;
+        let cpu = if device.is_cpu() && dtype == DType::F32 {
+            Some(CpuNet::new(
+                &face_encoder_blocks,
+                &audio_encoder,
+                &face_decoder_blocks,
+                &output_block,
+            )?)
+        } else {
+            None
+        };
         Ok(Wav2Lip {
-            face_encoder_blocks: blocks("face_encoder_blocks", arch::FACE_ENCODER_BLOCKS)?,
-            audio_encoder: seq("audio_encoder", arch::AUDIO_ENCODER)?,
-            face_decoder_blocks: blocks("face_decoder_blocks", arch::FACE_DECODER_BLOCKS)?,
-            output_block: seq("output_block", arch::OUTPUT_BLOCK)?,
+            face_encoder_blocks,
+            audio_encoder,
+            face_decoder_blocks,
+            output_block,
+            cpu,
             device: device.clone(),
             dtype,
         })
@@ -164,8 +202,32 @@ impl Wav2Lip {
     }
 
     /// Predicts faces for a batch. Inputs may be any float dtype and device; the output is on
-    /// the model's device in its dtype.
+    /// the model's device in its dtype. f32 on the CPU runs the own CPU pass
+    /// ([`super::cpu`]); everything else candle's operations.
     pub fn forward(&self, mel: &Tensor, face: &Tensor) -> Result<Tensor> {
+        let Some(net) = &self.cpu else {
+            return self.forward_candle(mel, face);
+        };
+        let n = check_inputs(mel, face)?;
+        let flat = |t: &Tensor| -> Result<Vec<f32>> {
+            Ok(t.to_device(&Device::Cpu)?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1()?)
+        };
+        let (mel, face) = (flat(mel)?, flat(face)?);
+        let _span = tracing::trace_span!("cpu_forward", n).entered();
+        let out = net.forward(&mel, &face, n);
+        Ok(Tensor::from_vec(
+            out,
+            (n, 3, arch::FACE_SIZE, arch::FACE_SIZE),
+            &self.device,
+        )?)
+    }
+
+    /// The forward pass in candle's operations on any device (the reference for the CPU
+    /// pass, and the pass on CUDA).
+    pub fn forward_candle(&self, mel: &Tensor, face: &Tensor) -> Result<Tensor> {
         self.forward_with(mel, face, &mut |block, x| block.forward(x))
     }
 
