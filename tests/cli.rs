@@ -259,7 +259,9 @@ fn bench_runs_every_section_and_writes_json() {
             "--seconds",
             "0.2",
             "--encode-frames",
-            "10",
+            "30",
+            "--encoder-workers",
+            "1,2",
             "--e2e",
             "0.5",
             "--json",
@@ -281,7 +283,13 @@ fn bench_runs_every_section_and_writes_json() {
     assert_eq!(v["model"].as_array().unwrap().len(), 2);
     assert!(v["model"][0]["fps"].as_f64().unwrap() > 0.0);
     assert_eq!(v["instances"].as_array().unwrap().len(), 2);
-    assert!(v["encoder"]["fps"].as_f64().unwrap() > 0.0);
+    let runs = v["encoder"]["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    assert_eq!(
+        (runs[0]["workers"].as_u64(), runs[1]["workers"].as_u64()),
+        (Some(1), Some(2))
+    );
+    assert!(runs.iter().all(|r| r["fps"].as_f64().unwrap() > 0.0));
     let e2e = &v["end_to_end"][0];
     assert_eq!(e2e["model_frames"], 10); // 0.5 s: 41 mel columns, windows at i = 0..8, then the last 16
     assert_eq!(e2e["video_frames"], 13);

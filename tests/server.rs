@@ -176,7 +176,9 @@ fn codecs(bytes: &[u8]) -> String {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_video_streams_and_its_first_fragment_arrives_before_the_last_frame_is_computed() {
-    let s = Server::start(&[]);
+    // Two encoder workers (segments encoded in parallel, joined in order): the stream must
+    // look exactly like the single encoder's. (The other tests use one, the CPU default.)
+    let s = Server::start(&["--encoder-workers", "2"]);
     // The server answers before the model is ready.
     let health = reqwest::get(s.url("/health")).await.unwrap();
     assert_eq!(health.status(), 200);
@@ -342,6 +344,8 @@ fn multipart_body(boundary: &str, files: &[(&str, &[u8])], texts: &[(&str, &str)
 #[tokio::test(flavor = "multi_thread")]
 async fn a_slow_reader_holds_back_its_own_work_instead_of_growing_memory() {
     use std::io::{Read, Write};
+    // (One encoder process, the CPU default; tests/video.rs checks that the segmented
+    // encoder passes backpressure on too.)
     let s = Server::start(&["--max-ahead-frames", "8"]);
     s.wait_ready().await;
     let rss_before = s.metric("process_resident_memory_bytes").await;
@@ -816,6 +820,10 @@ async fn ready_info_metrics_and_openapi() {
         (Some(8), Some(2))
     );
     assert_eq!(info["limits"]["max_audio_seconds"], 600.0);
+    assert_eq!(
+        info["encoder"]["workers"], 1,
+        "one encoder process per stream on CPU"
+    );
     let m = s.metrics().await;
     for name in [
         "lipsync_requests_total",

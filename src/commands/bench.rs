@@ -4,7 +4,6 @@
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -18,7 +17,7 @@ use lipsync::engine::Avatar;
 use lipsync::media::audio::{self, Fps, FramePlan, WINDOW};
 use lipsync::media::face::{Blend, Pads};
 use lipsync::media::image::ImageLimits;
-use lipsync::media::video::{EncoderSettings, FfmpegEncoder, VideoEncoder};
+use lipsync::media::video::{self, EncoderSettings};
 use lipsync::model::arch::{FACE_CHANNELS, FACE_SIZE, MEL_BINS, MEL_STEPS};
 use lipsync::model::{self, DeviceKind, GeneratorWeights, Precision, Wav2Lip};
 
@@ -48,9 +47,13 @@ pub struct BenchArgs {
     /// Seconds to measure each configuration.
     #[arg(long, default_value_t = 3.0)]
     pub seconds: f64,
-    /// Frames to encode in the encoder-only run (0 skips it).
-    #[arg(long, default_value_t = 500)]
+    /// Frames to encode in the encoder-only run (0 skips it): 1000 is 40 s of video.
+    #[arg(long, default_value_t = 1000)]
     pub encode_frames: usize,
+    /// Encoder worker counts for the encoder-only run [default: 1, 2, 4, 8, 16 up to the
+    /// number of cores, and the serve default].
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub encoder_workers: Vec<u16>,
     /// Seconds of speech for the end-to-end runs [default: 10,40 on CUDA, 10 on CPU].
     #[arg(long, value_delimiter = ',')]
     pub e2e: Vec<f64>,
@@ -177,25 +180,35 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
     let mut one = 0.0;
     let precision = dtypes[0];
     for &n in &instances {
-        let frames = Arc::new(AtomicU64::new(0));
+        // All instances load and warm up, then measure together; their frames/s add up.
+        let rates = Arc::new(Mutex::new(Vec::new()));
+        let barrier = Arc::new(std::sync::Barrier::new(n));
         let errors = Arc::new(Mutex::new(None));
-        let start = Instant::now();
         std::thread::scope(|s| {
             for _ in 0..n {
-                let (weights, frames, errors) = (weights.clone(), frames.clone(), errors.clone());
+                let (weights, rates, errors) = (weights.clone(), rates.clone(), errors.clone());
+                let barrier = barrier.clone();
                 let seconds = a.seconds;
                 s.spawn(move || {
                     let run = || -> Result<(), CliError> {
-                        let dev = device.open_instance()?;
-                        let m =
-                            Wav2Lip::load(&weights, &dev, model::compute_dtype(&dev, precision))?;
-                        let (mel, face) = inputs(instance_batch, &dev)?;
-                        forward_sync(&m, &mel, &face)?;
-                        let t = Instant::now();
-                        while t.elapsed().as_secs_f64() < seconds {
+                        let ready = (|| {
+                            let dev = device.open_instance()?;
+                            let m = Wav2Lip::load(
+                                &weights,
+                                &dev,
+                                model::compute_dtype(&dev, precision),
+                            )?;
+                            let (mel, face) = inputs(instance_batch, &dev)?;
                             forward_sync(&m, &mel, &face)?;
-                            frames.fetch_add(instance_batch as u64, Ordering::Relaxed);
-                        }
+                            Ok::<_, CliError>((m, mel, face))
+                        })();
+                        barrier.wait(); // even when this one failed, so the others go on
+                        let (m, mel, face) = ready?;
+                        let (runs, t) = timed(seconds, || forward_sync(&m, &mel, &face))?;
+                        rates
+                            .lock()
+                            .unwrap()
+                            .push((runs * instance_batch) as f64 / t.as_secs_f64());
                         Ok(())
                     };
                     if let Err(e) = run() {
@@ -207,9 +220,7 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
         if let Some(e) = errors.lock().unwrap().take() {
             return Err(CliError::Jobs(format!("instance run failed: {e}")));
         }
-        // Loading overlaps the measurement start; use the measured window.
-        let elapsed = a.seconds.min(start.elapsed().as_secs_f64());
-        let fps = frames.load(Ordering::Relaxed) as f64 / elapsed;
+        let fps: f64 = rates.lock().unwrap().iter().sum();
         if n == instances[0] {
             one = fps / n as f64;
         }
@@ -225,26 +236,60 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
         Pads::default(),
         Blend::Feather,
     )?;
+    let serve_workers = video::default_workers(cuda);
     if a.encode_frames > 0 {
-        let mut settings =
-            EncoderSettings::new(avatar.frame.width, avatar.frame.height, Fps::DEFAULT);
-        settings.ffmpeg = a.ffmpeg.clone();
-        let mut enc: Box<dyn VideoEncoder> =
-            Box::new(FfmpegEncoder::spawn(settings, Box::new(std::io::sink()))?);
-        let t = Instant::now();
-        for _ in 0..a.encode_frames {
-            enc.write_frame(&avatar.frame)?;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut workers: Vec<usize> = a.encoder_workers.iter().map(|&w| w as usize).collect();
+        if workers.is_empty() {
+            workers = [1, 2, 4, 8, 16]
+                .into_iter()
+                .filter(|&w| w <= cores)
+                .collect();
+            if !workers.contains(&serve_workers) {
+                workers.push(serve_workers);
+            }
         }
-        enc.finish()?;
-        let fps = a.encode_frames as f64 / t.elapsed().as_secs_f64();
+        let frames = moving_frames(&avatar, 50);
+        let (w, h) = (avatar.frame.width, avatar.frame.height);
         println!(
-            "\n## Encoder only\n\n{} frames of {}x{} (x264 veryfast, crf 20, one stream): {fps:.1} frames/s",
-            a.encode_frames, avatar.frame.width, avatar.frame.height
+            "\n## Encoder only ({} frames of {w}x{h}, x264 veryfast crf 20, fragmented MP4; {cores} cores)\n",
+            a.encode_frames
         );
-        results["encoder"] = serde_json::json!({ "frames": a.encode_frames, "width": avatar.frame.width, "height": avatar.frame.height, "fps": fps });
+        println!("| encoder workers | x264 threads each | frames/s | seconds | vs one worker |");
+        println!("|---|---|---|---|---|");
+        let mut rows = Vec::new();
+        let mut one = None;
+        for &n in &workers {
+            let mut settings = EncoderSettings::new(w, h, Fps::DEFAULT);
+            settings.ffmpeg = a.ffmpeg.clone();
+            settings.workers = n;
+            let threads = if n == 1 {
+                "auto".to_string()
+            } else {
+                settings.worker_threads().to_string()
+            };
+            let t = Instant::now();
+            let mut enc = video::spawn(settings, Box::new(std::io::sink()))?;
+            for i in 0..a.encode_frames {
+                enc.write_frame(&frames[i % frames.len()])?;
+            }
+            enc.finish()?;
+            let secs = t.elapsed().as_secs_f64();
+            let fps = a.encode_frames as f64 / secs;
+            let base = *one.get_or_insert(fps);
+            println!(
+                "| {n} | {threads} | {fps:.1} | {secs:.2} | {:.2}x |",
+                fps / base
+            );
+            rows.push(serde_json::json!({ "workers": n, "threads": threads, "fps": fps, "seconds": secs }));
+        }
+        results["encoder"] =
+            serde_json::json!({ "frames": a.encode_frames, "width": w, "height": h, "runs": rows });
     }
 
-    println!("\n## End to end (pool, batcher, compositor, encoder; no HTTP)\n");
+    println!(
+        "\n## End to end (pool, batcher, compositor, encoder with {serve_workers} worker(s); no HTTP)\n"
+    );
     println!("| speech | model frames | video frames | total | time to first byte |");
     println!("|---|---|---|---|---|");
     let pool = Pool::start(
@@ -304,12 +349,13 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
             EncoderSettings::new(avatar.frame.width, avatar.frame.height, Fps::DEFAULT);
         settings.audio = Some(wav.path().to_path_buf());
         settings.ffmpeg = a.ffmpeg.clone();
+        settings.workers = serve_workers;
         let first = Arc::new(Mutex::new(None));
         let sink = FirstByte {
             start,
             first: first.clone(),
         };
-        let encoder = FfmpegEncoder::spawn(settings, Box::new(sink))?;
+        let encoder = video::spawn(settings, Box::new(sink))?;
         let job = Job {
             request,
             results: results_rx,
@@ -317,7 +363,7 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
             video_frames: video_frames(speech.seconds(), Fps::DEFAULT, plan.len()),
             avatar: Arc::new(avatar.clone()),
         };
-        let summary = job.run(pool.scheduler(), Box::new(encoder), &|| false)?;
+        let summary = job.run(pool.scheduler(), encoder, &|| false)?;
         let total = start.elapsed().as_secs_f64();
         let ttfb = first.lock().unwrap().unwrap_or(f64::NAN);
         println!(
@@ -325,7 +371,7 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
             plan.len(),
             summary.frames
         );
-        e2e_rows.push(serde_json::json!({ "speech_seconds": seconds, "model_frames": plan.len(), "video_frames": summary.frames, "seconds": total, "ttfb_seconds": ttfb }));
+        e2e_rows.push(serde_json::json!({ "encoder_workers": serve_workers, "speech_seconds": seconds, "model_frames": plan.len(), "video_frames": summary.frames, "seconds": total, "ttfb_seconds": ttfb }));
     }
     pool.shutdown();
     results["end_to_end"] = serde_json::Value::Array(e2e_rows);
@@ -340,6 +386,28 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
         })?;
     }
     Ok(())
+}
+
+/// `n` different frames of the avatar, as lip sync makes them: the picture stays, the face
+/// box changes from frame to frame (a moving texture, so x264 has real work there).
+fn moving_frames(avatar: &Avatar, n: usize) -> Vec<lipsync::media::image::Frame> {
+    let f = &avatar.frame;
+    let b = avatar.face;
+    (0..n)
+        .map(|i| {
+            let mut frame = f.clone();
+            for y in b.y1 as usize..(b.y2 as usize).min(f.height as usize) {
+                for x in b.x1 as usize..(b.x2 as usize).min(f.width as usize) {
+                    let p = (y * f.width as usize + x) * 3;
+                    for c in 0..3 {
+                        let t = ((x * 7 + y * 3 + i * 11 + c * 13) % 64) as u8;
+                        frame.rgb[p + c] = frame.rgb[p + c] / 2 + 2 * t;
+                    }
+                }
+            }
+            frame
+        })
+        .collect()
 }
 
 /// Discards the video, noting when its first byte came.

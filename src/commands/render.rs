@@ -8,7 +8,7 @@ use lipsync::engine::{self, Avatar, RenderOptions};
 use lipsync::media::audio::{self, Fps};
 use lipsync::media::face::{self, Blend, FaceBox, Pads};
 use lipsync::media::image::{ImageLimits, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE};
-use lipsync::media::video::{self, EncoderSettings, FfmpegEncoder, VideoEncoder};
+use lipsync::media::video::{self, EncoderSettings};
 use lipsync::model::{self, DeviceKind, GeneratorWeights, Precision, Wav2Lip};
 
 use super::{json_error, read_file, CliError};
@@ -51,6 +51,10 @@ pub struct RenderArgs {
     /// x264 quality: 0 (lossless) to 51 (worst).
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u8).range(0..=51))]
     pub crf: u8,
+    /// x264 processes encoding one-second segments in parallel (1-64) [default: half the
+    /// cores, at most 8, on cuda; 1 on cpu].
+    #[arg(long, env = "LIPSYNC_ENCODER_WORKERS", value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub encoder_workers: Option<u16>,
     /// Output MP4.
     #[arg(long, default_value = "out.mp4")]
     pub out: PathBuf,
@@ -284,15 +288,16 @@ fn render_one(
     settings.crf = job.crf;
     settings.audio = Some(job.audio.clone());
     settings.ffmpeg = a.ffmpeg.clone();
+    settings.workers = a.encoder_workers.map_or_else(
+        || video::default_workers(model.device().is_cuda()),
+        usize::from,
+    );
     let partial = partial_path(&job.out);
     let file = std::fs::File::create(&partial).map_err(|source| engine::Error::Output {
         path: partial.clone(),
         source,
     })?;
-    let mut encoder: Box<dyn VideoEncoder> = Box::new(FfmpegEncoder::spawn(
-        settings,
-        Box::new(std::io::BufWriter::new(file)),
-    )?);
+    let mut encoder = video::spawn(settings, Box::new(std::io::BufWriter::new(file)))?;
     let opts = RenderOptions {
         fps: job.fps,
         batch,

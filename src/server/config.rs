@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use crate::media::audio::DEFAULT_MAX_SECONDS;
 use crate::media::image::{DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE};
-use crate::media::video::PRESETS;
+use crate::media::video::{self, PRESETS};
 use crate::model::{DeviceKind, Precision};
 
 #[derive(Clone, clap::Args)]
@@ -95,9 +95,14 @@ pub struct ServeArgs {
     /// Default x264 quality (0-51) when a request gives no `crf`.
     #[arg(long, env = "LIPSYNC_CRF", default_value_t = 20, value_parser = clap::value_parser!(u8).range(0..=51))]
     pub crf: u8,
-    /// x264 threads per stream [default: ffmpeg's choice].
-    #[arg(long, env = "LIPSYNC_ENCODER_THREADS")]
-    pub encoder_threads: Option<usize>,
+    /// x264 threads per encoder process [default: ffmpeg's choice with one worker, the
+    /// cores shared among the workers with several].
+    #[arg(long, env = "LIPSYNC_ENCODER_THREADS", value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub encoder_threads: Option<u16>,
+    /// x264 processes per stream, encoding one-second segments in parallel (1-64) [default:
+    /// half the cores, at most 8, on cuda; 1 on cpu, where the model is the bottleneck].
+    #[arg(long, env = "LIPSYNC_ENCODER_WORKERS", value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub encoder_workers: Option<u16>,
 }
 
 /// The API key stays out of logs.
@@ -146,6 +151,7 @@ pub struct Resolved {
     pub max_queue_frames: usize,
     pub max_ahead_frames: usize,
     pub pad_batches: bool,
+    pub encoder_workers: usize,
 }
 
 impl ServeArgs {
@@ -172,6 +178,9 @@ impl ServeArgs {
                 .unwrap_or(if cuda { 50_000 } else { 2_000 }),
             max_ahead_frames: self.max_ahead_frames.unwrap_or(2 * max_batch).max(1),
             pad_batches: self.pad_batches.unwrap_or(cuda),
+            encoder_workers: self
+                .encoder_workers
+                .map_or_else(|| video::default_workers(cuda), |n| n as usize),
         }
     }
 }

@@ -26,7 +26,7 @@ use crate::engine::scheduler::FrameWork;
 use crate::engine::{self, Avatar};
 use crate::media::audio::{self, Fps, FramePlan, WINDOW};
 use crate::media::face::{Blend, FaceBox, Pads};
-use crate::media::video::{EncoderSettings, FfmpegEncoder};
+use crate::media::video::{self, EncoderSettings};
 
 const FILES: &[&str] = &["audio", "image"];
 const TEXTS: &[&str] = &["avatar_id", "box", "pads", "fps", "blend", "crf"];
@@ -231,13 +231,14 @@ pub async fn lipsync(
         settings.crf = req.crf;
         settings.audio = Some(audio_file.path().to_path_buf());
         settings.ffmpeg = app.args.ffmpeg.clone();
-        settings.threads = app.args.encoder_threads;
+        settings.threads = app.args.encoder_threads.map(usize::from);
+        settings.workers = app.cfg.encoder_workers;
         let sink = ChannelSink {
             tx: tx.clone(),
             started,
             first: false,
         };
-        let encoder = FfmpegEncoder::spawn(settings, Box::new(sink)).map_err(ApiError::from)?;
+        let encoder = video::spawn(settings, Box::new(sink)).map_err(ApiError::from)?;
         Ok((audio_file, encoder))
     })();
     let (audio_file, encoder) = match started_encoder {
@@ -263,7 +264,7 @@ pub async fn lipsync(
             let _audio_file = audio_file;
             // The body stream dropped its receiver: the client is gone.
             let gone = || tx.is_closed();
-            let result = job.run(&scheduler, Box::new(encoder), &gone);
+            let result = job.run(&scheduler, encoder, &gone);
             let outcome = match &result {
                 Ok(summary) => {
                     tracing::info!(

@@ -220,7 +220,12 @@ async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
             "avatar_cache_entries": a.avatar_cache_entries,
             "avatar_cache_bytes": a.avatar_cache_bytes,
         },
-        "encoder": { "preset": a.preset, "crf": a.crf },
+        "encoder": {
+            "preset": a.preset,
+            "crf": a.crf,
+            "workers": app.cfg.encoder_workers,
+            "threads": a.encoder_threads,
+        },
         "auth": a.api_key.is_some(),
         "uptime_seconds": app.started.elapsed().as_secs_f64(),
     }))
