@@ -264,24 +264,24 @@ impl Write for Failing {
     }
 }
 
+/// Writes up to `frames` frames and finishes; the first error, which there must be.
+fn first_error(mut enc: Box<dyn video::VideoEncoder>, frames: usize) -> lipsync::media::Error {
+    for i in 0..frames {
+        if let Err(e) = enc.write_frame(&frame(i)) {
+            return e;
+        }
+    }
+    enc.finish().expect_err("the encoder should have failed")
+}
+
 #[test]
 fn failures_are_errors_that_end_promptly() {
     // The output goes away mid-stream: writing or finishing reports it.
     for workers in [1, 3] {
         let sink: Sink = Box::new(Failing(2000));
-        let mut enc = video::spawn(settings(workers, None), sink).unwrap();
+        let enc = video::spawn(settings(workers, None), sink).unwrap();
         let start = Instant::now();
-        let mut failed = None;
-        for i in 0..400 {
-            if let Err(e) = enc.write_frame(&frame(i)) {
-                failed = Some(e);
-                break;
-            }
-        }
-        let err = match failed {
-            Some(e) => e,
-            None => enc.finish().unwrap_err(),
-        };
+        let err = first_error(enc, 400);
         assert!(err.to_string().contains("went away"), "{workers}: {err}");
         assert!(start.elapsed() < Duration::from_secs(60));
     }
@@ -299,18 +299,8 @@ fn failures_are_errors_that_end_promptly() {
     std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
     let mut s = settings(2, None);
     s.ffmpeg = fake;
-    let mut enc = video::spawn(s, Box::new(std::io::sink())).unwrap();
-    let mut failed = None;
-    for i in 0..200 {
-        if let Err(e) = enc.write_frame(&frame(i)) {
-            failed = Some(e);
-            break;
-        }
-    }
-    let err = match failed {
-        Some(e) => e,
-        None => enc.finish().unwrap_err(),
-    };
+    let enc = video::spawn(s, Box::new(std::io::sink())).unwrap();
+    let err = first_error(enc, 200);
     assert!(err.to_string().contains("x264 exploded"), "{err}");
 
     // Frames of the wrong size are refused; an encoder dropped unfinished cleans up.

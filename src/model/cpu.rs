@@ -440,25 +440,6 @@ mod tests {
     use super::*;
     use candle_core::{Device, Tensor};
 
-    fn spec(
-        kind: LayerKind,
-        cin: usize,
-        cout: usize,
-        k: usize,
-        stride: (usize, usize),
-    ) -> LayerSpec {
-        LayerSpec {
-            kind,
-            cin,
-            cout,
-            kernel: k,
-            stride,
-            padding: 0,
-            output_padding: 0,
-            residual: false,
-        }
-    }
-
     /// One layer through candle and through the CPU pass, on the same random input.
     fn compare(s: LayerSpec, n: usize, h: usize, w: usize) {
         let dev = Device::Cpu;
@@ -488,40 +469,37 @@ mod tests {
     #[test]
     fn every_layer_kind_matches_candle() {
         use LayerKind::*;
-        let mut s = spec(Conv, 6, 16, 7, (1, 1));
-        s.padding = 3;
-        compare(s, 2, 20, 17);
-        let mut s = spec(Conv, 16, 32, 3, (2, 2));
-        s.padding = 1;
-        compare(s, 3, 19, 24);
-        let mut s = spec(Conv, 32, 32, 3, (1, 1));
-        s.padding = 1;
-        s.residual = true;
-        compare(s, 2, 9, 11);
-        let mut s = spec(Conv, 8, 16, 3, (3, 1));
-        s.padding = 1;
-        compare(s, 2, 80, 16);
-        let mut s = spec(Conv, 16, 32, 3, (3, 2));
-        s.padding = 1;
-        compare(s, 2, 9, 6);
-        compare(spec(Conv, 24, 24, 3, (1, 1)), 2, 3, 3);
-        compare(spec(Conv, 40, 20, 1, (1, 1)), 5, 1, 1);
-        compare(spec(Plain, 32, 3, 1, (1, 1)), 2, 12, 12);
-        let mut s = spec(ConvTranspose, 48, 24, 3, (2, 2));
-        s.padding = 1;
-        s.output_padding = 1;
-        compare(s, 2, 6, 5);
-        compare(spec(ConvTranspose, 64, 32, 3, (1, 1)), 3, 1, 1);
-        let mut s = spec(ConvTranspose, 8, 4, 3, (1, 1));
-        s.padding = 1;
-        compare(s, 1, 7, 7);
-        // Many tiles, and a product parallelised inside (one tile, large channels).
-        let mut s = spec(Conv, 16, 16, 3, (1, 1));
-        s.padding = 1;
-        compare(s, 4, 48, 48);
-        let mut s = spec(Conv, 256, 256, 3, (1, 1));
-        s.padding = 1;
-        compare(s, 2, 3, 3);
+        // (kind, cin, cout, kernel, stride, padding, output padding, residual, n, h, w)
+        #[rustfmt::skip]
+        let cases = [
+            (Conv, 6, 16, 7, (1, 1), 3, 0, false, 2, 20, 17),
+            (Conv, 16, 32, 3, (2, 2), 1, 0, false, 3, 19, 24),
+            (Conv, 32, 32, 3, (1, 1), 1, 0, true, 2, 9, 11),
+            (Conv, 8, 16, 3, (3, 1), 1, 0, false, 2, 80, 16),
+            (Conv, 16, 32, 3, (3, 2), 1, 0, false, 2, 9, 6),
+            (Conv, 24, 24, 3, (1, 1), 0, 0, false, 2, 3, 3),
+            (Conv, 40, 20, 1, (1, 1), 0, 0, false, 5, 1, 1),
+            (Plain, 32, 3, 1, (1, 1), 0, 0, false, 2, 12, 12),
+            (ConvTranspose, 48, 24, 3, (2, 2), 1, 1, false, 2, 6, 5),
+            (ConvTranspose, 64, 32, 3, (1, 1), 0, 0, false, 3, 1, 1),
+            (ConvTranspose, 8, 4, 3, (1, 1), 1, 0, false, 1, 7, 7),
+            // Many tiles, and a product parallelised inside (one tile, large channels).
+            (Conv, 16, 16, 3, (1, 1), 1, 0, false, 4, 48, 48),
+            (Conv, 256, 256, 3, (1, 1), 1, 0, false, 2, 3, 3),
+        ];
+        for (kind, cin, cout, kernel, stride, padding, output_padding, residual, n, h, w) in cases {
+            let s = LayerSpec {
+                kind,
+                cin,
+                cout,
+                kernel,
+                stride,
+                padding,
+                output_padding,
+                residual,
+            };
+            compare(s, n, h, w);
+        }
     }
 
     #[test]
