@@ -7,9 +7,10 @@
 #          pip download --no-deps imageio-ffmpeg -d target/wheels   (a static ffmpeg with libx264)
 #   there: bench/gpu_run.sh            (writes everything under $OUT)
 #
-# It runs lipsync bench (model frames/s by batch, dtype and instances; encoder; end to end) and
+# It runs lipsync bench (model frames/s by batch, dtype, convolution path and instances; f16/bf16
+# and cuDNN-vs-candle accuracy on a real photo and speech; encoder; end to end) and
 # bench/pytorch_reference.py (eager f16 with cudnn.benchmark, and torch.compile) on the same GPU
-# in the same run.
+# in the same run; then the autotune cache across two renders and the forced-OOM request.
 set -euo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -25,3 +26,22 @@ run "$bin" init-weights "$OUT/weights.safetensors"
 run "$bin" bench --checkpoint "$OUT/weights.safetensors" --json "$OUT/lipsync.json" | tee "$OUT/lipsync.md"
 python3 bench/pytorch_reference.py --checkpoint "$OUT/weights.safetensors" --device cuda \
   --dtypes f32,f16,bf16 --batches 1,16,64,128,256,512 --compile --json "$OUT/pytorch.json" | tee "$OUT/pytorch.md"
+
+# The autotune cache: the first render searches and writes it, the second loads it.
+for i in 1 2; do
+  LIPSYNC_LOG=info run "$bin" render --checkpoint "$OUT/weights.safetensors" \
+    --audio tests/media/arctic_a0007.wav --image tests/media/astronaut.png \
+    --autotune-cache "$OUT/autotune.json" --out "$OUT/render$i.mp4" 2>&1 | tee "$OUT/render$i.log" | tail -3
+done
+grep -h "autotune cache\|convolutions, agreeing" "$OUT"/render*.log || true
+
+# Forced out of memory: a 1 GiB limit makes 512-frame batches split; the request completes.
+LIPSYNC_LOG=info run "$bin" serve --checkpoint "$OUT/weights.safetensors" --port 8099 \
+  --gpu-memory-limit 1G > "$OUT/oom-serve.log" 2>&1 &
+srv=$!
+for _ in $(seq 120); do curl -sf localhost:8099/ready >/dev/null && break; sleep 1; done
+curl -s -F audio=@tests/media/arctic_a0007.wav -F image=@tests/media/astronaut.png \
+  localhost:8099/v1/lipsync -o "$OUT/oom.mp4" -w "oom request: HTTP %{http_code}, %{size_download} bytes\n" | tee "$OUT/oom.txt"
+curl -s localhost:8099/info > "$OUT/oom-info.json"
+curl -s localhost:8099/metrics | grep -E "^lipsync_(frames_total|requests_total)" >> "$OUT/oom.txt"
+kill "$srv" || true

@@ -276,12 +276,23 @@ fn bench_runs_every_section_and_writes_json() {
         "## Instances",
         "## Encoder only",
         "## End to end",
+        "## Accuracy",
     ] {
         assert!(out.contains(section), "{section} missing:\n{out}");
     }
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!(v["model"].as_array().unwrap().len(), 2);
     assert!(v["model"][0]["fps"].as_f64().unwrap() > 0.0);
+    assert_eq!(v["model"][0]["path"], "cpu");
+    // The own CPU pass against candle's operations on real faces: equal up to summation order.
+    let acc = v["accuracy"].as_array().unwrap();
+    assert_eq!(acc.len(), 1, "{acc:?}");
+    assert_eq!(acc[0]["path"], "cpu");
+    assert!(acc[0]["max_diff"].as_f64().unwrap() < 1e-3, "{acc:?}");
+    assert!(
+        acc[0]["psnr_db"].as_f64().is_none_or(|p| p > 80.0),
+        "{acc:?}"
+    );
     assert_eq!(v["instances"].as_array().unwrap().len(), 2);
     let runs = v["encoder"]["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 2);

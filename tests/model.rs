@@ -58,6 +58,24 @@ fn the_own_cpu_pass_and_candles_operations_agree_with_pytorch() {
 }
 
 #[test]
+fn a_fast_path_that_disagrees_with_candle_is_switched_off() {
+    // Every instance checks its fast path (the CPU pass here, cuDNN on CUDA) against candle's
+    // operations before serving; disagreement switches the model to candle's operations.
+    let mut model = Wav2Lip::load(&reference_weights(), &Device::Cpu, DType::F32).unwrap();
+    assert_eq!(model.conv_engine(), "cpu");
+    let psnr = model.check_conv_engine(2, 60.0).unwrap();
+    assert!(psnr > 80.0, "{psnr}");
+    assert_eq!(model.conv_engine(), "cpu");
+    // Less agreement than asked for (no finite PSNR reaches infinity): switched off.
+    model.check_conv_engine(2, f64::INFINITY).unwrap();
+    assert_eq!(model.conv_engine(), "candle");
+    let out = model.forward(&parity("mel"), &parity("face")).unwrap();
+    assert!(max_abs_diff(&out, &parity("out")) < TOL);
+    // Off the cuDNN path, the start-up check is a no-op.
+    assert_eq!(model.verify_cudnn_path().unwrap(), None);
+}
+
+#[test]
 fn every_checkpoint_form_gives_the_same_faces() {
     let mel = parity("mel").narrow(0, 0, 1).unwrap();
     let face = parity("face").narrow(0, 0, 1).unwrap();

@@ -824,6 +824,9 @@ async fn ready_info_metrics_and_openapi() {
         info["encoder"]["workers"], 1,
         "one encoder process per stream on CPU"
     );
+    // f32 on the CPU runs the own CPU pass; no cuDNN cache without CUDA.
+    assert_eq!(info["conv_path"], "cpu");
+    assert!(info["autotune_cache"].is_null());
     let m = s.metrics().await;
     for name in [
         "lipsync_requests_total",

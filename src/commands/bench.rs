@@ -11,7 +11,7 @@ use candle_core::{DType, Tensor};
 use lipsync::engine::batcher::Limits;
 use lipsync::engine::job::Job;
 use lipsync::engine::pool::{Pool, PoolConfig};
-use lipsync::engine::render::video_frames;
+use lipsync::engine::render::{face_batch, mel_batch, video_frames};
 use lipsync::engine::scheduler::FrameWork;
 use lipsync::engine::Avatar;
 use lipsync::media::audio::{self, Fps, FramePlan, WINDOW};
@@ -35,6 +35,8 @@ pub struct BenchArgs {
     /// Precisions to measure, comma-separated [default: f32,f16,bf16 on CUDA, f32 on CPU].
     #[arg(long, value_enum, value_delimiter = ',')]
     pub dtypes: Vec<Precision>,
+    #[command(flatten)]
+    pub conv: lipsync::model::cudnn::ConvArgs,
     /// Batch sizes to measure [default: 1,16,64,128,256,512 on CUDA, 1,4,16 on CPU].
     #[arg(long, value_delimiter = ',')]
     pub batches: Vec<usize>,
@@ -93,6 +95,80 @@ fn inputs(n: usize, dev: &candle_core::Device) -> Result<(Tensor, Tensor), CliEr
     Ok((mel, face))
 }
 
+/// Faces predicted from the avatar and the first frames of the speech by
+/// every precision and convolution path, against candle's operations in f32: PSNR (faces in
+/// 0–1) and largest difference.
+fn accuracy(
+    a: &BenchArgs,
+    device: DeviceKind,
+    dtypes: &[Precision],
+    weights: &GeneratorWeights,
+    avatar: &Avatar,
+) -> Result<serde_json::Value, CliError> {
+    // Enough faces to cover several mouth shapes; fewer on the CPU, where candle is slow.
+    let frames = if device == DeviceKind::Cuda { 32 } else { 8 };
+    let speech = audio::load(&read_file(&a.audio)?, 3600.0)?;
+    let mel = speech.mel();
+    let plan = FramePlan::new(mel.frames(), Fps::DEFAULT)?;
+    let n = plan.len().min(frames);
+    let dev = device.open_instance()?;
+    let err = |e: lipsync::engine::Error| CliError::Jobs(e.to_string());
+    let mel_in = mel_batch(&mel, &plan, 0, n, &dev).map_err(err)?;
+    let face_in = face_batch(avatar, n, &dev).map_err(err)?;
+    let run = |m: &Wav2Lip| -> Result<Tensor, CliError> {
+        Ok(m.forward(&mel_in, &face_in)?
+            .to_dtype(DType::F32)
+            .map_err(model::Error::from)?)
+    };
+    let mut reference = Wav2Lip::load(weights, &dev, DType::F32)?;
+    reference.use_candle_operations();
+    let reference = run(&reference)?;
+    println!(
+        "\n## Accuracy ({n} faces from {} and {}, vs candle's operations in f32)\n",
+        a.image.display(),
+        a.audio.display()
+    );
+    println!("| dtype | convolutions | PSNR | max difference |");
+    println!("|---|---|---|---|");
+    let mut rows = Vec::new();
+    for &p in dtypes {
+        let dtype = model::compute_dtype(&dev, p);
+        let mut m = Wav2Lip::load(weights, &dev, dtype)?;
+        m.verify_cudnn_path()?;
+        let mut paths = vec![m.conv_engine()];
+        if m.conv_engine() != "candle" && dtype != DType::F32 {
+            paths.push("candle");
+        }
+        for path in paths {
+            if path == "candle" {
+                m.use_candle_operations();
+            }
+            let diff = (run(&m)? - &reference).map_err(model::Error::from)?;
+            let stat = |t: candle_core::Result<Tensor>| -> Result<f32, CliError> {
+                Ok(t.and_then(|t| t.to_scalar::<f32>())
+                    .map_err(model::Error::from)?)
+            };
+            let mse = stat(diff.sqr().and_then(|t| t.mean_all()))?;
+            let max = stat(
+                diff.abs()
+                    .and_then(|t| t.flatten_all())
+                    .and_then(|t| t.max(0)),
+            )?;
+            let psnr = if mse > 0.0 {
+                10.0 * (1.0 / mse as f64).log10()
+            } else {
+                f64::INFINITY
+            };
+            println!("| {} | {path} | {psnr:.1} dB | {max:.2e} |", dtype.as_str());
+            rows.push(serde_json::json!({
+                "dtype": p, "compute_dtype": dtype.as_str(), "path": path,
+                "psnr_db": if psnr.is_finite() { Some(psnr) } else { None }, "max_diff": max
+            }));
+        }
+    }
+    Ok(serde_json::Value::Array(rows))
+}
+
 /// One forward, waited for (reading a scalar back synchronises the device).
 fn forward_sync(model: &Wav2Lip, mel: &Tensor, face: &Tensor) -> Result<(), CliError> {
     let out = model.forward(mel, face)?;
@@ -104,6 +180,7 @@ fn forward_sync(model: &Wav2Lip, mel: &Tensor, face: &Tensor) -> Result<(), CliE
 }
 
 pub fn bench(a: BenchArgs) -> Result<(), CliError> {
+    a.conv.apply();
     let device = a.device.unwrap_or_else(DeviceKind::default_for_host);
     let cuda = device == DeviceKind::Cuda;
     let or = |v: &Vec<usize>, d: &[usize]| if v.is_empty() { d.to_vec() } else { v.clone() };
@@ -144,29 +221,42 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
 
     println!("## Model only ({device:?}, frames/s, one instance)\n");
     println!(
-        "| dtype | {} |",
+        "| dtype | convolutions | {} |",
         batches
             .iter()
             .map(|b| format!("batch {b}"))
             .collect::<Vec<_>>()
             .join(" | ")
     );
-    println!("|---|{}", "---|".repeat(batches.len()));
+    println!("|---|---|{}", "---|".repeat(batches.len()));
     let mut model_rows = Vec::new();
     for &p in &dtypes {
         let dev = device.open_instance()?;
         let dtype = model::compute_dtype(&dev, p);
-        let m = Wav2Lip::load(&weights, &dev, dtype)?;
-        let mut cells = Vec::new();
-        for &b in &batches {
-            let (mel, face) = inputs(b, &dev)?;
-            forward_sync(&m, &mel, &face)?; // warm-up
-            let (runs, t) = timed(a.seconds, || forward_sync(&m, &mel, &face))?;
-            let fps = (runs * b) as f64 / t.as_secs_f64();
-            model_rows.push(serde_json::json!({ "dtype": p, "compute_dtype": dtype.as_str(), "batch": b, "fps": fps }));
-            cells.push(format!("{fps:.1}"));
+        let mut m = Wav2Lip::load(&weights, &dev, dtype)?;
+        m.verify_cudnn_path()?;
+        // The serving path, and on CUDA candle's operations beside it (the reference).
+        let mut paths = vec![m.conv_engine()];
+        if cuda && m.conv_engine() != "candle" {
+            paths.push("candle");
         }
-        println!("| {} | {} |", dtype.as_str(), cells.join(" | "));
+        for path in paths {
+            if path == "candle" {
+                m.use_candle_operations();
+            }
+            let mut cells = Vec::new();
+            for &b in &batches {
+                let (mel, face) = inputs(b, &dev)?;
+                forward_sync(&m, &mel, &face)?; // warm-up (and autotuning)
+                let (runs, t) = timed(a.seconds, || forward_sync(&m, &mel, &face))?;
+                let fps = (runs * b) as f64 / t.as_secs_f64();
+                model_rows.push(serde_json::json!({
+                    "dtype": p, "compute_dtype": dtype.as_str(), "path": path, "batch": b, "fps": fps
+                }));
+                cells.push(format!("{fps:.1}"));
+            }
+            println!("| {} | {path} | {} |", dtype.as_str(), cells.join(" | "));
+        }
     }
     results["model"] = serde_json::Value::Array(model_rows);
 
@@ -236,6 +326,8 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
         Pads::default(),
         Blend::Feather,
     )?;
+    results["accuracy"] = accuracy(&a, device, &dtypes, &weights, &avatar)?;
+
     let serve_workers = video::default_workers(cuda);
     if a.encode_frames > 0 {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

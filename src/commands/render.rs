@@ -45,6 +45,8 @@ pub struct RenderArgs {
     /// Model precision [default: f16 on CUDA, f32 on CPU].
     #[arg(long, value_enum)]
     pub dtype: Option<Precision>,
+    #[command(flatten)]
+    pub conv: lipsync::model::cudnn::ConvArgs,
     /// x264 preset.
     #[arg(long, default_value = "veryfast", value_parser = clap::builder::PossibleValuesParser::new(video::PRESETS))]
     pub preset: String,
@@ -169,7 +171,13 @@ fn load_model(a: &RenderArgs) -> Result<(Wav2Lip, usize), CliError> {
             a.checkpoint.display()
         );
     }
-    let model = Wav2Lip::load(&weights, &device, dtype)?;
+    let mut model = Wav2Lip::load(&weights, &device, dtype)?;
+    if let Some(d) = model.verify_cudnn_path()? {
+        tracing::info!(
+            "{} convolutions, agreeing with candle's to {d:.1} dB",
+            model.conv_engine()
+        );
+    }
     tracing::info!(
         "loaded {} ({}) on {:?} in {dtype:?} in {:.1} s",
         a.checkpoint.display(),
@@ -189,6 +197,7 @@ fn load_model(a: &RenderArgs) -> Result<(Wav2Lip, usize), CliError> {
 
 pub fn render(a: RenderArgs) -> Result<(), CliError> {
     video::check_ffmpeg(&a.ffmpeg)?;
+    a.conv.apply();
     let (model, batch) = load_model(&a)?;
     match &a.jobs {
         None => {

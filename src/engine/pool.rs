@@ -75,6 +75,8 @@ pub struct PoolStatus {
     busy: AtomicUsize,
     failed: Mutex<Option<String>>,
     dtype: Mutex<Option<DType>>,
+    /// The convolution path the instances run (`cpu`, `cudnn`, `candle`).
+    conv_path: Mutex<Option<&'static str>>,
     /// Moving average of one instance's frames per second.
     rate: Mutex<f64>,
 }
@@ -100,6 +102,11 @@ impl PoolStatus {
     /// The dtype the instances compute in (once one has loaded).
     pub fn dtype(&self) -> Option<DType> {
         *self.dtype.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The convolution path of the instances, once one has loaded.
+    pub fn conv_path(&self) -> Option<&'static str> {
+        *self.conv_path.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub fn all_ready(&self) -> bool {
@@ -200,6 +207,7 @@ fn instance(
         Err(e) => return fail(e.to_string()),
     };
     *status.dtype.lock().unwrap_or_else(|p| p.into_inner()) = Some(model.dtype());
+    *status.conv_path.lock().unwrap_or_else(|p| p.into_inner()) = Some(model.conv_engine());
     let mut inst = Instance {
         id: i,
         model,
@@ -258,7 +266,15 @@ fn load(
 ) -> Result<Wav2Lip, model::Error> {
     let device = device.open_instance()?;
     let dtype = model::compute_dtype(&device, precision);
-    Wav2Lip::load(weights, &device, dtype)
+    let mut model = Wav2Lip::load(weights, &device, dtype)?;
+    // The own cuDNN path must agree with candle's operations before it serves.
+    if let Some(d) = model.verify_cudnn_path()? {
+        tracing::info!(
+            "{dtype:?} model: {} convolutions, agreeing with candle's to {d:.1} dB",
+            model.conv_engine()
+        );
+    }
+    Ok(model)
 }
 
 /// Inputs for a warm-up batch (zeros; the face input is shared).

@@ -7,6 +7,7 @@
 pub mod arch;
 pub mod checkpoint;
 pub mod cpu;
+pub mod cudnn;
 pub mod init;
 pub mod wav2lip;
 pub mod weights;

@@ -129,6 +129,14 @@ fn conv2d_strided(x: &Tensor, w: &Tensor, s: &LayerSpec) -> Result<Tensor> {
     pick(rows, 3, sw, out_w)
 }
 
+/// Least agreement (PSNR of faces in 0–1) the cuDNN path must show with candle's operations
+/// at start-up. f32 paths differ only by summation order (the CPU pass: > 80 dB); f16/bf16
+/// paths also by where rounding happens (f16 against f32 on the CPU: about 46 dB on real
+/// faces). A wrong layer gives 10–25 dB.
+pub const CUDNN_CHECK_MIN_PSNR_F32: f64 = 60.0;
+/// See [`CUDNN_CHECK_MIN_PSNR_F32`].
+pub const CUDNN_CHECK_MIN_PSNR_HALF: f64 = 35.0;
+
 /// The generator. Inputs: mel windows `(N, 1, 80, 16)` and faces `(N, 6, 96, 96)` (masked
 /// and reference crop, BGR, in [0, 1]); output `(N, 3, 96, 96)` in (0, 1), BGR.
 #[derive(Debug, Clone)]
@@ -139,6 +147,9 @@ pub struct Wav2Lip {
     output_block: Vec<ConvBlock>,
     /// The same layers for the own CPU pass (f32 on the CPU only).
     cpu: Option<CpuNet>,
+    /// The own cuDNN convolution path (CUDA with `--conv-engine cudnn`).
+    #[cfg(feature = "cuda")]
+    cudnn: Option<std::sync::Arc<super::cudnn::CudnnEngine>>,
     device: Device,
     dtype: DType,
 }
@@ -188,6 +199,13 @@ impl Wav2Lip {
             face_decoder_blocks,
             output_block,
             cpu,
+            #[cfg(feature = "cuda")]
+            cudnn: match device {
+                Device::Cuda(dev) if super::cudnn::enabled() => Some(std::sync::Arc::new(
+                    super::cudnn::CudnnEngine::new(dev, dtype)?,
+                )),
+                _ => None,
+            },
             device: device.clone(),
             dtype,
         })
@@ -201,10 +219,114 @@ impl Wav2Lip {
         self.dtype
     }
 
+    /// Which convolution path `forward` takes: `cpu` (own CPU pass), `cudnn` (own cuDNN
+    /// calls) or `candle` (candle's operations).
+    pub fn conv_engine(&self) -> &'static str {
+        #[cfg(feature = "cuda")]
+        if self.cudnn.is_some() {
+            return "cudnn";
+        }
+        if self.cpu.is_some() {
+            "cpu"
+        } else {
+            "candle"
+        }
+    }
+
+    /// Compares the own path with candle's operations on a deterministic test batch of `n`
+    /// and returns their agreement as PSNR in dB (faces in 0–1; infinite when identical).
+    /// When the own path fails or agrees to less than `min_psnr`, the model switches to
+    /// candle's operations (with a warning), so a broken fast path never serves wrong faces.
+    pub fn check_conv_engine(&mut self, n: usize, min_psnr: f64) -> Result<f64> {
+        use arch::{FACE_CHANNELS, FACE_SIZE, MEL_BINS, MEL_STEPS};
+        if self.conv_engine() == "candle" {
+            return Ok(f64::INFINITY);
+        }
+        // A smooth, deterministic input in the ranges the model sees.
+        let wave = |len: usize, scale: f32, shift: f32| -> Vec<f32> {
+            (0..len)
+                .map(|i| shift + scale * ((i as f32) * 0.37).sin() * ((i as f32) * 0.011).cos())
+                .collect()
+        };
+        let mel = Tensor::from_vec(
+            wave(n * MEL_BINS * MEL_STEPS, 4.0, 0.0),
+            (n, 1, MEL_BINS, MEL_STEPS),
+            &self.device,
+        )?;
+        let face = Tensor::from_vec(
+            wave(n * FACE_CHANNELS * FACE_SIZE * FACE_SIZE, 0.5, 0.5),
+            (n, FACE_CHANNELS, FACE_SIZE, FACE_SIZE),
+            &self.device,
+        )?;
+        let reference = self.forward_candle(&mel, &face)?.to_dtype(DType::F32)?;
+        let mse = match self.forward(&mel, &face) {
+            Ok(own) => (own.to_dtype(DType::F32)? - &reference)?
+                .sqr()?
+                .mean_all()?
+                .to_scalar::<f32>()? as f64,
+            Err(e) => {
+                tracing::warn!(
+                    "the {} convolution path failed ({e}); using candle's operations",
+                    self.conv_engine()
+                );
+                self.disable_own_path();
+                return Ok(f64::NAN);
+            }
+        };
+        let psnr = if mse > 0.0 {
+            -10.0 * mse.log10()
+        } else if mse == 0.0 {
+            f64::INFINITY
+        } else {
+            f64::NAN
+        };
+        if psnr.is_nan() || psnr < min_psnr {
+            tracing::warn!(
+                "the {} convolution path agrees with candle's operations only to {psnr:.1} dB \
+                 (at least {min_psnr} dB wanted); using candle's operations",
+                self.conv_engine()
+            );
+            self.disable_own_path();
+        }
+        Ok(psnr)
+    }
+
+    /// On the cuDNN path, [`Self::check_conv_engine`] at batch 2 with the standard
+    /// thresholds ([`CUDNN_CHECK_MIN_PSNR_F32`], [`CUDNN_CHECK_MIN_PSNR_HALF`]); the PSNR
+    /// found, or `None` on other paths.
+    pub fn verify_cudnn_path(&mut self) -> Result<Option<f64>> {
+        if self.conv_engine() != "cudnn" {
+            return Ok(None);
+        }
+        let min_psnr = if self.dtype == DType::F32 {
+            CUDNN_CHECK_MIN_PSNR_F32
+        } else {
+            CUDNN_CHECK_MIN_PSNR_HALF
+        };
+        self.check_conv_engine(2, min_psnr).map(Some)
+    }
+
+    /// Runs candle's operations from now on (the reference path).
+    pub fn use_candle_operations(&mut self) {
+        self.disable_own_path();
+    }
+
+    fn disable_own_path(&mut self) {
+        self.cpu = None;
+        #[cfg(feature = "cuda")]
+        {
+            self.cudnn = None;
+        }
+    }
+
     /// Predicts faces for a batch. Inputs may be any float dtype and device; the output is on
     /// the model's device in its dtype. f32 on the CPU runs the own CPU pass
     /// ([`super::cpu`]); everything else candle's operations.
     pub fn forward(&self, mel: &Tensor, face: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(engine) = &self.cudnn {
+            return self.forward_with(mel, face, &mut |block, x| engine.forward(block, x));
+        }
         let Some(net) = &self.cpu else {
             return self.forward_candle(mel, face);
         };

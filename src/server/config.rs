@@ -47,6 +47,8 @@ pub struct ServeArgs {
     /// more is treated as out of memory (split and retried smaller) [default: no limit].
     #[arg(long, env = "LIPSYNC_GPU_MEMORY_LIMIT", value_parser = parse_bytes)]
     pub gpu_memory_limit: Option<u64>,
+    #[command(flatten)]
+    pub conv: crate::model::cudnn::ConvArgs,
     /// Frames allowed to wait for the model across all requests; a request that would exceed
     /// it is refused with 429 and Retry-After [default: 50000 on CUDA, 2000 on CPU].
     #[arg(long, env = "LIPSYNC_MAX_QUEUE_FRAMES")]

@@ -202,6 +202,8 @@ async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
         "device": c.device,
         "dtype": c.precision,
         "compute_dtype": status.as_ref().and_then(|s| s.dtype()).map(|d| d.as_str()),
+        "conv_path": status.as_ref().and_then(|s| s.conv_path()),
+        "autotune_cache": a.conv.autotune_cache,
         "instances": c.instances,
         "instances_ready": status.as_ref().map_or(0, |s| s.ready()),
         "max_batch": c.max_batch,
@@ -433,6 +435,7 @@ async fn shutdown_signal() {
 /// Runs the service until SIGTERM/SIGINT (or a fatal start-up error).
 pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
     crate::media::video::check_ffmpeg(&args.ffmpeg)?;
+    args.conv.apply();
     let prometheus = install_metrics()?;
     let cfg = args.resolve();
     let addr = format!("{}:{}", args.host, args.port);

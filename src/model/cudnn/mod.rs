@@ -1,0 +1,97 @@
+//! The own convolution path on CUDA: every layer's convolution through cuDNN directly, with
+//! the algorithm chosen by timing (what PyTorch's `cudnn.benchmark` does) instead of candle's
+//! heuristic, descriptors built once per layer and batch size, one persistent workspace per
+//! instance, transposed convolutions as `ConvolutionBackwardData` (candle runs them with a
+//! naive kernel), f16/bf16 with f32 accumulation, and bias + residual + ReLU fused into the
+//! convolution (`cudnnConvolutionBiasActivationForward`) where cuDNN accepts it.
+//!
+//! - **Autotuning.** The first time a (layer shape, batch, dtype) is run,
+//!   `cudnnFind…AlgorithmEx` times every algorithm on the real buffers; the fastest that fits
+//!   [`FIND_WORKSPACE_BYTES`] is kept for the process (shared by all instances) and, with a
+//!   cache file ([`configure`]), written to JSON so a restart skips the search. The file
+//!   records the GPU and cuDNN version; a file from another GPU or version is ignored.
+//!   Warm-up before `/ready` runs every padded batch size, so no request waits for a search.
+//! - **Reference.** candle's operations ([`super::Wav2Lip::forward_candle`]) stay the
+//!   reference: each instance compares both on a test batch at load
+//!   ([`super::Wav2Lip::check_conv_engine`]) and falls back to candle's path, with a warning,
+//!   if they disagree; the GPU tests compare them too.
+//!
+//! Tensors stay in candle's NCHW layout (no layout conversions between layers).
+//!
+//! This module's settings exist in every build (the flags are the same everywhere); the
+//! engine only in CUDA builds.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use serde::Serialize;
+
+#[cfg(feature = "cuda")]
+mod engine;
+#[cfg(feature = "cuda")]
+pub use engine::{autotune_counts, CudnnEngine};
+
+/// The most workspace an algorithm may use (the search allocates this much once).
+pub const FIND_WORKSPACE_BYTES: usize = 256 << 20;
+
+/// Which convolution path CUDA models use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ConvEngine {
+    /// Own cuDNN calls: timed algorithm choice, persistent descriptors and workspace.
+    Cudnn,
+    /// candle's convolution operations (heuristic algorithm choice).
+    Candle,
+}
+
+/// Process-wide settings of the CUDA convolution path.
+#[derive(Debug, Clone)]
+pub struct ConvSettings {
+    pub engine: ConvEngine,
+    /// Where chosen algorithms are kept between runs (none: only in memory).
+    pub cache_file: Option<PathBuf>,
+}
+
+static SETTINGS: OnceLock<ConvSettings> = OnceLock::new();
+
+/// Sets the convolution path for models created from now on (once per process; later calls
+/// are ignored). Without a call: cuDNN, no cache file.
+pub fn configure(settings: ConvSettings) {
+    let _ = SETTINGS.set(settings);
+}
+
+pub(crate) fn settings() -> &'static ConvSettings {
+    SETTINGS.get_or_init(|| ConvSettings {
+        engine: ConvEngine::Cudnn,
+        cache_file: None,
+    })
+}
+
+/// Whether CUDA models use the own path.
+pub fn enabled() -> bool {
+    settings().engine == ConvEngine::Cudnn
+}
+
+/// The convolution-path flags of `serve`, `render` and `bench`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ConvArgs {
+    /// Convolution path on CUDA: own cuDNN calls with timed algorithm choice, or candle's
+    /// operations (the reference). Each instance checks the cuDNN path against candle's at
+    /// start-up and falls back to candle's if they disagree.
+    #[arg(long, env = "LIPSYNC_CONV_ENGINE", value_enum, default_value = "cudnn")]
+    pub conv_engine: ConvEngine,
+    /// JSON file keeping the timed cuDNN algorithm choices, so a restart skips the search
+    /// (its directory must be writable) [default: none, kept in memory].
+    #[arg(long, env = "LIPSYNC_AUTOTUNE_CACHE")]
+    pub autotune_cache: Option<PathBuf>,
+}
+
+impl ConvArgs {
+    /// Makes these the process's settings (see [`configure`]).
+    pub fn apply(&self) {
+        configure(ConvSettings {
+            engine: self.conv_engine,
+            cache_file: self.autotune_cache.clone(),
+        });
+    }
+}
