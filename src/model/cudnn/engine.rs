@@ -350,6 +350,11 @@ impl CudnnEngine {
     pub fn new(dev: &CudaDevice, dtype: DType) -> Result<Self> {
         data_type(dtype)?;
         let stream = dev.cuda_stream();
+        // cuDNN binds its handle to the context current on this thread.
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(candle_core::Error::from)?;
         let mut raw = std::ptr::null_mut();
         check(unsafe { sys::cudnnCreate(&mut raw) }, "create handle")?;
         let handle = Handle(raw);
@@ -480,7 +485,10 @@ impl CudnnEngine {
         let (algo, choice) = match known {
             Some(found) => found,
             None => {
-                let found = self.find(inner, transposed, (&x, &wd, &conv, &y), bufs)?;
+                let found = self.find(inner, transposed, (&x, &wd, &conv, &y), bufs);
+                // The search's large workspace goes; runs keep only what they need.
+                inner.workspace = None;
+                let found = found?;
                 tracing::debug!("autotuned {key}: {:?}", found.1);
                 tune.algos.insert(key, found.1.clone());
                 tune.searched += 1;
