@@ -201,9 +201,17 @@ impl Wav2Lip {
             cpu,
             #[cfg(feature = "cuda")]
             cudnn: match device {
-                Device::Cuda(dev) if super::cudnn::enabled() => Some(std::sync::Arc::new(
-                    super::cudnn::CudnnEngine::new(dev, dtype)?,
-                )),
+                Device::Cuda(dev) if super::cudnn::enabled() => {
+                    match super::cudnn::CudnnEngine::new(dev, dtype) {
+                        Ok(engine) => Some(std::sync::Arc::new(engine)),
+                        Err(e) => {
+                            tracing::warn!(
+                                "cuDNN path unavailable ({e}); using candle's operations"
+                            );
+                            None
+                        }
+                    }
+                }
                 _ => None,
             },
             device: device.clone(),
