@@ -143,22 +143,14 @@ fn accuracy(
             if path == "candle" {
                 m.use_candle_operations();
             }
-            let diff = (run(&m)? - &reference).map_err(model::Error::from)?;
-            let stat = |t: candle_core::Result<Tensor>| -> Result<f32, CliError> {
-                Ok(t.and_then(|t| t.to_scalar::<f32>())
-                    .map_err(model::Error::from)?)
-            };
-            let mse = stat(diff.sqr().and_then(|t| t.mean_all()))?;
-            let max = stat(
-                diff.abs()
-                    .and_then(|t| t.flatten_all())
-                    .and_then(|t| t.max(0)),
-            )?;
-            let psnr = if mse > 0.0 {
-                10.0 * (1.0 / mse as f64).log10()
-            } else {
-                f64::INFINITY
-            };
+            let out = run(&m)?;
+            let psnr = model::wav2lip::face_psnr(&out, &reference)?;
+            let max = (out - &reference)
+                .and_then(|d| d.abs())
+                .and_then(|d| d.flatten_all())
+                .and_then(|d| d.max(0))
+                .and_then(|d| d.to_scalar::<f32>())
+                .map_err(model::Error::from)?;
             println!("| {} | {path} | {psnr:.1} dB | {max:.2e} |", dtype.as_str());
             rows.push(serde_json::json!({
                 "dtype": p, "compute_dtype": dtype.as_str(), "path": path,

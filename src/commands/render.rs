@@ -172,12 +172,7 @@ fn load_model(a: &RenderArgs) -> Result<(Wav2Lip, usize), CliError> {
         );
     }
     let mut model = Wav2Lip::load(&weights, &device, dtype)?;
-    if let Some(d) = model.verify_cudnn_path()? {
-        tracing::info!(
-            "{} convolutions, agreeing with candle's to {d:.1} dB",
-            model.conv_engine()
-        );
-    }
+    model.verify_cudnn_path()?;
     tracing::info!(
         "loaded {} ({}) on {:?} in {dtype:?} in {:.1} s",
         a.checkpoint.display(),

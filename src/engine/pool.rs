@@ -268,12 +268,7 @@ fn load(
     let dtype = model::compute_dtype(&device, precision);
     let mut model = Wav2Lip::load(weights, &device, dtype)?;
     // The own cuDNN path must agree with candle's operations before it serves.
-    if let Some(d) = model.verify_cudnn_path()? {
-        tracing::info!(
-            "{dtype:?} model: {} convolutions, agreeing with candle's to {d:.1} dB",
-            model.conv_engine()
-        );
-    }
+    model.verify_cudnn_path()?;
     Ok(model)
 }
 

@@ -98,7 +98,12 @@ impl CpuNet {
     /// `(n, 3, 96, 96)`, NCHW, in (0, 1), out.
     pub fn forward(&self, mel: &[f32], face: &[f32], n: usize) -> Vec<f32> {
         use super::arch::{FACE_CHANNELS, MEL_BINS, MEL_STEPS};
-        let run = |layers: &[Layer], x: Act| layers.iter().fold(x, |x, l| l.forward(&x));
+        // Every block starts with a layer reading its input by reference, so encoder outputs
+        // are kept once (as skips) and not copied.
+        let run = |layers: &[Layer], x: &Act| {
+            let (first, rest) = layers.split_first().expect("blocks have layers");
+            rest.iter().fold(first.forward(x), |x, l| l.forward(&x))
+        };
         // One input channel: NCHW and NHWC are the same bytes.
         let mel = Act {
             n,
@@ -107,22 +112,22 @@ impl CpuNet {
             c: 1,
             data: mel.to_vec(),
         };
-        let audio = run(&self.audio_encoder, mel);
-        let mut feats = Vec::with_capacity(self.face_encoder.len());
-        let mut x = nchw_to_nhwc(face, n, FACE_CHANNELS, FACE_SIZE, FACE_SIZE);
+        let audio = run(&self.audio_encoder, &mel);
+        let face = nchw_to_nhwc(face, n, FACE_CHANNELS, FACE_SIZE, FACE_SIZE);
+        let mut feats: Vec<Act> = Vec::with_capacity(self.face_encoder.len());
         for block in &self.face_encoder {
-            x = run(block, x);
-            feats.push(x.clone());
+            let x = run(block, feats.last().unwrap_or(&face));
+            feats.push(x);
         }
         let mut x = audio;
         for block in &self.face_decoder {
-            x = run(block, x);
+            x = run(block, &x);
             let skip = feats
                 .pop()
                 .expect("as many encoder blocks as decoder blocks");
             x = concat_channels(&x, &skip);
         }
-        let mut x = run(&self.output_block, x);
+        let mut x = run(&self.output_block, &x);
         x.data
             .par_iter_mut()
             .for_each(|v| *v = 1.0 / (1.0 + (-*v).exp()));

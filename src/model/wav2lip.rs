@@ -267,26 +267,16 @@ impl Wav2Lip {
             &self.device,
         )?;
         let reference = self.forward_candle(&mel, &face)?.to_dtype(DType::F32)?;
-        let mse = match self.forward(&mel, &face) {
-            Ok(own) => (own.to_dtype(DType::F32)? - &reference)?
-                .sqr()?
-                .mean_all()?
-                .to_scalar::<f32>()? as f64,
+        let psnr = match self.forward(&mel, &face) {
+            Ok(own) => face_psnr(&own, &reference)?,
             Err(e) => {
                 tracing::warn!(
                     "the {} convolution path failed ({e}); using candle's operations",
                     self.conv_engine()
                 );
-                self.disable_own_path();
+                self.use_candle_operations();
                 return Ok(f64::NAN);
             }
-        };
-        let psnr = if mse > 0.0 {
-            -10.0 * mse.log10()
-        } else if mse == 0.0 {
-            f64::INFINITY
-        } else {
-            f64::NAN
         };
         if psnr.is_nan() || psnr < min_psnr {
             tracing::warn!(
@@ -294,14 +284,14 @@ impl Wav2Lip {
                  (at least {min_psnr} dB wanted); using candle's operations",
                 self.conv_engine()
             );
-            self.disable_own_path();
+            self.use_candle_operations();
         }
         Ok(psnr)
     }
 
     /// On the cuDNN path, [`Self::check_conv_engine`] at batch 2 with the standard
-    /// thresholds ([`CUDNN_CHECK_MIN_PSNR_F32`], [`CUDNN_CHECK_MIN_PSNR_HALF`]); the PSNR
-    /// found, or `None` on other paths.
+    /// thresholds ([`CUDNN_CHECK_MIN_PSNR_F32`], [`CUDNN_CHECK_MIN_PSNR_HALF`]), logged; the
+    /// PSNR found, or `None` on other paths.
     pub fn verify_cudnn_path(&mut self) -> Result<Option<f64>> {
         if self.conv_engine() != "cudnn" {
             return Ok(None);
@@ -311,15 +301,17 @@ impl Wav2Lip {
         } else {
             CUDNN_CHECK_MIN_PSNR_HALF
         };
-        self.check_conv_engine(2, min_psnr).map(Some)
+        let psnr = self.check_conv_engine(2, min_psnr)?;
+        tracing::info!(
+            "{:?} model: {} convolutions, agreeing with candle's to {psnr:.1} dB",
+            self.dtype,
+            self.conv_engine()
+        );
+        Ok(Some(psnr))
     }
 
     /// Runs candle's operations from now on (the reference path).
     pub fn use_candle_operations(&mut self) {
-        self.disable_own_path();
-    }
-
-    fn disable_own_path(&mut self) {
         self.cpu = None;
         #[cfg(feature = "cuda")]
         {
@@ -406,6 +398,20 @@ impl Wav2Lip {
         let x = run(&self.output_block, x)?;
         Ok(candle_nn::ops::sigmoid(&x)?)
     }
+}
+
+/// How closely two batches of predicted faces (values in 0–1, any dtype and device) agree:
+/// PSNR in dB, infinite when identical, NaN when either holds NaN.
+pub fn face_psnr(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let mse = (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+        .sqr()?
+        .mean_all()?
+        .to_scalar::<f32>()? as f64;
+    Ok(if mse == 0.0 {
+        f64::INFINITY
+    } else {
+        -10.0 * mse.log10()
+    })
 }
 
 /// Checks the input shapes and returns the batch size.
