@@ -58,6 +58,13 @@ pub enum Error {
     Device(String),
     #[error("bad model input: {0}")]
     BadInput(String),
+    /// A cuDNN call of the own convolution path failed. Out of memory
+    /// ([`Error::is_out_of_memory`]) may pass with a smaller batch; any other status
+    /// ([`Error::is_cudnn_failure`], e.g. NOT_SUPPORTED) means the own path cannot run this
+    /// and the instance should switch to candle's operations
+    /// ([`Wav2Lip::use_candle_operations`]) and retry.
+    #[error(transparent)]
+    Cudnn(#[from] cudnn::CudnnError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }
@@ -77,8 +84,36 @@ impl Error {
             Error::NonFinite { .. } => "non_finite",
             Error::Device(_) => "device",
             Error::BadInput(_) => "bad_input",
+            Error::Cudnn(_) => "cudnn",
             Error::Candle(_) => "internal",
         }
+    }
+
+    /// Whether the device (or cuDNN) ran out of memory: a smaller batch may pass. Covers
+    /// cuDNN's host and device allocation failures and CUDA's out-of-memory error.
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            Error::Cudnn(e) => e.is_out_of_memory(),
+            Error::Candle(e) => match cudnn::CudnnError::find_in(e) {
+                Some(c) => c.is_out_of_memory(),
+                None => {
+                    let text = e.to_string();
+                    text.contains("OUT_OF_MEMORY") || text.contains("out of memory")
+                }
+            },
+            _ => false,
+        }
+    }
+
+    /// Whether a cuDNN call of the own path failed for another reason than memory: candle's
+    /// operations may still run this batch.
+    pub fn is_cudnn_failure(&self) -> bool {
+        let cudnn = match self {
+            Error::Cudnn(e) => Some(e),
+            Error::Candle(e) => cudnn::CudnnError::find_in(e),
+            _ => None,
+        };
+        cudnn.is_some_and(|e| !e.is_out_of_memory())
     }
 }
 
@@ -186,5 +221,49 @@ pub fn compute_dtype(device: &Device, precision: Precision) -> DType {
             DType::F32
         }
         _ => precision.dtype(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cudnn::CudnnError;
+    use super::Error;
+
+    fn cudnn(status: &str, code: u32) -> CudnnError {
+        CudnnError {
+            call: "convolution".into(),
+            status: status.into(),
+            code,
+        }
+    }
+
+    #[test]
+    fn cudnn_errors_tell_out_of_memory_from_other_failures() {
+        let oom = Error::Cudnn(cudnn(
+            "CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED",
+            4004,
+        ));
+        assert!(oom.is_out_of_memory() && !oom.is_cudnn_failure());
+        let unsupported = Error::Cudnn(cudnn("CUDNN_STATUS_NOT_SUPPORTED", 3000));
+        assert!(!unsupported.is_out_of_memory() && unsupported.is_cudnn_failure());
+        assert_eq!(unsupported.kind(), "cudnn");
+        // Still recognised when it reaches the caller inside a candle error.
+        let inside = Error::Candle(candle_core::Error::from(cudnn(
+            "CUDNN_STATUS_BAD_PARAM",
+            2000,
+        )));
+        assert!(inside.is_cudnn_failure() && !inside.is_out_of_memory());
+        let inside = Error::Candle(candle_core::Error::from(cudnn(
+            "CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED",
+            4003,
+        )));
+        assert!(inside.is_out_of_memory() && !inside.is_cudnn_failure());
+        // CUDA's own out-of-memory error, as text.
+        let cuda = Error::Candle(candle_core::Error::Msg(
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
+        ));
+        assert!(cuda.is_out_of_memory() && !cuda.is_cudnn_failure());
+        let other = Error::BadInput("x".into());
+        assert!(!other.is_out_of_memory() && !other.is_cudnn_failure());
     }
 }

@@ -1,23 +1,25 @@
 //! The cuDNN engine itself (CUDA builds); see the parent module.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashSet};
 use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cudnn::sys;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{CustomOp1, DType, Layout, Shape, Storage, Tensor};
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
-use super::{settings, FIND_WORKSPACE_BYTES};
+use super::plan::{pick, Candidate, Choice, CudnnError, MathType, PlanCache, PlanKey};
+use super::{settings, CONVOLUTIONS_METRIC, FIND_WORKSPACE_BYTES};
 use crate::model::arch::{LayerKind, LayerSpec};
 use crate::model::wav2lip::ConvBlock;
-use crate::model::Result;
+use crate::model::{Error, Result};
 
 static AUTOTUNE: OnceLock<Mutex<Autotune>> = OnceLock::new();
 
@@ -33,20 +35,23 @@ pub fn autotune_counts() -> (usize, usize) {
 // ---------------------------------------------------------------------------------------------
 // Errors and RAII wrappers over cuDNN's C objects.
 
-fn check(status: sys::cudnnStatus_t, what: &str) -> candle_core::Result<()> {
-    use sys::cudnnStatus_t as S;
-    match status {
-        S::CUDNN_STATUS_SUCCESS => Ok(()),
-        // The pool recognises running out of memory by this text.
-        S::CUDNN_STATUS_ALLOC_FAILED => Err(candle_core::Error::Msg(format!(
-            "cuDNN {what}: out of memory ({status:?})"
-        ))),
-        other => Err(candle_core::Error::Msg(format!("cuDNN {what}: {other:?}"))),
+fn check(status: sys::cudnnStatus_t, what: &str) -> std::result::Result<(), CudnnError> {
+    if status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
+        return Ok(());
     }
+    Err(CudnnError {
+        call: what.to_string(),
+        status: format!("{status:?}"),
+        code: status as u32,
+    })
 }
 
-fn is_out_of_memory(e: &candle_core::Error) -> bool {
-    e.to_string().contains("out of memory")
+/// A model error from a candle error, keeping a cuDNN failure as [`Error::Cudnn`].
+fn lift(e: candle_core::Error) -> Error {
+    match CudnnError::find_in(&e) {
+        Some(c) => Error::Cudnn(c.clone()),
+        None => Error::Candle(e),
+    }
 }
 
 struct Handle(sys::cudnnHandle_t);
@@ -133,33 +138,26 @@ fn tensor4(dtype: DType, dims: [usize; 4]) -> candle_core::Result<TensorDesc> {
     Ok(d)
 }
 
-fn set_math(conv: &ConvDesc, tensor_ops: bool) -> candle_core::Result<()> {
-    // f32 stays true f32 (FMA math, no TF32): it is the reference precision.
-    let math = if tensor_ops {
-        sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH
-    } else {
-        sys::cudnnMathType_t::CUDNN_FMA_MATH
-    };
+fn sys_math(math: MathType) -> sys::cudnnMathType_t {
+    use sys::cudnnMathType_t as M;
+    match math {
+        MathType::Default => M::CUDNN_DEFAULT_MATH,
+        MathType::TensorOp => M::CUDNN_TENSOR_OP_MATH,
+        MathType::TensorOpAllowConversion => M::CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION,
+        MathType::Fma => M::CUDNN_FMA_MATH,
+    }
+}
+
+fn set_math(conv: &ConvDesc, math: MathType) -> candle_core::Result<()> {
     check(
-        unsafe { sys::cudnnSetConvolutionMathType(conv.0, math) },
+        unsafe { sys::cudnnSetConvolutionMathType(conv.0, sys_math(math)) },
         "math type",
-    )
+    )?;
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
 // Algorithm choice, shared by the process and persisted.
-
-/// One timed choice.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Choice {
-    /// cuDNN's name of the algorithm (`CUDNN_CONVOLUTION_FWD_ALGO_…` / `…_BWD_DATA_ALGO_…`).
-    algo: String,
-    /// Tensor-op math (the math type the search used).
-    tensor_ops: bool,
-    workspace: usize,
-    /// Measured milliseconds (informative).
-    ms: f32,
-}
 
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct CacheFile {
@@ -172,6 +170,8 @@ struct Autotune {
     device: String,
     algos: BTreeMap<String, Choice>,
     searched: usize,
+    /// Choices not yet written to the cache file.
+    dirty: bool,
 }
 
 impl Autotune {
@@ -208,15 +208,19 @@ impl Autotune {
                 device: device.to_string(),
                 algos,
                 searched: 0,
+                dirty: false,
             })
         })
     }
 
-    /// Writes the cache file (a temporary file renamed over it).
-    fn save(&self) {
+    /// Writes the cache file (a temporary file renamed over it) if it lacks choices.
+    fn save(&mut self) {
         let Some(path) = &settings().cache_file else {
             return;
         };
+        if !self.dirty {
+            return;
+        }
         let file = CacheFile {
             device: self.device.clone(),
             algos: self.algos.clone(),
@@ -229,8 +233,9 @@ impl Autotune {
             std::fs::write(&tmp, serde_json::to_vec_pretty(&file)?)?;
             std::fs::rename(&tmp, path)
         };
-        if let Err(e) = write() {
-            tracing::warn!("cannot write autotune cache {}: {e}", path.display());
+        match write() {
+            Ok(()) => self.dirty = false,
+            Err(e) => tracing::warn!("cannot write autotune cache {}: {e}", path.display()),
         }
     }
 }
@@ -283,30 +288,52 @@ impl Algo {
     }
 }
 
-/// The fastest successful entry of a search's results, as a choice.
-macro_rules! best_of {
-    ($perf:expr, $count:expr, $variant:path) => {{
-        let best = $perf[..$count as usize]
+/// A search's (or the heuristic's) results as candidates, in cuDNN's order.
+macro_rules! candidates {
+    ($perf:expr, $count:expr) => {
+        $perf[..($count.max(0) as usize).min($perf.len())]
             .iter()
-            .find(|p| p.status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS)
-            .ok_or_else(|| candle_core::Error::Msg("cuDNN: no usable algorithm".into()))?;
-        Ok((
-            $variant(best.algo),
-            Choice {
-                algo: format!("{:?}", best.algo),
-                tensor_ops: best.mathType != sys::cudnnMathType_t::CUDNN_DEFAULT_MATH
-                    && best.mathType != sys::cudnnMathType_t::CUDNN_FMA_MATH,
-                workspace: best.memory,
-                ms: best.time,
-            },
-        ))
-    }};
+            .map(|p| Candidate {
+                algo: format!("{:?}", p.algo),
+                ok: p.status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS,
+                math: MathType::from_raw(p.mathType as u32),
+                ms: p.time,
+                workspace: p.memory,
+            })
+            .collect::<Vec<_>>()
+    };
 }
 
 // ---------------------------------------------------------------------------------------------
 // The engine: one per model instance (its stream, its workspace, its descriptors).
 
-/// A layer at one batch size, ready to run.
+/// How a plan's algorithm was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChoiceSource {
+    /// Timed by `cudnnFind…AlgorithmEx` in this process.
+    Searched,
+    /// Timed earlier: this process's choices or the cache file.
+    Known,
+    /// cuDNN's heuristic (`cudnnGet…Algorithm_v7`), for shapes first seen after warm-up.
+    Heuristic,
+}
+
+/// What the engine runs for one layer at one input shape (for logs and the GPU tests).
+#[derive(Debug, Clone)]
+pub struct LayerReport {
+    pub path: String,
+    /// `(n, c, h, w)` of the input.
+    pub input: [usize; 4],
+    pub algo: String,
+    pub math: MathType,
+    /// Bytes of workspace cuDNN asked for this algorithm and math type.
+    pub workspace: usize,
+    /// Whether bias, residual and ReLU run inside the convolution call (as of the last call).
+    pub fused: bool,
+    pub source: ChoiceSource,
+}
+
+/// A layer at one input shape, ready to run.
 struct Plan {
     x: TensorDesc,
     w: FilterDesc,
@@ -314,9 +341,12 @@ struct Plan {
     y: TensorDesc,
     bias: TensorDesc,
     algo: Algo,
+    choice: Choice,
+    /// What cuDNN needs for `algo` with `choice.math`, queried after setting both.
     workspace: usize,
     /// Bias, residual and ReLU inside the convolution call (else applied afterwards).
     fused: bool,
+    source: ChoiceSource,
 }
 
 struct Inner {
@@ -324,16 +354,27 @@ struct Inner {
     relu: ActDesc,
     /// Grown to the largest chosen algorithm's need; reused by every call.
     workspace: Option<CudaSlice<u8>>,
-    plans: HashMap<(String, usize), Plan>,
+    /// The searches' workspace ([`FIND_WORKSPACE_BYTES`], not zeroed), kept for the whole
+    /// warm-up and freed by [`CudnnEngine::finish_warm_up`].
+    search_workspace: Option<CudaSlice<u8>>,
+    plans: PlanCache<Plan>,
+    /// Layers whose fused call failed once (warned about once).
+    unfusable: HashSet<String>,
 }
 
 /// The own cuDNN convolution path of one model instance.
+///
+/// Field order matters: `inner` (the cuDNN handle, descriptors and buffers) is dropped first,
+/// while the stream and device it uses still exist.
 pub struct CudnnEngine {
-    dev: CudaDevice,
+    inner: Mutex<Inner>,
+    /// Until [`Self::finish_warm_up`], shapes without a known choice are searched; after it,
+    /// cuDNN's heuristic picks (no search in the middle of a request).
+    searching: AtomicBool,
     stream: Arc<CudaStream>,
+    dev: CudaDevice,
     dtype: DType,
     device_name: String,
-    inner: Mutex<Inner>,
 }
 
 impl std::fmt::Debug for CudnnEngine {
@@ -342,6 +383,19 @@ impl std::fmt::Debug for CudnnEngine {
             .field("dtype", &self.dtype)
             .field("device", &self.device_name)
             .finish()
+    }
+}
+
+impl Drop for CudnnEngine {
+    fn drop(&mut self) {
+        // cuDNN destroys its handle in the context current on the calling thread; the fields
+        // drop after this, `inner` first.
+        let _ = self.stream.context().bind_to_thread();
+        if let Some(tune) = AUTOTUNE.get() {
+            if let Ok(mut tune) = tune.lock() {
+                tune.save();
+            }
+        }
     }
 }
 
@@ -368,7 +422,9 @@ impl CudnnEngine {
                 sys::cudnnSetActivationDescriptor(
                     relu.0,
                     sys::cudnnActivationMode_t::CUDNN_ACTIVATION_RELU,
-                    sys::cudnnNanPropagation_t::CUDNN_PROPAGATE_NAN,
+                    // What PyTorch, TensorFlow, ONNX Runtime and oneDNN pass: other values may
+                    // be NOT_SUPPORTED by the fused kernels.
+                    sys::cudnnNanPropagation_t::CUDNN_NOT_PROPAGATE_NAN,
                     0.0,
                 )
             },
@@ -380,21 +436,55 @@ impl CudnnEngine {
             .unwrap_or_else(|_| "unknown GPU".into());
         let version = unsafe { sys::cudnnGetVersion() };
         Ok(CudnnEngine {
-            dev: dev.clone(),
-            stream,
-            dtype,
-            device_name: format!("{gpu} / cuDNN {version}"),
             inner: Mutex::new(Inner {
                 handle,
                 relu,
                 workspace: None,
-                plans: HashMap::new(),
+                search_workspace: None,
+                plans: PlanCache::default(),
+                unfusable: HashSet::new(),
             }),
+            searching: AtomicBool::new(true),
+            stream,
+            dev: dev.clone(),
+            dtype,
+            device_name: format!("{gpu} / cuDNN {version}"),
         })
     }
 
+    /// Ends the warm-up: shapes seen from now on take cuDNN's heuristic choice instead of a
+    /// search, the search workspace is freed and new choices are written to the cache file.
+    pub fn finish_warm_up(&self) {
+        self.searching.store(false, Ordering::SeqCst);
+        self.inner.lock().unwrap().search_workspace = None;
+        if let Some(tune) = AUTOTUNE.get() {
+            tune.lock().unwrap().save();
+        }
+    }
+
+    /// Every plan made so far, sorted by layer and input shape.
+    pub fn report(&self) -> Vec<LayerReport> {
+        let inner = self.inner.lock().unwrap();
+        let mut out: Vec<LayerReport> = inner
+            .plans
+            .iter()
+            .map(|(key, plan)| LayerReport {
+                path: key.path.clone(),
+                input: key.input,
+                algo: plan.choice.algo.clone(),
+                math: plan.choice.math,
+                workspace: plan.workspace,
+                fused: plan.fused,
+                source: plan.source,
+            })
+            .collect();
+        out.sort_by(|a, b| (&a.path, a.input).cmp(&(&b.path, b.input)));
+        out
+    }
+
     /// One layer: convolution (or transposed convolution) + bias (+ residual) (+ ReLU), as
-    /// [`ConvBlock::forward`] computes it.
+    /// [`ConvBlock::forward`] computes it. A failed cuDNN call comes back as
+    /// [`Error::Cudnn`].
     pub fn forward(&self, block: &ConvBlock, x: &Tensor) -> Result<Tensor> {
         let x = x.contiguous()?;
         let op = LayerOp {
@@ -402,7 +492,7 @@ impl CudnnEngine {
             block,
             fused: std::cell::Cell::new(false),
         };
-        let y = x.apply_op1_no_bwd(&op)?;
+        let y = x.apply_op1_no_bwd(&op).map_err(lift)?;
         if op.fused.get() {
             return Ok(y);
         }
@@ -411,16 +501,20 @@ impl CudnnEngine {
         block.activate(y, &x)
     }
 
-    /// Makes the plan for a layer at a batch (searching its algorithm unless known).
+    /// Makes the plan for a layer at an input shape: the choice known to the process, else a
+    /// search (during warm-up) or cuDNN's heuristic (after it). Also says whether a search
+    /// ran (it leaves arbitrary values in the output buffer).
     fn make_plan(
         &self,
-        inner: &mut Inner,
+        handle: &Handle,
+        search_workspace: &mut Option<CudaSlice<u8>>,
         block: &ConvBlock,
-        [n, c, h, w]: [usize; 4],
+        key: &PlanKey,
         bufs: (u64, u64, u64),
-    ) -> candle_core::Result<Plan> {
+    ) -> candle_core::Result<(Plan, bool)> {
         let s = block.spec();
-        let transposed = s.kind == LayerKind::ConvTranspose;
+        let transposed = key.transposed;
+        let [n, c, h, w] = key.input;
         let (oh, ow) = output_size(s, h, w);
         let x = tensor4(self.dtype, [n, c, h, w])?;
         let y = tensor4(self.dtype, [n, s.cout, oh, ow])?;
@@ -428,17 +522,17 @@ impl CudnnEngine {
         let wd = FilterDesc::new()?;
         // PyTorch layouts: conv (cout, cin, k, k); transposed (cin, cout, k, k), which is the
         // filter of the forward convolution whose data gradient the transposed conv is.
-        let dims = block.weight().dims().to_vec();
+        let [k0, k1, k2, k3] = key.weight.map(|v| v as c_int);
         check(
             unsafe {
                 sys::cudnnSetFilter4dDescriptor(
                     wd.0,
                     data_type(self.dtype)?,
                     sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
-                    dims[0] as c_int,
-                    dims[1] as c_int,
-                    dims[2] as c_int,
-                    dims[3] as c_int,
+                    k0,
+                    k1,
+                    k2,
+                    k3,
                 )
             },
             "filter descriptor",
@@ -461,72 +555,79 @@ impl CudnnEngine {
             },
             "convolution descriptor",
         )?;
-        set_math(&conv, self.dtype != DType::F32)?;
+        set_math(&conv, MathType::for_search(self.dtype))?;
+        let descs = (&x, &wd, &conv, &y);
 
-        let key = format!(
-            "{} {:?} x{n}x{c}x{h}x{w} w{}x{}x{}x{} s{}x{} p{} op{}",
-            if transposed { "bwd_data" } else { "fwd" },
-            self.dtype,
-            dims[0],
-            dims[1],
-            dims[2],
-            dims[3],
-            s.stride.0,
-            s.stride.1,
-            s.padding,
-            s.output_padding,
-        );
+        let tune_key = key.tune_key(self.dtype);
         // Held during the search, so instances do not time each other's kernels.
         let mut tune = Autotune::get(&self.device_name).lock().unwrap();
-        let known = tune
-            .algos
-            .get(&key)
-            .and_then(|c| Algo::from_name(transposed, &c.algo).map(|a| (a, c.clone())));
-        let (algo, choice) = match known {
-            Some(found) => found,
-            None => {
-                let found = self.find(inner, transposed, (&x, &wd, &conv, &y), bufs);
-                // The search's large workspace goes; runs keep only what they need.
-                inner.workspace = None;
-                let found = found?;
-                tracing::debug!("autotuned {key}: {:?}", found.1);
-                tune.algos.insert(key, found.1.clone());
+        let known = tune.algos.get(&tune_key).and_then(|c| {
+            let usable = c.math.allowed_for(self.dtype);
+            Algo::from_name(transposed, &c.algo)
+                .filter(|_| usable)
+                .map(|a| (a, c.clone()))
+        });
+        let (algo, choice, source) = match known {
+            Some((a, c)) => (a, c, ChoiceSource::Known),
+            None if self.searching.load(Ordering::SeqCst) => {
+                let (a, c) = self.find(handle, search_workspace, transposed, descs, bufs)?;
+                tracing::debug!("autotuned {tune_key}: {c:?}");
+                tune.algos.insert(tune_key, c.clone());
                 tune.searched += 1;
-                tune.save();
-                found
+                tune.dirty = true;
+                (a, c, ChoiceSource::Searched)
+            }
+            None => {
+                let (a, c) = self.heuristic(handle, transposed, descs)?;
+                tracing::debug!("heuristic choice for {tune_key} (after warm-up): {c:?}");
+                (a, c, ChoiceSource::Heuristic)
             }
         };
         drop(tune);
-        set_math(&conv, choice.tensor_ops)?;
-        Ok(Plan {
-            x,
-            w: wd,
-            conv,
-            y,
-            bias,
-            algo,
-            workspace: choice.workspace,
-            fused: s.kind == LayerKind::Conv,
-        })
+        // The exact math type the choice was made with, then what cuDNN needs for it.
+        set_math(&conv, choice.math)?;
+        let workspace = workspace_size(handle, algo, descs)?;
+        Ok((
+            Plan {
+                x,
+                w: wd,
+                conv,
+                y,
+                bias,
+                algo,
+                choice,
+                workspace,
+                fused: s.kind == LayerKind::Conv,
+                source,
+            },
+            source == ChoiceSource::Searched,
+        ))
     }
 
-    /// Times every algorithm on the real buffers (`y` is scratch) and keeps the fastest.
+    /// Times every algorithm on the real buffers (`y` is scratch) and keeps the fastest that
+    /// is usable ([`pick`]).
     fn find(
         &self,
-        inner: &mut Inner,
+        handle: &Handle,
+        search_workspace: &mut Option<CudaSlice<u8>>,
         transposed: bool,
         (x, w, conv, y): (&TensorDesc, &FilterDesc, &ConvDesc, &TensorDesc),
         (x_ptr, w_ptr, y_ptr): (u64, u64, u64),
     ) -> candle_core::Result<(Algo, Choice)> {
-        let ws = self.workspace(inner, FIND_WORKSPACE_BYTES)?;
+        if search_workspace.is_none() {
+            // SAFETY: scratch memory for cuDNN; never read by us.
+            *search_workspace = Some(unsafe { self.stream.alloc::<u8>(FIND_WORKSPACE_BYTES)? });
+        }
+        let ws_buf = search_workspace.as_mut().expect("allocated above");
+        let (ws, _ws_sync) = ws_buf.device_ptr_mut(&self.stream);
         let mut count: c_int = 0;
-        if transposed {
+        let cands = if transposed {
             let mut perf = [unsafe { std::mem::zeroed::<sys::cudnnConvolutionBwdDataAlgoPerf_t>() };
                 BWD_ALGOS.len()];
             check(
                 unsafe {
                     sys::cudnnFindConvolutionBackwardDataAlgorithmEx(
-                        inner.handle.0,
+                        handle.0,
                         w.0,
                         w_ptr as *const c_void,
                         x.0,
@@ -543,14 +644,14 @@ impl CudnnEngine {
                 },
                 "find backward-data algorithm",
             )?;
-            best_of!(perf, count, Algo::Bwd)
+            candidates!(perf, count)
         } else {
             let mut perf = [unsafe { std::mem::zeroed::<sys::cudnnConvolutionFwdAlgoPerf_t>() };
                 FWD_ALGOS.len()];
             check(
                 unsafe {
                     sys::cudnnFindConvolutionForwardAlgorithmEx(
-                        inner.handle.0,
+                        handle.0,
                         x.0,
                         x_ptr as *const c_void,
                         w.0,
@@ -567,19 +668,98 @@ impl CudnnEngine {
                 },
                 "find forward algorithm",
             )?;
-            best_of!(perf, count, Algo::Fwd)
-        }
+            candidates!(perf, count)
+        };
+        self.choose(transposed, &cands, "search")
     }
 
-    /// The instance's workspace, grown to at least `bytes`; its device address.
-    fn workspace(&self, inner: &mut Inner, bytes: usize) -> candle_core::Result<u64> {
+    /// cuDNN's heuristic order (no timing, no buffers), first usable entry.
+    fn heuristic(
+        &self,
+        handle: &Handle,
+        transposed: bool,
+        (x, w, conv, y): (&TensorDesc, &FilterDesc, &ConvDesc, &TensorDesc),
+    ) -> candle_core::Result<(Algo, Choice)> {
+        let mut count: c_int = 0;
+        let cands = if transposed {
+            let mut perf = [unsafe { std::mem::zeroed::<sys::cudnnConvolutionBwdDataAlgoPerf_t>() };
+                BWD_ALGOS.len()];
+            check(
+                unsafe {
+                    sys::cudnnGetConvolutionBackwardDataAlgorithm_v7(
+                        handle.0,
+                        w.0,
+                        x.0,
+                        conv.0,
+                        y.0,
+                        perf.len() as c_int,
+                        &mut count,
+                        perf.as_mut_ptr(),
+                    )
+                },
+                "heuristic backward-data algorithm",
+            )?;
+            candidates!(perf, count)
+        } else {
+            let mut perf = [unsafe { std::mem::zeroed::<sys::cudnnConvolutionFwdAlgoPerf_t>() };
+                FWD_ALGOS.len()];
+            check(
+                unsafe {
+                    sys::cudnnGetConvolutionForwardAlgorithm_v7(
+                        handle.0,
+                        x.0,
+                        w.0,
+                        conv.0,
+                        y.0,
+                        perf.len() as c_int,
+                        &mut count,
+                        perf.as_mut_ptr(),
+                    )
+                },
+                "heuristic forward algorithm",
+            )?;
+            candidates!(perf, count)
+        };
+        let (algo, mut choice) = self.choose(transposed, &cands, "heuristic")?;
+        choice.ms = -1.0;
+        Ok((algo, choice))
+    }
+
+    fn choose(
+        &self,
+        transposed: bool,
+        cands: &[Candidate],
+        how: &str,
+    ) -> candle_core::Result<(Algo, Choice)> {
+        // Nothing usable is cuDNN not supporting this layer here (a cuDNN failure other than
+        // memory: candle's operations may run it).
+        let unsupported = |what: String| CudnnError {
+            call: format!("{how} for {:?}", self.dtype),
+            status: format!("CUDNN_STATUS_NOT_SUPPORTED ({what})"),
+            code: sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED as u32,
+        };
+        let choice = pick(cands, self.dtype, FIND_WORKSPACE_BYTES)
+            .ok_or_else(|| unsupported(format!("no usable algorithm among {cands:?}")))?;
+        let algo = Algo::from_name(transposed, &choice.algo)
+            .ok_or_else(|| unsupported(format!("unknown algorithm {}", choice.algo)))?;
+        Ok((algo, choice))
+    }
+
+    /// The instance's run workspace, grown to at least `bytes` (not zeroed: cuDNN's
+    /// scratch); its device address.
+    fn workspace(
+        &self,
+        workspace: &mut Option<CudaSlice<u8>>,
+        bytes: usize,
+    ) -> candle_core::Result<u64> {
         let bytes = bytes.max(1);
-        if inner.workspace.as_ref().is_none_or(|w| w.len() < bytes) {
-            inner.workspace = None;
-            inner.workspace = Some(self.stream.alloc_zeros::<u8>(bytes)?);
+        if workspace.as_ref().is_none_or(|w| w.len() < bytes) {
+            *workspace = None;
+            // SAFETY: scratch memory for cuDNN; never read by us.
+            *workspace = Some(unsafe { self.stream.alloc::<u8>(bytes)? });
         }
-        let ws = inner.workspace.as_ref().expect("allocated above");
-        let (ptr, _sync) = ws.device_ptr(&self.stream);
+        let ws = workspace.as_mut().expect("allocated above");
+        let (ptr, _sync) = ws.device_ptr_mut(&self.stream);
         Ok(ptr)
     }
 
@@ -599,6 +779,12 @@ impl CudnnEngine {
             .dims()
             .try_into()
             .map_err(|_| candle_core::Error::Msg("cuDNN layer: input is not 4-D".into()))?;
+        let wdims: [usize; 4] = block
+            .weight()
+            .dims()
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("cuDNN layer: weight is not 4-D".into()))?;
+        let key = PlanKey::new(block.path(), s, dims, wdims);
         let (oh, ow) = output_size(s, dims[2], dims[3]);
         let x = storage.as_cuda_slice::<T>()?.slice(start..end);
         let (w_store, w_layout) = block.weight().storage_and_layout();
@@ -607,7 +793,7 @@ impl CudnnEngine {
         let bias = cuda_slice_of::<T>(&b_store, b_layout)?;
         let len = dims[0] * s.cout * oh * ow;
         let fusable = s.kind == LayerKind::Conv;
-        let y = if fusable && !s.residual {
+        let mut y = if fusable && !s.residual {
             // The fused call's z is the output itself, scaled by 0: start from zeros, not
             // from whatever the allocation held (0 × NaN is NaN).
             self.dev.alloc_zeros::<T>(len)?
@@ -618,127 +804,173 @@ impl CudnnEngine {
         };
 
         let stream = &self.stream;
-        let (x_ptr, sx) = x.device_ptr(stream);
-        let (w_ptr, sw) = weight.device_ptr(stream);
-        let (b_ptr, sb) = bias.device_ptr(stream);
-        let (y_ptr, sy) = y.device_ptr(stream);
-
         let mut guard = self.inner.lock().unwrap();
-        let inner = &mut *guard;
-        let key = (block.path().to_string(), dims[0]);
-        if !inner.plans.contains_key(&key) {
-            let plan = self.make_plan(inner, block, dims, (x_ptr, w_ptr, y_ptr))?;
-            inner.plans.insert(key.clone(), plan);
-        }
-        let (need, fused) = {
-            let plan = &inner.plans[&key];
-            (plan.workspace, plan.fused)
+        let Inner {
+            handle,
+            relu,
+            workspace,
+            search_workspace,
+            plans,
+            unfusable,
+        } = &mut *guard;
+        let done_fused = {
+            let (x_ptr, _sx) = x.device_ptr(stream);
+            let (w_ptr, _sw) = weight.device_ptr(stream);
+            let (b_ptr, _sb) = bias.device_ptr(stream);
+            // cuDNN writes the output: a mutable access, so cudarc records the write.
+            let (y_ptr, _sy) = y.device_ptr_mut(stream);
+
+            let mut searched_now = false;
+            let plan = plans.get_or_try_insert(&key, || {
+                let (plan, searched) =
+                    self.make_plan(handle, search_workspace, block, &key, (x_ptr, w_ptr, y_ptr))?;
+                searched_now = searched;
+                Ok::<_, candle_core::Error>(plan)
+            })?;
+            let need = plan.workspace;
+            let ws = self.workspace(workspace, need)? as *mut c_void;
+            // f32 scaling factors for every storage type (f32 compute).
+            let (one, zero) = (1f32, 0f32);
+            let one_p = &one as *const f32 as *const c_void;
+            let zero_p = &zero as *const f32 as *const c_void;
+            let (xp, wp, yp) = (
+                x_ptr as *const c_void,
+                w_ptr as *const c_void,
+                y_ptr as *mut c_void,
+            );
+            // Right after a search the output holds whatever the timed kernels left (maybe
+            // NaN); a fused call reading it as z (non-residual layers) would spread that, so
+            // this one call runs unfused.
+            let z_is_garbage = searched_now && !s.residual;
+            let mut done_fused = false;
+            if let (true, false, Algo::Fwd(algo)) = (plan.fused, z_is_garbage, plan.algo) {
+                // z: the input itself for residual layers (same shape as the output), else
+                // the zeroed output scaled by 0.
+                let (alpha2, z, zp) = if s.residual {
+                    (one_p, plan.x.0, xp)
+                } else {
+                    (zero_p, plan.y.0, yp as *const c_void)
+                };
+                let status = unsafe {
+                    sys::cudnnConvolutionBiasActivationForward(
+                        handle.0,
+                        one_p,
+                        plan.x.0,
+                        xp,
+                        plan.w.0,
+                        wp,
+                        plan.conv.0,
+                        algo,
+                        ws,
+                        need,
+                        alpha2,
+                        z,
+                        zp,
+                        plan.bias.0,
+                        b_ptr as *const c_void,
+                        relu.0,
+                        plan.y.0,
+                        yp,
+                    )
+                };
+                match check(status, "fused convolution") {
+                    Ok(()) => done_fused = true,
+                    Err(e) if e.is_out_of_memory() => return Err(e.into()),
+                    Err(e) => {
+                        // Not every type/layout/algorithm combination has a fused kernel: run
+                        // this plan unfused from now on, and say so once per layer.
+                        plan.fused = false;
+                        if unfusable.insert(block.path().to_string()) {
+                            tracing::warn!(
+                                "{} ({:?}, {}, {:?}): {e}; running it unfused",
+                                block.path(),
+                                self.dtype,
+                                plan.choice.algo,
+                                plan.choice.math
+                            );
+                        }
+                    }
+                }
+            }
+            if !done_fused {
+                let status = match plan.algo {
+                    Algo::Fwd(algo) => unsafe {
+                        sys::cudnnConvolutionForward(
+                            handle.0,
+                            one_p,
+                            plan.x.0,
+                            xp,
+                            plan.w.0,
+                            wp,
+                            plan.conv.0,
+                            algo,
+                            ws,
+                            need,
+                            zero_p,
+                            plan.y.0,
+                            yp,
+                        )
+                    },
+                    Algo::Bwd(algo) => unsafe {
+                        sys::cudnnConvolutionBackwardData(
+                            handle.0,
+                            one_p,
+                            plan.w.0,
+                            wp,
+                            plan.x.0,
+                            xp,
+                            plan.conv.0,
+                            algo,
+                            ws,
+                            need,
+                            zero_p,
+                            plan.y.0,
+                            yp,
+                        )
+                    },
+                };
+                check(status, "convolution")?;
+            }
+            done_fused
         };
-        let ws = self.workspace(inner, need)? as *mut c_void;
-        // f32 scaling factors for every storage type (f32 compute).
-        let (one, zero) = (1f32, 0f32);
-        let one_p = &one as *const f32 as *const c_void;
-        let zero_p = &zero as *const f32 as *const c_void;
-        let (xp, wp, yp) = (
-            x_ptr as *const c_void,
-            w_ptr as *const c_void,
-            y_ptr as *mut c_void,
-        );
-        let plan = &inner.plans[&key];
-        let mut done_fused = false;
-        if let (true, Algo::Fwd(algo)) = (fused, plan.algo) {
-            // z: the input itself for residual layers (same shape as the output), else the
-            // zeroed output scaled by 0.
-            let (alpha2, z, zp) = if s.residual {
-                (one_p, plan.x.0, xp)
-            } else {
-                (zero_p, plan.y.0, yp as *const c_void)
-            };
-            let status = unsafe {
-                sys::cudnnConvolutionBiasActivationForward(
-                    inner.handle.0,
-                    one_p,
-                    plan.x.0,
-                    xp,
-                    plan.w.0,
-                    wp,
-                    plan.conv.0,
-                    algo,
-                    ws,
-                    need,
-                    alpha2,
-                    z,
-                    zp,
-                    plan.bias.0,
-                    b_ptr as *const c_void,
-                    inner.relu.0,
-                    plan.y.0,
-                    yp,
-                )
-            };
-            match check(status, "fused convolution") {
-                Ok(()) => done_fused = true,
-                Err(e) if is_out_of_memory(&e) => return Err(e),
-                Err(e) => {
-                    // Not every type/layout/algorithm combination has a fused kernel.
-                    tracing::debug!("{}: {e}; running it unfused", block.path());
-                }
-            }
-        }
-        if !done_fused {
-            let status = match plan.algo {
-                Algo::Fwd(algo) => unsafe {
-                    sys::cudnnConvolutionForward(
-                        inner.handle.0,
-                        one_p,
-                        plan.x.0,
-                        xp,
-                        plan.w.0,
-                        wp,
-                        plan.conv.0,
-                        algo,
-                        ws,
-                        need,
-                        zero_p,
-                        plan.y.0,
-                        yp,
-                    )
-                },
-                Algo::Bwd(algo) => unsafe {
-                    sys::cudnnConvolutionBackwardData(
-                        inner.handle.0,
-                        one_p,
-                        plan.w.0,
-                        wp,
-                        plan.x.0,
-                        xp,
-                        plan.conv.0,
-                        algo,
-                        ws,
-                        need,
-                        zero_p,
-                        plan.y.0,
-                        yp,
-                    )
-                },
-            };
-            check(status, "convolution")?;
-            if fused {
-                // No fused kernel for this layer: run it unfused from now on.
-                if let Some(p) = inner.plans.get_mut(&key) {
-                    p.fused = false;
-                }
-            }
-        }
-        op.fused.set(done_fused);
         drop(guard);
-        drop((sx, sw, sb, sy));
+        metrics::counter!(CONVOLUTIONS_METRIC, "fused" => if done_fused { "true" } else { "false" })
+            .increment(1);
+        op.fused.set(done_fused);
         drop((w_store, b_store));
         Ok((
             CudaStorage::wrap_cuda_slice(y, self.dev.clone()),
             Shape::from((dims[0], s.cout, oh, ow)),
         ))
     }
+}
+
+/// What cuDNN needs as workspace for `algo` with the math type set on `conv`.
+fn workspace_size(
+    handle: &Handle,
+    algo: Algo,
+    (x, w, conv, y): (&TensorDesc, &FilterDesc, &ConvDesc, &TensorDesc),
+) -> candle_core::Result<usize> {
+    let mut bytes = 0usize;
+    match algo {
+        Algo::Fwd(a) => check(
+            unsafe {
+                sys::cudnnGetConvolutionForwardWorkspaceSize(
+                    handle.0, x.0, w.0, conv.0, y.0, a, &mut bytes,
+                )
+            },
+            "forward workspace size",
+        )?,
+        Algo::Bwd(a) => check(
+            unsafe {
+                sys::cudnnGetConvolutionBackwardDataWorkspaceSize(
+                    handle.0, w.0, x.0, conv.0, y.0, a, &mut bytes,
+                )
+            },
+            "backward-data workspace size",
+        )?,
+    }
+    Ok(bytes)
 }
 
 /// Output height and width of a layer for an input of `h`×`w`.

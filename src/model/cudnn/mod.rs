@@ -28,8 +28,16 @@ use serde::Serialize;
 
 #[cfg(feature = "cuda")]
 mod engine;
+mod plan;
 #[cfg(feature = "cuda")]
-pub use engine::{autotune_counts, CudnnEngine};
+pub use engine::{autotune_counts, ChoiceSource, CudnnEngine, LayerReport};
+pub use plan::{pick, status_is_out_of_memory, Candidate, Choice, CudnnError, MathType};
+pub use plan::{PlanCache, PlanKey};
+
+/// Counter of the own path's convolution calls, labelled `fused="true"` (bias, residual and
+/// ReLU inside cuDNN's call) or `"false"` (applied afterwards), so a silent loss of fusion
+/// shows.
+pub const CONVOLUTIONS_METRIC: &str = "lipsync_cudnn_convolutions_total";
 
 /// The most workspace an algorithm may use (the search allocates this much once).
 pub const FIND_WORKSPACE_BYTES: usize = 256 << 20;
