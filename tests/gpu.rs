@@ -1,0 +1,358 @@
+//! The own cuDNN path and candle's operations on the GPU, layer by layer and for the whole
+//! generator, in f32, f16 and bf16, at batch 2 and 512, against the f32 CPU pass on the same
+//! inputs. Built only with `--features cuda`; needs a GPU:
+//!
+//!   ../shared/scripts/build-cuda.sh test --release --locked --features cuda --test gpu --no-run
+//!   ../shared/scripts/run-on-gpu.sh target/release/deps/gpu-<hash> --test-threads=1 --nocapture
+//!
+//! Prints per layer the chosen algorithm, math type, whether bias/residual/ReLU were fused,
+//! the largest difference and the PSNR of both paths; fails on a layer (or a generator) whose
+//! own path is broken: NaN, below the dtype's floor, or (whole generator) more than
+//! `CONV_CHECK_MARGIN_DB` worse than candle's operations.
+//!
+//! Frames do not interact, so a batch of N repeats 4 distinct frames and only the first and
+//! last 4 frames are compared: the CPU reference stays at 4 frames however large N is.
+#![cfg(feature = "cuda")]
+
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{DType, Device, Tensor};
+use lipsync::model::arch::{FACE_CHANNELS, FACE_SIZE, MEL_BINS, MEL_STEPS};
+use lipsync::model::cudnn::{ChoiceSource, CudnnEngine};
+use lipsync::model::wav2lip::{
+    accept_own_path, cudnn_check_floor, face_psnr, ConvBlock, CONV_CHECK_MARGIN_DB,
+};
+use lipsync::model::{init, Wav2Lip};
+
+/// Distinct frames; every batch repeats them.
+const BASE: usize = 4;
+const BATCHES: [usize; 2] = [2, 512];
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+fn gpu() -> (Device, CudaDevice) {
+    let dev = Device::new_cuda(0).expect("these tests need a CUDA GPU");
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!("new_cuda gives a CUDA device")
+    };
+    let cuda = cuda.clone();
+    (dev, cuda)
+}
+
+/// Least per-layer PSNR (peak: the reference's largest magnitude) of the own path: f32 runs
+/// FMA math (no TF32), so only summation order differs; f16/bf16 round every input, weight
+/// and output (bf16 3 mantissa bits fewer). A broken layer gives < 20 dB.
+fn layer_floor(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 80.0,
+        DType::F16 => 45.0,
+        _ => 30.0,
+    }
+}
+
+/// candle's operations are not under test, only reported; but a NaN or a far-off layer there
+/// also fails (f32 may run TF32 in candle: about 10 mantissa bits).
+fn candle_layer_floor(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 40.0,
+        DType::F16 => 40.0,
+        _ => 25.0,
+    }
+}
+
+/// Rows of a batch of `n` that are compared: the first and last `BASE` (deduplicated).
+fn rows(n: usize) -> Vec<usize> {
+    let mut r: Vec<usize> = (0..n.min(BASE)).collect();
+    r.extend(n.saturating_sub(BASE).max(BASE.min(n))..n);
+    r.dedup();
+    r
+}
+
+fn index(rows: &[usize], dev: &Device) -> Tensor {
+    let v: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+    Tensor::from_vec(v, rows.len(), dev).unwrap()
+}
+
+/// `base` (BASE frames) repeated to `n` frames (row r is base row r % BASE), on `dev` in
+/// `dtype`.
+fn tile(base: &Tensor, n: usize, dev: &Device, dtype: DType) -> Tensor {
+    let idx: Vec<usize> = (0..n).map(|r| r % BASE).collect();
+    base.to_device(dev)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+        .index_select(&index(&idx, dev), 0)
+        .unwrap()
+}
+
+/// The reference rows matching [`rows`]`(n)`.
+fn reference_rows(reference: &Tensor, n: usize) -> Tensor {
+    let idx: Vec<usize> = rows(n).iter().map(|&r| r % BASE).collect();
+    reference
+        .index_select(&index(&idx, &Device::Cpu), 0)
+        .unwrap()
+}
+
+/// Largest absolute difference and PSNR against `reference` (peak: its largest magnitude, 1
+/// at least), both f32 on the CPU.
+fn compare(out: &Tensor, reference: &Tensor) -> (f32, f64) {
+    let out = out
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let diff = (out - reference).unwrap();
+    let max = diff.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+    let max = max.to_scalar::<f32>().unwrap();
+    let mse = diff
+        .sqr()
+        .unwrap()
+        .mean_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap() as f64;
+    let peak = reference
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+        .max(1.0) as f64;
+    let psnr = if mse == 0.0 {
+        f64::INFINITY
+    } else {
+        10.0 * (peak * peak / mse).log10()
+    };
+    (if max.is_nan() { f32::NAN } else { max }, psnr)
+}
+
+/// Deterministic inputs of BASE distinct frames in the model's ranges.
+fn inputs() -> (Tensor, Tensor) {
+    let wave = |len: usize, scale: f32, shift: f32, phase: f32| -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                let t = i as f32 + phase;
+                shift + scale * (t * 0.37).sin() * (t * 0.011).cos()
+            })
+            .collect()
+    };
+    let mel = Tensor::from_vec(
+        wave(BASE * MEL_BINS * MEL_STEPS, 4.0, 0.0, 0.5),
+        (BASE, 1, MEL_BINS, MEL_STEPS),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let face = Tensor::from_vec(
+        wave(BASE * FACE_CHANNELS * FACE_SIZE * FACE_SIZE, 0.5, 0.5, 3.0),
+        (BASE, FACE_CHANNELS, FACE_SIZE, FACE_SIZE),
+        &Device::Cpu,
+    )
+    .unwrap();
+    (mel, face)
+}
+
+/// The f32 CPU model on calibrated random weights (its `forward` is the own CPU pass).
+fn cpu_model() -> Wav2Lip {
+    let weights = init::random_weights(7).unwrap();
+    let model = Wav2Lip::load(&weights, &Device::Cpu, DType::F32).unwrap();
+    assert_eq!(model.conv_engine(), "cpu");
+    model
+}
+
+/// Every layer with the input it sees for the BASE frames (f32, CPU).
+fn layers_and_inputs(model: &Wav2Lip) -> Vec<(ConvBlock, Tensor)> {
+    let (mel, face) = inputs();
+    let mut seen = Vec::new();
+    model
+        .forward_with(&mel, &face, &mut |block, x| {
+            seen.push((block.clone(), x.clone()));
+            block.forward(x)
+        })
+        .unwrap();
+    seen
+}
+
+fn to_gpu(block: &ConvBlock, dev: &Device, dtype: DType) -> ConvBlock {
+    let move_ = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(dev).unwrap();
+    ConvBlock::from_parts(
+        block.path(),
+        *block.spec(),
+        move_(block.weight()),
+        move_(block.bias()),
+    )
+}
+
+fn layers_in(dtype: DType) {
+    let (dev, cuda) = gpu();
+    let cpu = cpu_model();
+    let layers = layers_and_inputs(&cpu);
+    let engine = CudnnEngine::new(&cuda, dtype).unwrap();
+    let (floor, candle_floor) = (layer_floor(dtype), candle_layer_floor(dtype));
+    let mut broken = Vec::new();
+    eprintln!("\n{dtype:?}: layer | batch | algorithm | math | fused | own max diff | own PSNR | candle max diff | candle PSNR");
+    for n in BATCHES {
+        for (block, x) in &layers {
+            // The f32 CPU reference on the BASE frames (candle's CPU convolution: exact f32).
+            let reference = reference_rows(&block.forward(x).unwrap(), n);
+            let g = to_gpu(block, &dev, dtype);
+            let xg = tile(x, n, &dev, dtype);
+            let sel = index(&rows(n), &dev);
+            let own = engine
+                .forward(&g, &xg)
+                .map_err(|e| format!("{} at batch {n}: {e}", block.path()))
+                .unwrap()
+                .index_select(&sel, 0)
+                .unwrap();
+            let candle = g.forward(&xg).unwrap().index_select(&sel, 0).unwrap();
+            let (own_max, own_psnr) = compare(&own, &reference);
+            let (candle_max, candle_psnr) = compare(&candle, &reference);
+            let input = [n, x.dim(1).unwrap(), x.dim(2).unwrap(), x.dim(3).unwrap()];
+            let report = engine
+                .report()
+                .into_iter()
+                .find(|r| r.path == block.path() && r.input == input)
+                .expect("a plan for every layer run");
+            // No finish_warm_up here: every plan is a timed choice.
+            assert_ne!(report.source, ChoiceSource::Heuristic, "{}", block.path());
+            eprintln!(
+                "{} | {n} | {} | {:?} | {} | {own_max:.3e} | {own_psnr:.1} | {candle_max:.3e} | {candle_psnr:.1}",
+                block.path(),
+                report.algo,
+                report.math,
+                report.fused,
+            );
+            if own_psnr.is_nan() || own_psnr < floor {
+                broken.push(format!(
+                    "own {} batch {n}: {own_psnr:.1} dB (floor {floor})",
+                    block.path()
+                ));
+            }
+            if candle_psnr.is_nan() || candle_psnr < candle_floor {
+                broken.push(format!(
+                    "candle {} batch {n}: {candle_psnr:.1} dB (floor {candle_floor})",
+                    block.path()
+                ));
+            }
+        }
+    }
+    assert!(
+        broken.is_empty(),
+        "{dtype:?}: broken layers:\n{}",
+        broken.join("\n")
+    );
+}
+
+fn generator_in(dtype: DType) {
+    let (dev, _) = gpu();
+    let cpu = cpu_model();
+    let (mel, face) = inputs();
+    let reference = cpu.forward(&mel, &face).unwrap();
+    let weights = init::random_weights(7).unwrap();
+    let own = Wav2Lip::load(&weights, &dev, dtype).unwrap();
+    assert_eq!(own.conv_engine(), "cudnn", "the own path must be available");
+    let mut candle = Wav2Lip::load(&weights, &dev, dtype).unwrap();
+    candle.use_candle_operations();
+    let floor = cudnn_check_floor(dtype);
+    eprintln!("\n{dtype:?} generator: batch | own max diff | own face PSNR | candle max diff | candle face PSNR");
+    let mut broken = Vec::new();
+    let run = |n: usize, broken: &mut Vec<String>| {
+        let (m, f) = (tile(&mel, n, &dev, dtype), tile(&face, n, &dev, dtype));
+        let sel = index(&rows(n), &dev);
+        let r = reference_rows(&reference, n);
+        let o = own.forward(&m, &f).unwrap().index_select(&sel, 0).unwrap();
+        let c = candle
+            .forward(&m, &f)
+            .unwrap()
+            .index_select(&sel, 0)
+            .unwrap();
+        let (own_max, _) = compare(&o, &r);
+        let (candle_max, _) = compare(&c, &r);
+        // Faces in 0–1: the start-up check's measure.
+        let own_psnr = face_psnr(&o.to_device(&Device::Cpu).unwrap(), &r).unwrap();
+        let candle_psnr = face_psnr(&c.to_device(&Device::Cpu).unwrap(), &r).unwrap();
+        eprintln!("{n} | {own_max:.3e} | {own_psnr:.1} | {candle_max:.3e} | {candle_psnr:.1}");
+        if !accept_own_path(own_psnr, Some(candle_psnr), floor, CONV_CHECK_MARGIN_DB) {
+            broken.push(format!(
+                "batch {n}: own {own_psnr:.1} dB, candle {candle_psnr:.1} dB (floor {floor})"
+            ));
+        }
+    };
+    for n in BATCHES {
+        run(n, &mut broken);
+    }
+    // After warm-up, a batch size never seen takes cuDNN's heuristic choice (no search).
+    own.finish_warm_up();
+    run(3, &mut broken);
+    let report = own.cudnn_report();
+    for r in &report {
+        eprintln!(
+            "  {} {:?}: {} {:?} fused={} workspace={} ({:?})",
+            r.path, r.input, r.algo, r.math, r.fused, r.workspace, r.source
+        );
+    }
+    assert!(
+        report
+            .iter()
+            .filter(|r| r.input[0] == 3)
+            .all(|r| r.source == ChoiceSource::Heuristic),
+        "batch 3 after warm-up must not search"
+    );
+    assert!(
+        report
+            .iter()
+            .filter(|r| r.input[0] != 3)
+            .all(|r| r.source != ChoiceSource::Heuristic),
+        "warm-up batches must be timed"
+    );
+    assert!(broken.is_empty(), "{dtype:?}: {}", broken.join("\n"));
+}
+
+#[test]
+fn every_layer_in_f32() {
+    layers_in(DType::F32);
+}
+
+#[test]
+fn every_layer_in_f16() {
+    layers_in(DType::F16);
+}
+
+#[test]
+fn every_layer_in_bf16() {
+    layers_in(DType::BF16);
+}
+
+#[test]
+fn generator_in_f32() {
+    generator_in(DType::F32);
+}
+
+#[test]
+fn generator_in_f16() {
+    generator_in(DType::F16);
+}
+
+#[test]
+fn generator_in_bf16() {
+    generator_in(DType::BF16);
+}
+
+#[test]
+fn the_start_up_check_accepts_the_own_path_at_the_largest_batch() {
+    let (dev, _) = gpu();
+    let weights = init::random_weights(7).unwrap();
+    for dtype in DTYPES {
+        let mut m = Wav2Lip::load(&weights, &dev, dtype).unwrap();
+        let psnr = m.verify_cudnn_path_at(512).unwrap();
+        eprintln!(
+            "{dtype:?}: start-up check {psnr:?} dB, path {}",
+            m.conv_engine()
+        );
+        assert_eq!(
+            m.conv_engine(),
+            "cudnn",
+            "{dtype:?}: the check refused the own path"
+        );
+    }
+}
