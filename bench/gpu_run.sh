@@ -22,6 +22,26 @@ export LIPSYNC_FFMPEG=$(ls "$OUT"/ffmpeg-wheel/imageio_ffmpeg/binaries/ffmpeg-* 
 chmod +x "$LIPSYNC_FFMPEG"
 run() { scripts/run-on-gpu.sh "$@"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+
+# The GPU test (tests/gpu.rs), when carried. Here:
+#   scripts/build-cuda.sh test --release --locked --features cuda --test gpu --no-run
+#   cp "$(ls -t target/release/deps/gpu-* | grep -v '[.]d$' | head -1)" target/release/gpu-test
+#   xz -T0 -k -9 target/release/gpu-test
+# Then once under compute-sanitizer's memcheck at batch 2 (some device runtimes refuse it: the
+# refusal is kept in $OUT/memcheck.log).
+gpu_test=target/release/gpu-test
+if [ ! -x "$gpu_test" ] && [ -f "$gpu_test.xz" ]; then xz -dk "$gpu_test.xz"; chmod +x "$gpu_test"; fi
+if [ -x "$gpu_test" ]; then
+  run "$gpu_test" --test-threads=1 --nocapture > "$OUT/gpu-test.log" 2>&1 \
+    && echo "gpu test: passed" || echo "gpu test: FAILED (see $OUT/gpu-test.log)"
+  if command -v compute-sanitizer >/dev/null; then
+    LIPSYNC_GPU_TEST_BATCHES=2 run compute-sanitizer --tool memcheck "$gpu_test" \
+      --test-threads=1 --nocapture generator_in_f16 > "$OUT/memcheck.log" 2>&1 \
+      && echo "memcheck: clean" || echo "memcheck: failed or refused (see $OUT/memcheck.log)"
+  else
+    echo "memcheck: compute-sanitizer not installed" | tee "$OUT/memcheck.log"
+  fi
+fi
 run "$bin" init-weights "$OUT/weights.safetensors"
 run "$bin" bench --checkpoint "$OUT/weights.safetensors" --json "$OUT/lipsync.json" | tee "$OUT/lipsync.md"
 python3 bench/pytorch_reference.py --checkpoint "$OUT/weights.safetensors" --device cuda \

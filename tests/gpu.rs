@@ -5,6 +5,9 @@
 //!   ../shared/scripts/build-cuda.sh test --release --locked --features cuda --test gpu --no-run
 //!   ../shared/scripts/run-on-gpu.sh target/release/deps/gpu-<hash> --test-threads=1 --nocapture
 //!
+//! (`bench/gpu_run.sh` runs it when the binary is carried as `target/release/gpu-test`;
+//! `LIPSYNC_GPU_TEST_BATCHES=2` for a small run.)
+//!
 //! Prints per layer the chosen algorithm, math type, whether bias/residual/ReLU were fused,
 //! the largest difference and the PSNR of both paths; fails on a layer (or a generator) whose
 //! own path is broken: NaN, below the dtype's floor, or (whole generator) more than
@@ -25,7 +28,18 @@ use lipsync::model::{init, Wav2Lip};
 
 /// Distinct frames; every batch repeats them.
 const BASE: usize = 4;
-const BATCHES: [usize; 2] = [2, 512];
+/// The batches compared; `LIPSYNC_GPU_TEST_BATCHES=2` keeps a run small (e.g. under
+/// `compute-sanitizer --tool memcheck`).
+fn batches() -> Vec<usize> {
+    std::env::var("LIPSYNC_GPU_TEST_BATCHES")
+        .ok()
+        .map(|v| {
+            v.split(',')
+                .map(|b| b.trim().parse().expect("LIPSYNC_GPU_TEST_BATCHES: numbers"))
+                .collect()
+        })
+        .unwrap_or_else(|| vec![2, 512])
+}
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
 fn gpu() -> (Device, CudaDevice) {
@@ -191,7 +205,7 @@ fn layers_in(dtype: DType) {
     let (floor, candle_floor) = (layer_floor(dtype), candle_layer_floor(dtype));
     let mut broken = Vec::new();
     eprintln!("\n{dtype:?}: layer | batch | algorithm | math | fused | own max diff | own PSNR | candle max diff | candle PSNR");
-    for n in BATCHES {
+    for n in batches() {
         for (block, x) in &layers {
             // The f32 CPU reference on the BASE frames (candle's CPU convolution: exact f32).
             let reference = reference_rows(&block.forward(x).unwrap(), n);
@@ -278,7 +292,7 @@ fn generator_in(dtype: DType) {
             ));
         }
     };
-    for n in BATCHES {
+    for n in batches() {
         run(n, &mut broken);
     }
     // After warm-up, a batch size never seen takes cuDNN's heuristic choice (no search).
@@ -344,7 +358,8 @@ fn the_start_up_check_accepts_the_own_path_at_the_largest_batch() {
     let weights = init::random_weights(7).unwrap();
     for dtype in DTYPES {
         let mut m = Wav2Lip::load(&weights, &dev, dtype).unwrap();
-        let psnr = m.verify_cudnn_path_at(512).unwrap();
+        let largest = batches().into_iter().max().unwrap_or(2);
+        let psnr = m.verify_cudnn_path_at(largest).unwrap();
         eprintln!(
             "{dtype:?}: start-up check {psnr:?} dB, path {}",
             m.conv_engine()
