@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs lipsync's test suite: `cargo test`, then the OpenAPI contract test (schemathesis
-# against a running server). Installs what the tests need when it is missing (ffmpeg with
-# libx264 and ffprobe, python3-venv, from Debian/Ubuntu packages; schemathesis from PyPI into
+# Runs lipsync's test suite: `cargo test` (after a release build, which the load suite
+# tests/load.rs runs), then the OpenAPI contract test (schemathesis against a running server).
+# Installs what the tests need when it is missing (ffmpeg with libx264 and ffprobe,
+# python3-venv, apache2-utils for ab, from Debian/Ubuntu packages; schemathesis from PyPI into
 # target/), so a fresh machine needs only this command and a Rust toolchain.
 #
 #   ./scripts/test.sh [extra cargo test args]
@@ -16,6 +17,8 @@ fi
 missing=()
 if ! command -v ffmpeg >/dev/null || ! command -v ffprobe >/dev/null; then missing+=(ffmpeg); fi
 if ! command -v python3 >/dev/null; then missing+=(python3); fi
+# ApacheBench (ab), the load generator of the load suite (tests/load.rs).
+if ! command -v ab >/dev/null; then missing+=(apache2-utils); fi
 if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then missing+=(python3-venv); fi
 if [ ${#missing[@]} -gt 0 ]; then
   echo "test.sh: installing ${missing[*]}" >&2
@@ -25,6 +28,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
+# The load and fault suite (tests/load.rs) runs against the release server binary.
+cargo build --release --locked
 # Test dependencies are built with optimisation (see [profile.dev.package."*"] in Cargo.toml):
 # tensor code is far too slow unoptimised.
 cargo test --locked "$@"
