@@ -6,10 +6,12 @@
 //!   compositing; video encoding;
 //! - [`engine`]: avatars and the render pipeline (model batches, compositing, encoding), the
 //!   model instance pool and the cross-request batcher;
-//! - [`server`]: the HTTP service (axum) on top of the engine.
+//! - [`server`]: the HTTP service (axum) on top of the engine;
+//! - [`config`]: the engine and media flags that `serve` and `render` share.
 //!
 //! `model` and `media` are independent of each other and of any async runtime.
 
+pub mod config;
 pub mod engine;
 pub mod media;
 pub mod model;

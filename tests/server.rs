@@ -4,6 +4,7 @@
 mod common;
 
 use common::media;
+use common::server::{decoded_frames, lipsync_form, multipart_body, Server};
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -13,145 +14,6 @@ use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use reqwest::multipart::{Form, Part};
-
-/// Servers run one at a time: model timing on two shared cores is the point of some tests.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-struct Server {
-    child: Child,
-    base: String,
-    _serial: MutexGuard<'static, ()>,
-}
-
-impl Server {
-    /// Starts `lipsync serve` on a free port with the test checkpoint; returns once it listens.
-    fn start(extra: &[&str]) -> Server {
-        Self::start_with_checkpoint(
-            &common::checkpoint("zip_bare.pt").display().to_string(),
-            extra,
-        )
-    }
-
-    fn start_with_checkpoint(checkpoint: &str, extra: &[&str]) -> Server {
-        let serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-        let mut child = Command::new(env!("CARGO_BIN_EXE_lipsync"))
-            .arg("serve")
-            .arg("--checkpoint")
-            .arg(checkpoint)
-            .args(["--port", "0", "--shutdown-timeout", "60"])
-            // Small batches keep CPU warm-up short, unless the test sets its own.
-            .args(
-                [("--max-batch", "8"), ("--first-batch", "2")]
-                    .iter()
-                    .filter(|(flag, _)| !extra.contains(flag))
-                    .flat_map(|(flag, value)| [*flag, *value]),
-            )
-            .args(extra)
-            .env("LIPSYNC_LOG", "info")
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let mut seen = Vec::new();
-        let base = loop {
-            let Some(Ok(line)) = lines.next() else {
-                panic!("server exited before listening:\n{}", seen.join("\n"));
-            };
-            seen.push(line.clone());
-            if let Some(rest) = line.split("listening on ").nth(1) {
-                break rest.split_whitespace().next().unwrap().to_string();
-            }
-        };
-        // Keep draining the log so the server never blocks on it.
-        std::thread::spawn(move || for _ in lines.by_ref() {});
-        Server {
-            child,
-            base,
-            _serial: serial,
-        }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    async fn wait_ready(&self) {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while Instant::now() < deadline {
-            if let Ok(r) = reqwest::get(self.url("/ready")).await {
-                if r.status() == 200 {
-                    return;
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-        panic!("server never became ready");
-    }
-
-    async fn metrics(&self) -> String {
-        reqwest::get(self.url("/metrics"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
-    }
-
-    /// The value of the series `name` (with its labels, exactly as exported).
-    async fn metric(&self, name: &str) -> f64 {
-        self.metrics()
-            .await
-            .lines()
-            .filter_map(|l| l.rsplit_once(' '))
-            .find(|(series, _)| *series == name)
-            .map(|(_, v)| v.parse().unwrap())
-            .unwrap_or_else(|| panic!("no metric {name}"))
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn lipsync_form(audio: &str, image: &str) -> Form {
-    Form::new()
-        .part(
-            "audio",
-            Part::bytes(media(audio)).file_name(audio.to_string()),
-        )
-        .part(
-            "image",
-            Part::bytes(media(image)).file_name(image.to_string()),
-        )
-}
-
-/// Frames ffprobe decodes from an MP4 (or a prefix of one).
-fn decoded_frames(bytes: &[u8]) -> u64 {
-    let f = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(f.path(), bytes).unwrap();
-    let out = Command::new("ffprobe")
-        .args([
-            "-v",
-            "error",
-            "-count_frames",
-            "-select_streams",
-            "v",
-            "-show_entries",
-            "stream=nb_read_frames",
-            "-of",
-            "csv=p=0",
-        ])
-        .arg(f.path())
-        .output()
-        .expect("ffprobe is needed (scripts/test.sh installs it)");
-    String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .parse()
-        .unwrap_or(0)
-}
 
 fn codecs(bytes: &[u8]) -> String {
     let f = tempfile::NamedTempFile::new().unwrap();
@@ -324,21 +186,6 @@ async fn a_client_that_disconnects_frees_its_queued_work() {
         .await
         .unwrap();
     assert_eq!(decoded_frames(&r.bytes().await.unwrap()), 25);
-}
-
-/// A multipart/form-data body by hand, for raw-socket clients.
-fn multipart_body(boundary: &str, files: &[(&str, &[u8])], texts: &[(&str, &str)]) -> Vec<u8> {
-    let mut b = Vec::new();
-    for (name, data) in files {
-        b.extend(format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"; filename=\"{name}\"\r\n\r\n").bytes());
-        b.extend_from_slice(data);
-        b.extend(b"\r\n");
-    }
-    for (name, value) in texts {
-        b.extend(format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n").bytes());
-    }
-    b.extend(format!("--{boundary}--\r\n").bytes());
-    b
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -9,12 +9,10 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Tensor};
 use lipsync::engine::batcher::Limits;
-use lipsync::engine::job::Job;
-use lipsync::engine::pool::{Pool, PoolConfig};
-use lipsync::engine::render::{face_batch, mel_batch, video_frames};
-use lipsync::engine::scheduler::FrameWork;
-use lipsync::engine::Avatar;
-use lipsync::media::audio::{self, Fps, FramePlan, WINDOW};
+use lipsync::engine::pool::PoolConfig;
+use lipsync::engine::render::{face_batch, mel_batch};
+use lipsync::engine::{Avatar, Engine, Job};
+use lipsync::media::audio::{self, Fps, FramePlan};
 use lipsync::media::face::{Blend, Pads};
 use lipsync::media::image::ImageLimits;
 use lipsync::media::video::{self, EncoderSettings};
@@ -376,10 +374,13 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
     );
     println!("| speech | model frames | video frames | total | time to first byte |");
     println!("|---|---|---|---|---|");
-    let pool = Pool::start(
-        weights.clone(),
+    let loader = lipsync::engine::backend::Wav2LipLoader {
+        weights: weights.clone(),
+        device,
+    };
+    let engine = Engine::start(
+        Arc::new(loader),
         PoolConfig {
-            device,
             precision: dtypes[0],
             instances: instances
                 .iter()
@@ -390,20 +391,18 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
             limits: Limits {
                 max_batch: if cuda { 512 } else { 16 },
                 first_batch: if cuda { 16 } else { 4 },
+                fill_batch: if cuda { 16 } else { 4 },
                 max_queue: usize::MAX,
                 max_ahead: if cuda { 1024 } else { 32 },
             },
             batch_wait: Duration::from_millis(2),
             pad_batches: cuda,
             memory_limit: None,
+            warm_up: true,
+            fill_latency: Duration::from_millis(150),
         },
     );
-    while !pool.status().all_ready() {
-        if let Some(e) = pool.status().failed() {
-            return Err(CliError::Jobs(e));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    engine.wait_ready().map_err(CliError::Jobs)?;
     let clip = audio::load(&read_file(&a.audio)?, 3600.0)?.samples;
     let mut e2e_rows = Vec::new();
     for &seconds in &e2e {
@@ -417,17 +416,11 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
         let bytes = read_file(wav.path())?;
         let start = Instant::now();
         let speech = audio::load(&bytes, 3600.0)?;
-        let mel = speech.mel();
-        let plan = FramePlan::new(mel.frames(), Fps::DEFAULT)?;
-        let frames: Vec<FrameWork> = (0..plan.len())
-            .map(|index| FrameWork {
-                index,
-                mel: mel.window(plan.start(index), WINDOW),
-            })
-            .collect();
-        let (request, results_rx) = pool
-            .scheduler()
-            .admit(frames, Arc::new(avatar.input.clone()))
+        let face = Arc::new(avatar.input.clone());
+        let planned = lipsync::engine::plan(&speech, Fps::DEFAULT, &|_| face.clone())?;
+        let model_frames = planned.frames.len();
+        let submission = engine
+            .submit(planned.frames)
             .map_err(|_| CliError::Jobs("queue full".into()))?;
         let mut settings =
             EncoderSettings::new(avatar.frame.width, avatar.frame.height, Fps::DEFAULT);
@@ -441,23 +434,22 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
         };
         let encoder = video::spawn(settings, Box::new(sink))?;
         let job = Job {
-            request,
-            results: results_rx,
-            model_frames: plan.len(),
-            video_frames: video_frames(speech.seconds(), Fps::DEFAULT, plan.len()),
+            submission,
+            video_frames: planned.video_frames,
             avatar: Arc::new(avatar.clone()),
+            faces_dir: None,
         };
-        let summary = job.run(pool.scheduler(), encoder, &|| false)?;
+        let summary = job.run(encoder, &|| false, &mut |_, _| {})?.summary;
         let total = start.elapsed().as_secs_f64();
         let ttfb = first.lock().unwrap().unwrap_or(f64::NAN);
         println!(
             "| {seconds} s | {} | {} | {total:.2} s | {ttfb:.2} s |",
-            plan.len(),
+            model_frames,
             summary.frames
         );
-        e2e_rows.push(serde_json::json!({ "encoder_workers": serve_workers, "speech_seconds": seconds, "model_frames": plan.len(), "video_frames": summary.frames, "seconds": total, "ttfb_seconds": ttfb }));
+        e2e_rows.push(serde_json::json!({ "encoder_workers": serve_workers, "speech_seconds": seconds, "model_frames": model_frames, "video_frames": summary.frames, "seconds": total, "ttfb_seconds": ttfb }));
     }
-    pool.shutdown();
+    engine.shutdown();
     results["end_to_end"] = serde_json::Value::Array(e2e_rows);
     if let Some(path) = &a.json {
         std::fs::write(

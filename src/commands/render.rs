@@ -2,22 +2,20 @@
 
 use std::io::{BufRead, IsTerminal};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
-use lipsync::engine::{self, Avatar, RenderOptions};
+use lipsync::config::{EngineArgs, MediaArgs, Resolved as EngineConfig};
+use lipsync::engine::{self, Avatar, Engine};
 use lipsync::media::audio::{self, Fps};
 use lipsync::media::face::{self, Blend, FaceBox, Pads};
-use lipsync::media::image::{ImageLimits, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE};
-use lipsync::media::video::{self, EncoderSettings};
-use lipsync::model::{self, DeviceKind, GeneratorWeights, Precision, Wav2Lip};
+use lipsync::media::image::DEFAULT_MAX_PIXELS;
+use lipsync::media::video;
 
 use super::{json_error, read_file, CliError};
 
 #[derive(Debug, clap::Args)]
 pub struct RenderArgs {
-    /// Wav2Lip checkpoint: any form `lipsync convert` reads.
-    #[arg(long, env = "LIPSYNC_CHECKPOINT")]
-    pub checkpoint: PathBuf,
     /// Speech: WAV, MP3, FLAC, Ogg Vorbis or M4A/AAC.
     #[arg(long, required_unless_present = "jobs")]
     pub audio: Option<PathBuf>,
@@ -36,27 +34,6 @@ pub struct RenderArgs {
     /// How the predicted face is put back: feather (soft lower-face mask) or hard (whole box).
     #[arg(long, value_enum, default_value = "feather")]
     pub blend: Blend,
-    /// Frames per model call [default: 128 on CUDA, 16 on CPU].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
-    pub batch: Option<u32>,
-    /// Where the model runs [default: cuda when built with CUDA and a GPU is present, else cpu].
-    #[arg(long, value_enum)]
-    pub device: Option<DeviceKind>,
-    /// Model precision [default: f16 on CUDA, f32 on CPU].
-    #[arg(long, value_enum)]
-    pub dtype: Option<Precision>,
-    #[command(flatten)]
-    pub conv: lipsync::model::cudnn::ConvArgs,
-    /// x264 preset.
-    #[arg(long, default_value = "veryfast", value_parser = clap::builder::PossibleValuesParser::new(video::PRESETS))]
-    pub preset: String,
-    /// x264 quality: 0 (lossless) to 51 (worst).
-    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u8).range(0..=51))]
-    pub crf: u8,
-    /// x264 processes encoding one-second segments in parallel (1-64) [default: half the
-    /// cores, at most 8, on cuda; 1 on cpu].
-    #[arg(long, env = "LIPSYNC_ENCODER_WORKERS", value_parser = clap::value_parser!(u16).range(1..=64))]
-    pub encoder_workers: Option<u16>,
     /// Output MP4.
     #[arg(long, default_value = "out.mp4")]
     pub out: PathBuf,
@@ -67,18 +44,11 @@ pub struct RenderArgs {
     /// the keys audio, image, out (required) and box, pads, fps, blend, crf, preset, faces_dir.
     #[arg(long, conflicts_with_all = ["audio", "image", "face_box", "faces_dir"])]
     pub jobs: Option<PathBuf>,
-    /// Photos with more pixels are refused.
-    #[arg(long, default_value_t = DEFAULT_MAX_PIXELS)]
-    pub max_pixels: u64,
-    /// Photos larger than this on their long side are downscaled first.
-    #[arg(long, default_value_t = DEFAULT_MAX_SIDE)]
-    pub max_side: u32,
-    /// Longest accepted speech, in seconds.
-    #[arg(long, default_value_t = audio::DEFAULT_MAX_SECONDS)]
-    pub max_audio_seconds: f64,
-    /// The ffmpeg executable (needs libx264 and aac).
-    #[arg(long, env = "LIPSYNC_FFMPEG", default_value = "ffmpeg")]
-    pub ffmpeg: PathBuf,
+    /// The model, its instances and the batcher: the same engine as `lipsync serve`.
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[command(flatten)]
+    pub media: MediaArgs,
 }
 
 /// One render: the flags, or a line of a jobs file.
@@ -125,14 +95,11 @@ impl Job {
                 .map_err(|e: lipsync::media::Error| e.to_string())?,
             Some(v) => return Err(format!("fps {v} is not a number")),
         };
-        let preset = self.preset.unwrap_or_else(|| a.preset.clone());
+        let preset = self.preset.unwrap_or_else(|| a.media.preset.clone());
         if !video::PRESETS.contains(&preset.as_str()) {
             return Err(format!("unknown preset {preset:?}"));
         }
-        let crf = self.crf.unwrap_or(a.crf);
-        if crf > 51 {
-            return Err(format!("crf {crf} is outside 0-51"));
-        }
+        let crf = video::check_crf(self.crf.unwrap_or(a.media.crf)).map_err(|e| e.to_string())?;
         Ok(Resolved {
             audio: self.audio,
             image: self.image,
@@ -157,44 +124,24 @@ impl Job {
     }
 }
 
-/// Loads the checkpoint on the chosen device and precision.
-fn load_model(a: &RenderArgs) -> Result<(Wav2Lip, usize), CliError> {
-    let device_kind = a.device.unwrap_or_else(DeviceKind::default_for_host);
-    let precision = a.dtype.unwrap_or(device_kind.default_precision());
-    let device = device_kind.open()?;
-    let dtype = model::compute_dtype(&device, precision);
+pub fn render(a: RenderArgs) -> Result<(), CliError> {
+    video::check_ffmpeg(&a.media.ffmpeg)?;
+    let cfg = a.engine.resolve(&a.media);
     let t = Instant::now();
-    let (weights, summary) = GeneratorWeights::from_file(&a.checkpoint)?;
-    if let Some(seed) = summary.random_init_seed {
-        tracing::warn!(
-            "{} holds random test weights (seed {seed}): the faces they draw are noise",
-            a.checkpoint.display()
-        );
-    }
-    let mut model = Wav2Lip::load(&weights, &device, dtype)?;
-    model.verify_cudnn_path()?;
+    // Warm-up measures batch costs for a server's batcher; one render on the CPU skips it.
+    let warm_up = cfg.device == lipsync::model::DeviceKind::Cuda;
+    let (engine, summary) = a.engine.start_engine(&cfg, warm_up)?;
+    engine.wait_ready().map_err(|e| CliError::Model(lipsync::model::Error::Device(e)))?;
     tracing::info!(
-        "loaded {} ({}) on {:?} in {dtype:?} in {:.1} s",
-        a.checkpoint.display(),
+        "loaded {} ({}) on {:?} ({} instance(s), batches up to {}) in {:.1} s",
+        a.engine.checkpoint.display(),
         summary.format,
-        device_kind,
+        cfg.device,
+        cfg.instances,
+        cfg.max_batch,
         t.elapsed().as_secs_f64()
     );
-    let batch = a.batch.map_or(
-        match device_kind {
-            DeviceKind::Cuda => 128,
-            DeviceKind::Cpu => 16,
-        },
-        |b| b as usize,
-    );
-    Ok((model, batch))
-}
-
-pub fn render(a: RenderArgs) -> Result<(), CliError> {
-    video::check_ffmpeg(&a.ffmpeg)?;
-    a.conv.apply();
-    let (model, batch) = load_model(&a)?;
-    match &a.jobs {
+    let result = match &a.jobs {
         None => {
             let job = Job {
                 audio: a.audio.clone().expect("clap requires --audio"),
@@ -210,13 +157,20 @@ pub fn render(a: RenderArgs) -> Result<(), CliError> {
             };
             let mut job = job.resolve(&a).map_err(CliError::Jobs)?;
             job.face_box = a.face_box;
-            render_one(&a, &model, batch, &job)
+            render_one(&a, &engine, &cfg, &job)
         }
-        Some(path) => run_jobs(&a, &model, batch, path),
-    }
+        Some(path) => run_jobs(&a, &engine, &cfg, path),
+    };
+    engine.shutdown();
+    result
 }
 
-fn run_jobs(a: &RenderArgs, model: &Wav2Lip, batch: usize, path: &Path) -> Result<(), CliError> {
+fn run_jobs(
+    a: &RenderArgs,
+    engine: &Engine,
+    cfg: &EngineConfig,
+    path: &Path,
+) -> Result<(), CliError> {
     let file = std::fs::File::open(path).map_err(|source| CliError::Read {
         path: path.to_path_buf(),
         source,
@@ -235,7 +189,7 @@ fn run_jobs(a: &RenderArgs, model: &Wav2Lip, batch: usize, path: &Path) -> Resul
         let result = serde_json::from_str::<Job>(&line)
             .map_err(|e| format!("not a job ({e})"))
             .and_then(|j| j.resolve(a))
-            .and_then(|j| render_one(a, model, batch, &j).map_err(|e| e.to_string()));
+            .and_then(|j| render_one(a, engine, cfg, &j).map_err(|e| e.to_string()));
         match result {
             Ok(()) => done += 1,
             Err(e) => {
@@ -270,63 +224,64 @@ fn run_jobs(a: &RenderArgs, model: &Wav2Lip, batch: usize, path: &Path) -> Resul
 /// half-written video under the requested name.
 fn render_one(
     a: &RenderArgs,
-    model: &Wav2Lip,
-    batch: usize,
+    engine: &Engine,
+    cfg: &EngineConfig,
     job: &Resolved,
 ) -> Result<(), CliError> {
     let start = Instant::now();
-    let speech = audio::load(&read_file(&job.audio)?, a.max_audio_seconds)?;
-    let limits = ImageLimits {
-        max_pixels: a.max_pixels,
-        max_side: a.max_side,
-    };
+    let speech = audio::load(&read_file(&job.audio)?, a.media.max_audio_seconds)?;
     let avatar = Avatar::prepare(
         &read_file(&job.image)?,
-        &limits,
+        &a.media.image_limits(),
         job.face_box,
         job.pads,
         job.blend,
     )?;
-    let mut settings = EncoderSettings::new(avatar.frame.width, avatar.frame.height, job.fps);
+    let face = Arc::new(avatar.input.clone());
+    let planned = engine::plan(&speech, job.fps, &|_| face.clone())?;
+    let video_frames = planned.video_frames;
+    let model_frames = planned.frames.len();
+    let submission = engine.submit(planned.frames).map_err(|o| {
+        CliError::Jobs(format!(
+            "the engine's queue is full ({} frames waiting)",
+            o.queued
+        ))
+    })?;
+    let mut settings = a.media.encoder(
+        avatar.frame.width,
+        avatar.frame.height,
+        job.fps,
+        cfg.encoder_workers,
+    );
     settings.preset = job.preset.clone();
     settings.crf = job.crf;
     settings.audio = Some(job.audio.clone());
-    settings.ffmpeg = a.ffmpeg.clone();
-    settings.workers = a.encoder_workers.map_or_else(
-        || video::default_workers(model.device().is_cuda()),
-        usize::from,
-    );
     let partial = partial_path(&job.out);
     let file = std::fs::File::create(&partial).map_err(|source| engine::Error::Output {
         path: partial.clone(),
         source,
     })?;
-    let mut encoder = video::spawn(settings, Box::new(std::io::BufWriter::new(file)))?;
-    let opts = RenderOptions {
-        fps: job.fps,
-        batch,
+    let encoder = video::spawn(settings, Box::new(std::io::BufWriter::new(file)))?;
+    let source_face = avatar.source_face;
+    let work = engine::Job {
+        submission,
+        video_frames,
+        avatar: Arc::new(avatar),
         faces_dir: job.faces_dir.clone(),
     };
     let bar = progress_bar(&job.out);
-    let result = engine::render(
-        model,
-        &avatar,
-        &speech,
-        &opts,
-        encoder.as_mut(),
-        &mut |done, total| {
+    let result = work
+        .run(encoder, &|| false, &mut |done, total| {
             if let Some(b) = &bar {
                 b.set_length(total as u64);
                 b.set_position(done as u64);
             }
-        },
-    )
-    .map_err(CliError::from)
-    .and_then(|stats| Ok((stats, encoder.finish()?)));
+        })
+        .map_err(CliError::from);
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
-    let (stats, summary) = match result {
+    let stats = match result {
         Ok(r) => r,
         Err(e) => {
             let _ = std::fs::remove_file(&partial);
@@ -338,19 +293,18 @@ fn render_one(
         source,
     })?;
     eprintln!(
-        "wrote {}: {} frames at {} fps ({} drawn by the model), {:.2} s of speech, {:.1} MB, in {:.1} s \
-         (model {:.1} s, composite {:.1} s, encode {:.1} s); face box {}",
+        "wrote {}: {} frames at {} fps ({model_frames} drawn by the model), {:.2} s of speech, {:.1} MB, in {:.1} s \
+         (waiting for the model {:.1} s, composite {:.1} s, encode {:.1} s); face box {}",
         job.out.display(),
         stats.video_frames,
         job.fps,
-        stats.model_frames,
         speech.seconds(),
-        summary.bytes as f64 / 1e6,
+        stats.summary.bytes as f64 / 1e6,
         start.elapsed().as_secs_f64(),
-        stats.inference_time.as_secs_f64(),
+        stats.model_wait.as_secs_f64(),
         stats.composite_time.as_secs_f64(),
         stats.encode_time.as_secs_f64(),
-        avatar.source_face,
+        source_face,
     );
     Ok(())
 }

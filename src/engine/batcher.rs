@@ -1,12 +1,19 @@
 //! Fair, bounded batching of work items across requests, as a plain data structure: no
 //! threads, no model, no clock. [`super::scheduler`] wraps it for the model instances.
 //!
-//! - A request is admitted with all its items (a video's frames) at once; the queue bound
-//!   counts items, and a request that would push the queue over it is refused up front (so
-//!   the service can answer 429), unless the queue is empty.
+//! - A request is admitted with all its items (a video's frames) at once. The admission bound
+//!   counts the work that is *runnable now*: each request counts at most its look-ahead
+//!   (`max_ahead`) of queued items, since it can never have more than that in flight. A
+//!   request that would push that load over `max_queue` is refused up front (so the service
+//!   can answer 429), unless nothing is queued. A long request therefore occupies one
+//!   look-ahead of the bound, never all of it, and short requests keep being admitted beside
+//!   it.
 //! - Batches take items round-robin across requests, so a long clip never starves others.
-//! - A request that has not had a batch yet goes first, and that batch is capped at
-//!   `first_batch` items, so its output can start streaming early.
+//! - A request that has not had a batch yet goes first: the next batch takes up to
+//!   `first_batch` of its items, so its output can start streaming early. The rest of that
+//!   batch is filled from running requests up to `fill_batch` (the largest batch the
+//!   instances compute within the latency target), so batches stay full under steady
+//!   arrivals instead of collapsing to `first_batch`.
 //! - Each request may have at most `max_ahead` items taken but not yet acknowledged by its
 //!   consumer: a slow reader stops getting work instead of piling results up.
 //! - Cancelling a request drops its queued items (and says how many).
@@ -21,8 +28,11 @@ pub struct RequestId(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
     pub max_batch: usize,
+    /// Items of a new request in its first batch.
     pub first_batch: usize,
-    /// Queued (not yet taken) items across all requests.
+    /// Largest batch while a new request waits for its first one (at least `first_batch`).
+    pub fill_batch: usize,
+    /// Runnable items across all requests: each request counts at most `max_ahead` queued.
     pub max_queue: usize,
     /// Items per request taken but not acknowledged.
     pub max_ahead: usize,
@@ -31,7 +41,7 @@ pub struct Limits {
 /// A request refused because the queue is full.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Overloaded {
-    /// Items queued when refused.
+    /// Runnable items (the admission load) when refused.
     pub queued: usize,
 }
 
@@ -64,9 +74,12 @@ pub struct Batcher<T> {
 
 impl<T> Batcher<T> {
     pub fn new(limits: Limits) -> Self {
+        let max_batch = limits.max_batch.max(1);
+        let first_batch = limits.first_batch.clamp(1, max_batch);
         let limits = Limits {
-            max_batch: limits.max_batch.max(1),
-            first_batch: limits.first_batch.clamp(1, limits.max_batch.max(1)),
+            max_batch,
+            first_batch,
+            fill_batch: limits.fill_batch.clamp(first_batch, max_batch),
             max_queue: limits.max_queue,
             max_ahead: limits.max_ahead.max(1),
         };
@@ -83,6 +96,21 @@ impl<T> Batcher<T> {
         self.limits
     }
 
+    /// Sets the largest batch formed while a new request waits (clamped to
+    /// `first_batch..=max_batch`).
+    pub fn set_fill_batch(&mut self, n: usize) {
+        self.limits.fill_batch = n.clamp(self.limits.first_batch, self.limits.max_batch);
+    }
+
+    /// The admission load: queued items runnable now, each request counting at most its
+    /// look-ahead.
+    pub fn load(&self) -> usize {
+        self.lanes
+            .iter()
+            .map(|l| l.items.len().min(self.limits.max_ahead))
+            .sum()
+    }
+
     /// Items queued across all requests.
     pub fn queued(&self) -> usize {
         self.queued
@@ -93,14 +121,13 @@ impl<T> Batcher<T> {
         self.lanes.len()
     }
 
-    /// Admits a request with all its items, or refuses it when the queue would exceed its
-    /// bound (a request larger than the bound is still admitted into an empty queue).
+    /// Admits a request with all its items, or refuses it when the admission load would
+    /// exceed its bound (anything is admitted when nothing is queued).
     pub fn admit(&mut self, items: impl IntoIterator<Item = T>) -> Result<RequestId, Overloaded> {
         let items: VecDeque<T> = items.into_iter().collect();
-        if self.queued > 0 && self.queued + items.len() > self.limits.max_queue {
-            return Err(Overloaded {
-                queued: self.queued,
-            });
+        let load = self.load();
+        if load > 0 && load + items.len().min(self.limits.max_ahead) > self.limits.max_queue {
+            return Err(Overloaded { queued: load });
         }
         let id = RequestId(self.next_id);
         self.next_id += 1;
@@ -119,12 +146,18 @@ impl<T> Batcher<T> {
         self.lanes.iter().any(|l| l.eligible(self.limits.max_ahead))
     }
 
-    /// The size limit of a batch formed now: `first_batch` while a request that has not had a
-    /// batch is waiting, else `max_batch`.
-    pub fn batch_cap(&self) -> usize {
+    /// Whether a request that has not had a batch yet is waiting.
+    fn fresh_waiting(&self) -> bool {
         let ahead = self.limits.max_ahead;
-        if self.lanes.iter().any(|l| !l.started && l.eligible(ahead)) {
-            self.limits.first_batch
+        self.lanes.iter().any(|l| !l.started && l.eligible(ahead))
+    }
+
+    /// The size limit of a batch formed now: `fill_batch` while a request that has not had a
+    /// batch is waiting (so its first frames come within the latency target), else
+    /// `max_batch`.
+    pub fn batch_cap(&self) -> usize {
+        if self.fresh_waiting() {
+            self.limits.fill_batch
         } else {
             self.limits.max_batch
         }
@@ -133,10 +166,18 @@ impl<T> Batcher<T> {
     /// Items a batch formed now would hold (without forming it).
     pub fn ready_items(&self) -> usize {
         let ahead = self.limits.max_ahead;
+        let fresh = self.fresh_waiting();
         let cap = self.batch_cap();
         self.lanes
             .iter()
-            .map(|l| l.items.len().min(ahead.saturating_sub(l.outstanding)))
+            .map(|l| {
+                let n = l.items.len().min(ahead.saturating_sub(l.outstanding));
+                if fresh && !l.started {
+                    n.min(self.limits.first_batch)
+                } else {
+                    n
+                }
+            })
             .sum::<usize>()
             .min(cap)
     }
@@ -150,21 +191,22 @@ impl<T> Batcher<T> {
     /// less than the configured maximum).
     pub fn next_batch_within(&mut self, limit: usize) -> Vec<(RequestId, T)> {
         let ahead = self.limits.max_ahead;
-        let fresh = self.lanes.iter().any(|l| !l.started && l.eligible(ahead));
+        let fresh = self.fresh_waiting();
         let cap = self.batch_cap().min(limit.max(1));
         let mut batch = Vec::with_capacity(cap);
-        // New requests first (their first batch), then everyone, round-robin one item at a
-        // time starting after the lane served first last time.
-        let passes: &[bool] = if fresh { &[true, false] } else { &[false] };
-        for &only_new in passes {
-            let n = self.lanes.len();
+        let n = self.lanes.len();
+        // New requests first: up to `first_batch` items each, round-robin one at a time.
+        if fresh {
+            let first = self.limits.first_batch;
+            let mut taken = vec![0usize; n];
             let mut idle_in_a_row = 0;
             let mut i = self.cursor % n.max(1);
             while batch.len() < cap && idle_in_a_row < n {
                 let lane = &mut self.lanes[i];
-                if (!only_new || !lane.started) && lane.eligible(ahead) {
+                if !lane.started && taken[i] < first && lane.eligible(ahead) {
                     let item = lane.items.pop_front().expect("eligible lane has items");
                     lane.outstanding += 1;
+                    taken[i] += 1;
                     batch.push((lane.id, item));
                     idle_in_a_row = 0;
                 } else {
@@ -172,6 +214,22 @@ impl<T> Batcher<T> {
                 }
                 i = (i + 1) % n;
             }
+        }
+        // Then running requests fill the rest (or, with no new request waiting, everyone),
+        // round-robin one item at a time starting after the lane served first last time.
+        let mut idle_in_a_row = 0;
+        let mut i = self.cursor % n.max(1);
+        while batch.len() < cap && idle_in_a_row < n {
+            let lane = &mut self.lanes[i];
+            if (lane.started || !fresh) && lane.eligible(ahead) {
+                let item = lane.items.pop_front().expect("eligible lane has items");
+                lane.outstanding += 1;
+                batch.push((lane.id, item));
+                idle_in_a_row = 0;
+            } else {
+                idle_in_a_row += 1;
+            }
+            i = (i + 1) % n;
         }
         for (id, _) in &batch {
             if let Some(l) = self.lanes.iter_mut().find(|l| l.id == *id) {
@@ -221,6 +279,7 @@ mod tests {
         Limits {
             max_batch,
             first_batch,
+            fill_batch: first_batch,
             max_queue,
             max_ahead,
         }
@@ -336,6 +395,67 @@ mod tests {
         assert_eq!(b.next_batch_within(3).len(), 3);
         assert_eq!(b.next_batch_within(0).len(), 1);
         assert_eq!(b.next_batch().len(), 8);
+    }
+
+    #[test]
+    fn a_long_request_counts_only_its_look_ahead_against_admission() {
+        let mut b = Batcher::new(limits(4, 4, 10, 4));
+        let long = b.admit(0..10_000u32).unwrap();
+        assert_eq!(b.load(), 4);
+        // Short requests are admitted beside it...
+        let short = b.admit(0..5u32).unwrap();
+        assert_eq!(b.load(), 8);
+        // ...until the runnable work reaches the bound.
+        assert_eq!(b.admit(0..3u32), Err(Overloaded { queued: 8 }));
+        // Serving the short one makes room again; the long one still counts 4.
+        for _ in 0..4 {
+            let batch = b.next_batch();
+            for (r, _) in &batch {
+                b.ack(*r, 1);
+            }
+        }
+        b.finish(short);
+        assert!(b.load() <= 4);
+        assert!(b.admit(0..3u32).is_ok());
+        assert!(b.queued() > 9_000);
+        b.cancel(long);
+    }
+
+    #[test]
+    fn a_new_request_gets_its_first_frames_and_running_ones_fill_the_batch() {
+        let mut l = limits(8, 2, 10_000, 10_000);
+        l.fill_batch = 8;
+        let mut b = Batcher::new(l);
+        let long = b.admit(0..5000u32).unwrap();
+        // Alone, a new request's first batch is small (its video starts early)...
+        assert_eq!(b.next_batch().len(), 2);
+        assert_eq!(b.next_batch().len(), 8);
+        let new = b.admit(0..50u32).unwrap();
+        let batch = b.next_batch();
+        assert_eq!(batch.len(), 8);
+        // The new request's first two frames lead the batch; the long one fills the rest.
+        assert_eq!(&ids(&batch)[..2], &[new.0, new.0]);
+        assert_eq!(batch.iter().filter(|(r, _)| *r == long).count(), 6);
+        // Without a fill allowance the batch collapses to the first batch.
+        let mut b = Batcher::new(limits(8, 2, 10_000, 10_000));
+        b.admit(0..5000u32).unwrap();
+        b.next_batch();
+        b.admit(0..50u32).unwrap();
+        assert_eq!(b.next_batch().len(), 2);
+    }
+
+    #[test]
+    fn each_new_request_gets_its_first_batch_in_the_same_batch() {
+        let mut l = limits(16, 2, 10_000, 10_000);
+        l.fill_batch = 16;
+        let mut b = Batcher::new(l);
+        let r: Vec<RequestId> = (0..3).map(|_| b.admit(0..10u32).unwrap()).collect();
+        let batch = b.next_batch();
+        for id in &r {
+            assert_eq!(batch.iter().filter(|(x, _)| x == id).count(), 2);
+        }
+        // Nothing is running yet, so nothing fills the rest: the first frames come fast.
+        assert_eq!(batch.len(), 6);
     }
 
     #[test]

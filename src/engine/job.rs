@@ -1,96 +1,86 @@
-//! One service request after admission, on its own OS thread: results from the instances
-//! (in any order) reordered, composited and encoded, each used frame acknowledged so the
-//! batcher keeps this request within its run-ahead allowance; cancelled as soon as the client
-//! is gone.
+//! One request after admission, on the calling thread (a request thread of the service, or
+//! the CLI's main thread): predicted faces from the engine, in order, composited into the
+//! avatar's frame and encoded, the last frame held to the end of the audio. Stops as soon as
+//! the client is gone.
 
-use std::collections::BTreeMap;
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use super::batcher::RequestId;
 use super::compositor::Compositor;
+use super::front::Submission;
 use super::metrics as m;
-use super::scheduler::{FrameResult, Scheduler};
 use super::{Avatar, Error};
 use crate::media::video::{EncodeSummary, VideoEncoder};
 
 /// How often a waiting job checks whether its client is still there.
 const POLL: Duration = Duration::from_millis(50);
 
-/// An admitted request.
+/// An admitted request and where its frames go.
 pub struct Job {
-    pub request: RequestId,
-    pub results: Receiver<FrameResult>,
-    /// Frames the model draws.
-    pub model_frames: usize,
+    pub submission: Submission,
     /// Frames in the video (the last one held to the end of the audio).
     pub video_frames: usize,
     pub avatar: Arc<Avatar>,
+    /// Where to write every predicted 96×96 face as `00000.png`, … (RGB).
+    pub faces_dir: Option<PathBuf>,
 }
 
-/// Releases the request in the scheduler however the job ends.
-struct Release<'a> {
-    scheduler: &'a Scheduler,
-    request: RequestId,
-    finished: bool,
-}
-
-impl Drop for Release<'_> {
-    fn drop(&mut self) {
-        if self.finished {
-            self.scheduler.finish(self.request);
-        } else {
-            self.scheduler.cancel(self.request);
-        }
-    }
+/// What a job did.
+#[derive(Debug, Clone, Default)]
+pub struct JobStats {
+    pub model_frames: usize,
+    pub video_frames: usize,
+    /// Time spent waiting for the model's faces.
+    pub model_wait: Duration,
+    pub composite_time: Duration,
+    pub encode_time: Duration,
+    pub summary: EncodeSummary,
 }
 
 impl Job {
-    /// Runs to the end of the video. `gone()` says whether the client has left; then the job
-    /// stops, and the request's queued frames are dropped.
+    /// Runs to the end of the video. `gone()` says whether the client has left: then the job
+    /// stops and the request's queued frames are dropped. `progress(done, total)` is called
+    /// with video frames written.
     pub fn run(
-        self,
-        scheduler: &Scheduler,
+        mut self,
         mut encoder: Box<dyn VideoEncoder>,
         gone: &dyn Fn() -> bool,
-    ) -> Result<EncodeSummary, Error> {
-        let mut release = Release {
-            scheduler,
-            request: self.request,
-            finished: false,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<JobStats, Error> {
+        let model_frames = self.submission.total();
+        let mut stats = JobStats {
+            model_frames,
+            video_frames: self.video_frames,
+            ..Default::default()
         };
-        let mut pending: BTreeMap<usize, Vec<u8>> = BTreeMap::new();
-        let mut out = Compositor::new(&self.avatar, encoder.as_mut(), None)?;
         let failed = |e: Error| if gone() { Error::Cancelled } else { e };
-        while out.frames < self.model_frames {
+        let mut out = Compositor::new(&self.avatar, encoder.as_mut(), self.faces_dir.as_deref())?;
+        while out.frames < model_frames {
             if gone() {
                 return Err(Error::Cancelled);
             }
-            match self.results.recv_timeout(POLL) {
-                Ok(Ok((index, face))) => {
-                    pending.insert(index, face);
+            let t = Instant::now();
+            let face = self.submission.next_face(POLL).map_err(failed)?;
+            stats.model_wait += t.elapsed();
+            if let Some(face) = face {
+                if super::faults::hit("job_panic") {
+                    panic!("injected fault: job_panic");
                 }
-                Ok(Err(e)) => return Err(Error::Inference(e)),
-                Err(RecvTimeoutError::Timeout) => continue,
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(Error::Inference("the model instances stopped".into()))
-                }
-            }
-            while let Some(face) = pending.remove(&out.frames) {
                 out.push(&face).map_err(failed)?;
-                scheduler.ack(self.request, 1);
+                progress(out.frames, self.video_frames);
             }
         }
-        release.finished = true;
-        drop(release);
         out.hold_until(self.video_frames).map_err(failed)?;
+        stats.composite_time = out.composite_time;
         m::stage("composite", out.composite_time);
         let encode_time = out.encode_time;
         drop(out);
-        let t = std::time::Instant::now();
-        let summary = encoder.finish().map_err(|e| failed(e.into()))?;
-        m::stage("encode", encode_time + t.elapsed());
-        Ok(summary)
+        let t = Instant::now();
+        stats.summary = encoder.finish().map_err(|e| failed(e.into()))?;
+        stats.encode_time = encode_time + t.elapsed();
+        m::stage("encode", stats.encode_time);
+        progress(self.video_frames, self.video_frames);
+        Ok(stats)
     }
 }

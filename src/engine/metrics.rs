@@ -23,6 +23,7 @@ pub const RESIDENT_MEMORY: &str = "process_resident_memory_bytes";
 pub const GPU_MEMORY_USED: &str = "lipsync_gpu_memory_used_bytes";
 pub const GPU_MEMORY_TOTAL: &str = "lipsync_gpu_memory_total_bytes";
 pub const OOM_SPLITS: &str = "lipsync_oom_splits_total";
+pub const INSTANCE_RESTARTS: &str = "lipsync_instance_restarts_total";
 pub const PRECISION_FALLBACKS: &str = "lipsync_precision_fallbacks_total";
 
 /// Stages timed per request (and per batch for inference).

@@ -1,14 +1,17 @@
-//! Running the model on speech and avatars: avatar preparation, the render pipeline (mel
-//! windows and face crops in batches through the model, faces composited back, frames to the
-//! encoder), and later the instance pool and cross-request batcher of the service.
+//! Running the model on speech and avatars: avatar preparation and cache, the engine front
+//! (one way in for the CLI, the service and the benchmarks), the model instances and the
+//! cross-request batcher, and per-request jobs (faces composited back, frames to the encoder).
 //!
-//! Uses `model` and `media`; knows nothing of HTTP. GPU work runs on the thread that calls in
-//! (the CLI's main thread, or a model instance's own OS thread), never on an async runtime.
+//! Uses `model` and `media`; knows nothing of HTTP. Model work runs on the instances' own OS
+//! threads, never on an async runtime.
 
 pub mod avatar;
+pub mod backend;
 pub mod batcher;
 pub mod cache;
 pub mod compositor;
+pub mod faults;
+pub mod front;
 pub mod job;
 pub mod metrics;
 pub mod pool;
@@ -16,7 +19,8 @@ pub mod render;
 pub mod scheduler;
 
 pub use avatar::Avatar;
-pub use render::{render, RenderOptions, RenderStats};
+pub use front::{plan, Engine, Planned, Submission};
+pub use job::{Job, JobStats};
 
 use crate::{media, model};
 

@@ -1,8 +1,8 @@
-//! Model instances, each on its own OS thread with its own copy of the weights on the device
-//! (and on CUDA its own stream), pulling batches from the shared [`Scheduler`].
+//! Model instances, each on its own OS thread with its own model (on CUDA its own stream),
+//! pulling batches from the shared [`Scheduler`].
 //!
-//! An instance loads, runs warm-up batches at every batch size it will run, then reports ready;
-//! the service answers `/ready` only when every instance has.
+//! An instance loads, runs warm-up batches at every batch size it will run, measures what a
+//! batch costs, then reports ready; the service answers `/ready` only while every instance is.
 //!
 //! - **Fixed batch sizes.** With padding (the default on CUDA) a batch of n frames runs at the
 //!   smallest power of two >= n (or the maximum), filled with copies of its last frame, so
@@ -13,25 +13,32 @@
 //!   and the instance asks for smaller batches from then on; one frame that does not fit
 //!   fails alone. `memory_limit` makes the instance treat any batch whose estimated memory
 //!   exceeds it as out of memory (to cap its share of a GPU, and to test this path).
+//! - **Warm-up errors.** Any other error during warm-up switches the instance to the
+//!   reference convolution path and warms up again; only when that fails too does it fail.
+//! - **Faults.** A batch that panics or fails (other than out of memory) fails the frames it
+//!   held (their requests end with an error, never a short video), and the instance is
+//!   restarted: it reloads its model and warms up again, and is not ready meanwhile.
+//! - **Batch cost.** Warm-up measures `a + b·n` (seconds per batch of n); the batcher uses it
+//!   to fill batches while a new request waits, up to the size done within `fill_latency`.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Tensor};
+use candle_core::DType;
 
+use super::backend::{Loader, Model, FACE_LEN, MEL_LEN, PRED_LEN};
 use super::batcher::Limits;
 use super::metrics as m;
-use super::render::predictions_to_bgr;
 use super::scheduler::{BatchItem, Scheduler};
-use crate::model::arch::{FACE_CHANNELS, FACE_SIZE, MEL_BINS, MEL_STEPS};
-use crate::model::{self, DeviceKind, GeneratorWeights, Precision, Wav2Lip};
+use crate::media::face;
+use crate::model::Precision;
 
 /// How to run the pool.
 #[derive(Debug, Clone)]
 pub struct PoolConfig {
-    pub device: DeviceKind,
     pub precision: Precision,
     pub instances: usize,
     pub limits: Limits,
@@ -41,6 +48,50 @@ pub struct PoolConfig {
     pub pad_batches: bool,
     /// Device memory an instance may use, in bytes (estimated per batch).
     pub memory_limit: Option<u64>,
+    /// Warm up (and measure batch cost) before reporting ready.
+    pub warm_up: bool,
+    /// While a new request waits, batches are filled up to the size computed within this.
+    pub fill_latency: Duration,
+}
+
+/// Seconds a batch of `n` frames takes: `fixed + per_frame · n` (measured at warm-up).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct BatchCost {
+    pub fixed: f64,
+    pub per_frame: f64,
+}
+
+impl BatchCost {
+    /// From two measurements `(n, seconds)` (one is enough: all per frame).
+    pub fn fit(small: (usize, f64), large: (usize, f64)) -> BatchCost {
+        let (n1, t1) = (small.0 as f64, small.1.max(0.0));
+        let (n2, t2) = (large.0 as f64, large.1.max(0.0));
+        if n2 > n1 && t2 > t1 {
+            let per_frame = (t2 - t1) / (n2 - n1);
+            BatchCost {
+                fixed: (t1 - per_frame * n1).max(0.0),
+                per_frame,
+            }
+        } else {
+            BatchCost {
+                fixed: 0.0,
+                per_frame: t2.max(t1) / n2.max(n1).max(1.0),
+            }
+        }
+    }
+
+    pub fn seconds(&self, n: usize) -> f64 {
+        self.fixed + self.per_frame * n as f64
+    }
+
+    /// The largest batch in `lo..=hi` done within `latency` (at least `lo`).
+    pub fn largest_within(&self, latency: Duration, lo: usize, hi: usize) -> usize {
+        if self.per_frame <= 0.0 {
+            return hi;
+        }
+        let n = ((latency.as_secs_f64() - self.fixed) / self.per_frame).floor();
+        (n.max(0.0) as usize).clamp(lo, hi.max(lo))
+    }
 }
 
 /// Batch sizes an instance runs: with padding, the powers of two up to `max_batch` and
@@ -79,6 +130,11 @@ pub struct PoolStatus {
     conv_path: Mutex<Option<&'static str>>,
     /// Moving average of one instance's frames per second.
     rate: Mutex<f64>,
+    /// What a batch costs, measured at warm-up.
+    cost: Mutex<Option<BatchCost>>,
+    /// Instances restarted after a fault.
+    restarts: AtomicUsize,
+    shutdown: AtomicBool,
 }
 
 impl PoolStatus {
@@ -113,6 +169,25 @@ impl PoolStatus {
         self.ready() == self.instances
     }
 
+    /// What a batch costs, once an instance has measured it.
+    pub fn batch_cost(&self) -> Option<BatchCost> {
+        *self.cost.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Instances restarted after a fault so far.
+    pub fn restarts(&self) -> usize {
+        self.restarts.load(Ordering::SeqCst)
+    }
+
+    fn set_ready(&self, up: bool) {
+        if up {
+            self.ready.fetch_add(1, Ordering::SeqCst);
+        } else {
+            self.ready.fetch_sub(1, Ordering::SeqCst);
+        }
+        metrics::gauge!(m::INSTANCES_READY).set(self.ready() as f64);
+    }
+
     /// Frames per second the pool has been computing (all instances together).
     pub fn frames_per_second(&self) -> f64 {
         *self.rate.lock().unwrap_or_else(|p| p.into_inner()) * self.instances as f64
@@ -141,7 +216,7 @@ pub struct Pool {
 
 impl Pool {
     /// Starts the instances (returns at once; they load and warm up in the background).
-    pub fn start(weights: Arc<GeneratorWeights>, cfg: PoolConfig) -> Pool {
+    pub fn start(loader: Arc<dyn Loader>, cfg: PoolConfig) -> Pool {
         let scheduler = Arc::new(Scheduler::new(cfg.limits, cfg.batch_wait));
         let status = Arc::new(PoolStatus {
             instances: cfg.instances,
@@ -149,15 +224,15 @@ impl Pool {
         });
         let threads = (0..cfg.instances)
             .map(|i| {
-                let (weights, cfg, scheduler, status) = (
-                    weights.clone(),
+                let (loader, cfg, scheduler, status) = (
+                    loader.clone(),
                     cfg.clone(),
                     scheduler.clone(),
                     status.clone(),
                 );
                 std::thread::Builder::new()
                     .name(format!("lipsync-instance-{i}"))
-                    .spawn(move || instance(i, &weights, &cfg, &scheduler, &status))
+                    .spawn(move || supervise(i, loader.as_ref(), &cfg, &scheduler, &status))
                     .expect("spawning an instance thread")
             })
             .collect();
@@ -165,6 +240,19 @@ impl Pool {
             scheduler,
             status,
             threads: Mutex::new(threads),
+        }
+    }
+
+    /// Blocks until every instance is ready, or returns why one could not start.
+    pub fn wait_ready(&self) -> Result<(), String> {
+        loop {
+            if let Some(e) = self.status.failed() {
+                return Err(e);
+            }
+            if self.status.all_ready() {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
@@ -178,6 +266,7 @@ impl Pool {
 
     /// Stops the instances after their current batch and waits for them.
     pub fn shutdown(&self) {
+        self.status.shutdown.store(true, Ordering::SeqCst);
         self.scheduler.shutdown();
         let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()));
         for t in threads {
@@ -186,34 +275,89 @@ impl Pool {
     }
 }
 
-fn instance(
+/// How an instance's life ended.
+enum Exit {
+    /// The pool is shutting down.
+    Shutdown,
+    /// A fault: restart the instance.
+    Fault(String),
+}
+
+/// Runs instance `i` until shutdown, restarting it after faults. The first start failing is
+/// fatal for the pool (`status.failed`); later restarts are retried with a growing pause.
+fn supervise(
     i: usize,
-    weights: &Arc<GeneratorWeights>,
+    loader: &dyn Loader,
     cfg: &PoolConfig,
     scheduler: &Scheduler,
     status: &PoolStatus,
 ) {
-    let fail = |e: String| {
-        tracing::error!("instance {i} cannot start: {e}");
-        status
-            .failed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_or_insert(e);
-    };
+    let mut started_once = false;
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let ready = AtomicBool::new(false);
+        let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            run_instance(i, loader, cfg, scheduler, status, &ready, started_once)
+        }));
+        if ready.load(Ordering::SeqCst) {
+            status.set_ready(false);
+            started_once = true;
+        }
+        let why = match run {
+            Ok(Ok(Exit::Shutdown)) => return,
+            Ok(Ok(Exit::Fault(why))) => why,
+            Ok(Err(e)) if !started_once => {
+                tracing::error!("instance {i} cannot start: {e}");
+                status
+                    .failed
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert(e);
+                return;
+            }
+            Ok(Err(e)) => e,
+            Err(panic) => format!("panicked: {}", panic_message(&panic)),
+        };
+        if status.shutdown.load(Ordering::SeqCst) {
+            return;
+        }
+        status.restarts.fetch_add(1, Ordering::SeqCst);
+        metrics::counter!(m::INSTANCE_RESTARTS).increment(1);
+        tracing::error!("instance {i} failed ({why}); restarting it");
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_secs(10));
+    }
+}
+
+/// The text of a panic payload.
+pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".into()
+    }
+}
+
+/// One life of an instance: load, warm up, serve until shutdown or a fault. `Err` when it
+/// could not load or warm up.
+fn run_instance(
+    i: usize,
+    loader: &dyn Loader,
+    cfg: &PoolConfig,
+    scheduler: &Scheduler,
+    status: &PoolStatus,
+    ready: &AtomicBool,
+    restart: bool,
+) -> Result<Exit, String> {
     let start = Instant::now();
-    let model = match load(weights, cfg.device, cfg.precision) {
-        Ok(m) => m,
-        Err(e) => return fail(e.to_string()),
-    };
-    *status.dtype.lock().unwrap_or_else(|p| p.into_inner()) = Some(model.dtype());
-    *status.conv_path.lock().unwrap_or_else(|p| p.into_inner()) = Some(model.conv_engine());
+    let model = loader.load(cfg.precision).map_err(|e| e.to_string())?;
     let mut inst = Instance {
         id: i,
+        loader,
         model,
         fallback: None,
-        weights: weights.clone(),
-        device: cfg.device,
         sizes: batch_sizes(
             cfg.limits.max_batch,
             cfg.limits.first_batch,
@@ -223,25 +367,29 @@ fn instance(
         cap: cfg.limits.max_batch,
         memory_limit: cfg.memory_limit,
     };
-    // Warm-up at every size this instance will run (kernels, allocations, autotuning); a size
-    // that does not fit in memory lowers the instance's batch limit.
-    for n in inst.sizes.clone() {
-        if n > inst.cap {
-            break;
-        }
-        match inst.forward(&warm_up_items(n)) {
-            Ok(_) => {}
-            Err(e) if is_out_of_memory(&e) && n > 1 => {
-                inst.lower_cap(n / 2);
-                break;
-            }
-            Err(e) => return fail(format!("warm-up at batch {n} failed: {e}")),
+    if cfg.warm_up {
+        let cost = inst.warm_up()?;
+        if let Some(cost) = cost {
+            *status.cost.lock().unwrap_or_else(|p| p.into_inner()) = Some(cost);
+            let l = cfg.limits;
+            let fill = cost.largest_within(cfg.fill_latency, l.first_batch, l.max_batch);
+            scheduler.set_fill_batch(fill);
+            tracing::info!(
+                "instance {i}: a batch costs {:.1} ms + {:.2} ms per frame; batches fill to {fill} \
+                 frames while a new request waits ({} ms target)",
+                cost.fixed * 1e3,
+                cost.per_frame * 1e3,
+                cfg.fill_latency.as_millis()
+            );
         }
     }
-    status.ready.fetch_add(1, Ordering::SeqCst);
-    metrics::gauge!(m::INSTANCES_READY).set(status.ready() as f64);
+    *status.dtype.lock().unwrap_or_else(|p| p.into_inner()) = Some(inst.model.dtype());
+    *status.conv_path.lock().unwrap_or_else(|p| p.into_inner()) = Some(inst.model.conv_path());
+    ready.store(true, Ordering::SeqCst);
+    status.set_ready(true);
     tracing::info!(
-        "instance {i} ready in {:.1} s (batches up to {})",
+        "instance {i} {} in {:.1} s (batches up to {})",
+        if restart { "restarted" } else { "ready" },
         start.elapsed().as_secs_f64(),
         inst.cap
     );
@@ -251,33 +399,36 @@ fn instance(
         }
         let busy = status.busy.fetch_add(1, Ordering::SeqCst) + 1;
         metrics::gauge!(m::INSTANCES_BUSY).set(busy as f64);
+        // Where each frame's answer goes, kept outside the batch: a panic while serving it
+        // must still fail those frames, or their requests would wait forever.
+        let held: Vec<_> = batch
+            .iter()
+            .map(|b| (b.work.index, b.reply.clone()))
+            .collect();
         let (t, n) = (Instant::now(), batch.len());
-        inst.serve(batch);
-        status.record_batch(n, t.elapsed());
+        let served = std::panic::catch_unwind(AssertUnwindSafe(|| inst.serve(batch)));
         let busy = status.busy.fetch_sub(1, Ordering::SeqCst) - 1;
         metrics::gauge!(m::INSTANCES_BUSY).set(busy as f64);
+        let fault = match served {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e),
+            Err(panic) => Some(format!("panicked: {}", panic_message(&panic))),
+        };
+        if let Some(why) = fault {
+            for (_, reply) in held {
+                // Frames already answered ignore a second message (their receiver moved on).
+                let _ = reply.send(Err(format!("the model instance failed: {why}")));
+            }
+            return Ok(Exit::Fault(why));
+        }
+        status.record_batch(n, t.elapsed());
     }
+    Ok(Exit::Shutdown)
 }
 
-fn load(
-    weights: &GeneratorWeights,
-    device: DeviceKind,
-    precision: Precision,
-) -> Result<Wav2Lip, model::Error> {
-    let device = device.open_instance()?;
-    let dtype = model::compute_dtype(&device, precision);
-    let mut model = Wav2Lip::load(weights, &device, dtype)?;
-    // The own cuDNN path must agree with candle's operations before it serves.
-    model.verify_cudnn_path()?;
-    Ok(model)
-}
-
-/// Inputs for a warm-up batch (zeros; the face input is shared).
-fn warm_up_items(n: usize) -> Vec<(Vec<f32>, Arc<Vec<f32>>)> {
-    let face = Arc::new(vec![0f32; FACE_CHANNELS * FACE_SIZE * FACE_SIZE]);
-    (0..n)
-        .map(|_| (vec![0f32; MEL_BINS * MEL_STEPS], face.clone()))
-        .collect()
+/// Inputs for a warm-up batch (zeros).
+fn warm_up_inputs(n: usize) -> (Vec<f32>, Vec<f32>) {
+    (vec![0f32; n * MEL_LEN], vec![0f32; n * FACE_LEN])
 }
 
 /// Whether an error is the device running out of memory (real or under `memory_limit`).
@@ -286,19 +437,18 @@ pub fn is_out_of_memory(e: &super::Error) -> bool {
         super::Error::OutOfMemory(_) => true,
         other => {
             let s = other.to_string();
-            s.contains("out of memory") || s.contains("OUT_OF_MEMORY")
+            s.contains("out of memory") || s.contains("OUT_OF_MEMORY") || s.contains("ALLOC_FAILED")
         }
     }
 }
 
 /// One model instance's state (owned by its thread).
-struct Instance {
+struct Instance<'a> {
     id: usize,
-    model: Wav2Lip,
+    loader: &'a dyn Loader,
+    model: Box<dyn Model>,
     /// An f32 copy for batches whose half-precision output is not finite.
-    fallback: Option<Wav2Lip>,
-    weights: Arc<GeneratorWeights>,
-    device: DeviceKind,
+    fallback: Option<Box<dyn Model>>,
     sizes: Vec<usize>,
     pad: bool,
     /// Largest batch this instance asks for.
@@ -306,7 +456,7 @@ struct Instance {
     memory_limit: Option<u64>,
 }
 
-impl Instance {
+impl Instance<'_> {
     fn lower_cap(&mut self, to: usize) {
         let to = to.max(1);
         if to < self.cap {
@@ -327,12 +477,60 @@ impl Instance {
         }
     }
 
-    /// Predicted faces for `(mel, face)` inputs, padded to the batch size set.
-    fn forward(
+    /// Runs a batch at every size this instance will serve (kernels, allocations,
+    /// autotuning), then times the smallest and largest once more for the batch cost. A size
+    /// that does not fit in memory lowers the batch limit; another error switches to the
+    /// reference path and starts over.
+    fn warm_up(&mut self) -> Result<Option<BatchCost>, String> {
+        'again: loop {
+            for n in self.sizes.clone() {
+                if n > self.cap {
+                    break;
+                }
+                let (mel, face) = warm_up_inputs(n);
+                match self.forward_raw(n, mel, face) {
+                    Ok(_) => {}
+                    Err(e) if is_out_of_memory(&e) && n > 1 => {
+                        self.lower_cap(n / 2);
+                        break;
+                    }
+                    Err(e) => {
+                        if self.model.use_reference_path() {
+                            tracing::warn!(
+                                "instance {}: warm-up at batch {n} failed ({e}); switching to the \
+                                 reference convolution path ({})",
+                                self.id,
+                                self.model.conv_path()
+                            );
+                            continue 'again;
+                        }
+                        return Err(format!("warm-up at batch {n} failed: {e}"));
+                    }
+                }
+            }
+            break;
+        }
+        let small = self.sizes.first().copied().unwrap_or(1).min(self.cap);
+        let large = self.cap;
+        let mut time = |n: usize| -> Result<f64, String> {
+            let (mel, face) = warm_up_inputs(n);
+            let t = Instant::now();
+            self.forward_raw(n, mel, face).map_err(|e| e.to_string())?;
+            Ok(t.elapsed().as_secs_f64())
+        };
+        let t_small = time(small)?;
+        let t_large = if large > small { time(large)? } else { t_small };
+        Ok(Some(BatchCost::fit((small, t_small), (large, t_large))))
+    }
+
+    /// Predictions (f32, `n * PRED_LEN`) for `n` frames, padded to the batch size set, with
+    /// the memory limit and the f32 recompute of non-finite half-precision output.
+    fn forward_raw(
         &mut self,
-        items: &[(Vec<f32>, Arc<Vec<f32>>)],
-    ) -> Result<Vec<Vec<u8>>, super::Error> {
-        let n = items.len();
+        n: usize,
+        mut mel: Vec<f32>,
+        mut face: Vec<f32>,
+    ) -> Result<Vec<f32>, super::Error> {
         let size = self.padded(n);
         if let Some(limit) = self.memory_limit {
             let need = estimated_bytes(size, self.model.dtype());
@@ -342,79 +540,82 @@ impl Instance {
                 )));
             }
         }
-        let mut mel = Vec::with_capacity(size * MEL_BINS * MEL_STEPS);
-        let mut face = Vec::with_capacity(size * FACE_CHANNELS * FACE_SIZE * FACE_SIZE);
-        for k in 0..size {
-            let (m, f) = &items[k.min(n - 1)];
-            mel.extend_from_slice(m);
-            face.extend_from_slice(f);
+        // Padding: copies of the last frame.
+        for _ in n..size {
+            mel.extend_from_within((n - 1) * MEL_LEN..n * MEL_LEN);
+            face.extend_from_within((n - 1) * FACE_LEN..n * FACE_LEN);
         }
-        let dev = self.model.device().clone();
-        let mel = Tensor::from_vec(mel, (size, 1, MEL_BINS, MEL_STEPS), &dev)?;
-        let face = Tensor::from_vec(face, (size, FACE_CHANNELS, FACE_SIZE, FACE_SIZE), &dev)?;
-        let mut pred = self.model.forward(&mel, &face)?.to_dtype(DType::F32)?;
-        if self.model.dtype() != DType::F32 && !all_finite(&pred)? {
-            metrics::counter!(m::PRECISION_FALLBACKS).increment(1);
-            tracing::warn!(
-                "instance {}: {:?} output not finite; recomputing the batch in f32",
-                self.id,
-                self.model.dtype()
-            );
-            if self.fallback.is_none() {
-                self.fallback = Some(load(&self.weights, self.device, Precision::F32)?);
+        let dtype = self.model.dtype();
+        let keep = (dtype != DType::F32).then(|| (mel.clone(), face.clone()));
+        let mut pred = self.model.predict(size, mel, face)?;
+        if let Some((mel, face)) = keep {
+            if !pred.iter().all(|x| x.is_finite()) {
+                metrics::counter!(m::PRECISION_FALLBACKS).increment(1);
+                tracing::warn!(
+                    "instance {}: {dtype:?} output not finite; recomputing the batch in f32",
+                    self.id
+                );
+                if self.fallback.is_none() {
+                    self.fallback = Some(self.loader.load(Precision::F32)?);
+                }
+                let f32_model = self.fallback.as_mut().expect("just loaded");
+                pred = f32_model.predict(size, mel, face)?;
             }
-            let f32_model = self.fallback.as_ref().expect("just loaded");
-            pred = f32_model.forward(&mel, &face)?;
         }
-        let mut faces = predictions_to_bgr(&pred)?;
-        faces.truncate(n);
-        Ok(faces)
+        pred.truncate(n * PRED_LEN);
+        Ok(pred)
     }
 
-    /// Runs a batch and answers every frame; out of memory splits it and retries.
-    fn serve(&mut self, items: Vec<BatchItem>) {
+    /// Runs a batch and answers every frame; out of memory splits it and retries. `Err` when
+    /// the model failed otherwise (the caller fails the frames and restarts the instance).
+    fn serve(&mut self, items: Vec<BatchItem>) -> Result<(), String> {
+        if super::faults::hit("instance_panic") {
+            panic!("injected fault: instance_panic");
+        }
         let t = Instant::now();
-        let inputs: Vec<(Vec<f32>, Arc<Vec<f32>>)> = items
-            .iter()
-            .map(|i| (i.work.mel.clone(), i.face.clone()))
-            .collect();
-        match self.forward(&inputs) {
-            Ok(faces) => {
+        let n = items.len();
+        let mut mel = Vec::with_capacity(n * MEL_LEN);
+        let mut face = Vec::with_capacity(n * FACE_LEN);
+        for i in &items {
+            mel.extend_from_slice(&i.work.mel);
+            face.extend_from_slice(&i.work.face);
+        }
+        match self.forward_raw(n, mel, face) {
+            Ok(pred) => {
                 m::stage("inference", t.elapsed());
                 let mut requests: Vec<_> = items.iter().map(|i| i.request).collect();
                 requests.sort();
                 requests.dedup();
-                m::batch(items.len(), requests.len());
-                for (item, face) in items.into_iter().zip(faces) {
+                m::batch(n, requests.len());
+                for (item, p) in items.into_iter().zip(pred.chunks_exact(PRED_LEN)) {
                     // A closed receiver means the request was cancelled meanwhile.
-                    let _ = item.reply.send(Ok((item.work.index, face)));
+                    let _ = item
+                        .reply
+                        .send(Ok((item.work.index, face::prediction_to_bgr(p))));
                 }
+                Ok(())
             }
-            Err(e) if is_out_of_memory(&e) && items.len() > 1 => {
+            Err(e) if is_out_of_memory(&e) && n > 1 => {
                 metrics::counter!(m::OOM_SPLITS).increment(1);
                 let mut first = items;
-                let rest = first.split_off(first.len() / 2);
+                let rest = first.split_off(n / 2);
                 self.lower_cap(first.len());
-                self.serve(first);
-                self.serve(rest);
+                self.serve(first)?;
+                self.serve(rest)
             }
-            Err(e) => {
-                tracing::error!(
-                    "instance {}: batch of {} frames failed: {e}",
-                    self.id,
-                    items.len()
-                );
+            Err(e) if is_out_of_memory(&e) => {
+                tracing::error!("instance {}: one frame does not fit: {e}", self.id);
                 for item in items {
                     let _ = item.reply.send(Err(e.to_string()));
                 }
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!("instance {}: batch of {n} frames failed: {e}", self.id);
+                Err(e.to_string())
             }
         }
     }
-}
-
-fn all_finite(t: &Tensor) -> Result<bool, super::Error> {
-    let v = t.flatten_all()?.to_vec1::<f32>()?;
-    Ok(v.iter().all(|x| x.is_finite()))
 }
 
 #[cfg(test)]
@@ -438,5 +639,163 @@ mod tests {
         assert!(estimated_bytes(512, DType::F16) > 8_000_000_000);
         assert!(estimated_bytes(2, DType::F16) > one);
         assert_eq!(estimated_bytes(1, DType::F32), 2 * one);
+    }
+
+    use crate::engine::scheduler::FrameWork;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A model double: predictions are the frame's first mel value; it can fail warm-up
+    /// (before switching to its reference path) and panic in a given call.
+    struct Double {
+        calls: Arc<AtomicUsize>,
+        panic_at: Option<usize>,
+        fast_path_fails: bool,
+        reference: bool,
+    }
+
+    impl Model for Double {
+        fn dtype(&self) -> DType {
+            DType::F32
+        }
+        fn conv_path(&self) -> &'static str {
+            if self.reference {
+                "reference"
+            } else {
+                "fast"
+            }
+        }
+        fn predict(
+            &mut self,
+            n: usize,
+            mel: Vec<f32>,
+            _face: Vec<f32>,
+        ) -> Result<Vec<f32>, crate::engine::Error> {
+            let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+            if self.panic_at == Some(call) {
+                panic!("double panics at call {call}");
+            }
+            if self.fast_path_fails && !self.reference {
+                return Err(crate::engine::Error::Inference(
+                    "CUDNN_STATUS_NOT_SUPPORTED".into(),
+                ));
+            }
+            Ok((0..n)
+                .flat_map(|i| std::iter::repeat_n(mel[i * MEL_LEN] / 255.0, PRED_LEN))
+                .collect())
+        }
+        fn use_reference_path(&mut self) -> bool {
+            !std::mem::replace(&mut self.reference, true)
+        }
+    }
+
+    struct DoubleLoader {
+        calls: Arc<AtomicUsize>,
+        loads: AtomicUsize,
+        panic_at: Option<usize>,
+        fast_path_fails: bool,
+    }
+
+    impl Loader for DoubleLoader {
+        fn load(&self, _: Precision) -> Result<Box<dyn Model>, crate::engine::Error> {
+            self.loads.fetch_add(1, Ordering::SeqCst);
+            Ok(Box::new(Double {
+                calls: self.calls.clone(),
+                panic_at: self.panic_at,
+                fast_path_fails: self.fast_path_fails,
+                reference: false,
+            }))
+        }
+    }
+
+    fn config(warm_up: bool) -> PoolConfig {
+        PoolConfig {
+            precision: Precision::F32,
+            instances: 1,
+            limits: Limits {
+                max_batch: 4,
+                first_batch: 2,
+                fill_batch: 2,
+                max_queue: 1000,
+                max_ahead: 1000,
+            },
+            batch_wait: Duration::ZERO,
+            pad_batches: false,
+            memory_limit: None,
+            warm_up,
+            fill_latency: Duration::from_millis(150),
+        }
+    }
+
+    fn frames(n: usize) -> Vec<FrameWork> {
+        let face = Arc::new(vec![0f32; FACE_LEN]);
+        (0..n)
+            .map(|index| FrameWork {
+                index,
+                mel: vec![index as f32; MEL_LEN],
+                face: face.clone(),
+            })
+            .collect()
+    }
+
+    fn loader(panic_at: Option<usize>, fast_path_fails: bool) -> Arc<DoubleLoader> {
+        Arc::new(DoubleLoader {
+            calls: Arc::new(AtomicUsize::new(0)),
+            loads: AtomicUsize::new(0),
+            panic_at,
+            fast_path_fails,
+        })
+    }
+
+    #[test]
+    fn a_warm_up_error_switches_to_the_reference_path_instead_of_failing() {
+        let l = loader(None, true);
+        let pool = Pool::start(l.clone(), config(true));
+        pool.wait_ready().expect("the instance falls back and becomes ready");
+        assert_eq!(pool.status().conv_path(), Some("reference"));
+        let (_, rx) = pool.scheduler().admit(frames(3)).unwrap();
+        let mut got: Vec<usize> = (0..3)
+            .map(|_| rx.recv_timeout(Duration::from_secs(5)).unwrap().unwrap().0)
+            .collect();
+        got.sort();
+        assert_eq!(got, vec![0, 1, 2]);
+        pool.shutdown();
+    }
+
+    #[test]
+    fn a_panicking_instance_fails_its_frames_and_is_restarted() {
+        // No warm-up: the second model call (the second batch) panics.
+        let l = loader(Some(2), false);
+        let pool = Pool::start(l.clone(), config(false));
+        pool.wait_ready().unwrap();
+        let (a, rx) = pool.scheduler().admit(frames(2)).unwrap();
+        for _ in 0..2 {
+            assert!(rx.recv_timeout(Duration::from_secs(5)).unwrap().is_ok());
+        }
+        pool.scheduler().finish(a);
+        let (_, rx) = pool.scheduler().admit(frames(2)).unwrap();
+        // The frames the panicking batch held fail; the request does not hang.
+        let r = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert!(r.unwrap_err().contains("panicked"));
+        // The instance comes back (reloaded) and serves again.
+        let t = Instant::now();
+        while pool.status().restarts() == 0 || !pool.status().all_ready() {
+            assert!(t.elapsed() < Duration::from_secs(10), "not restarted");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(l.loads.load(Ordering::SeqCst), 2);
+        let (_, rx) = pool.scheduler().admit(frames(3)).unwrap();
+        for _ in 0..3 {
+            assert!(rx.recv_timeout(Duration::from_secs(5)).unwrap().is_ok());
+        }
+        pool.shutdown();
+    }
+
+    #[test]
+    fn batch_costs_fit_two_points_and_give_the_fill_size() {
+        let c = BatchCost::fit((16, 0.010 + 16.0 * 0.0002), (512, 0.010 + 512.0 * 0.0002));
+        assert!((c.fixed - 0.010).abs() < 1e-9 && (c.per_frame - 0.0002).abs() < 1e-12);
+        assert_eq!(c.largest_within(Duration::from_millis(150), 16, 512), 512);
+        assert_eq!(c.largest_within(Duration::from_millis(60), 16, 512), 250);
+        assert_eq!(c.largest_within(Duration::from_millis(5), 16, 512), 16);
     }
 }

@@ -1,6 +1,7 @@
 //! The batcher shared by the model instances: a [`Batcher`] of frames behind a mutex, with a
-//! condition variable that wakes instances when work arrives, per-request context (the face
-//! input and where results go), and a short wait that lets a batch fill up.
+//! condition variable that wakes instances when work arrives, per-request context (where
+//! results go), and a short wait that lets a batch fill up. Each frame carries its own face
+//! input, so a request may change faces from frame to frame (video avatars).
 
 use std::collections::HashMap;
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -17,6 +18,9 @@ pub struct FrameWork {
     pub index: usize,
     /// The `(1, 80, 16)` mel window.
     pub mel: Vec<f32>,
+    /// The `(6, 96, 96)` face input (masked and reference crops), shared between frames that
+    /// show the same face.
+    pub face: Arc<Vec<f32>>,
 }
 
 /// One predicted face, 96×96×3 BGR, or why the model failed.
@@ -26,12 +30,10 @@ pub type FrameResult = Result<(usize, Vec<u8>), String>;
 pub struct BatchItem {
     pub request: RequestId,
     pub work: FrameWork,
-    pub face: Arc<Vec<f32>>,
     pub reply: Sender<FrameResult>,
 }
 
 struct Lane {
-    face: Arc<Vec<f32>>,
     reply: Sender<FrameResult>,
     admitted: Instant,
     first_taken: bool,
@@ -79,12 +81,27 @@ impl Scheduler {
         self.lock().batcher.queued()
     }
 
-    /// Admits a request's frames (all of them) with its face input; results arrive, in any
-    /// order, on the returned receiver.
+    /// The admission load: frames runnable now (each request counting at most its
+    /// look-ahead).
+    pub fn load(&self) -> usize {
+        self.lock().batcher.load()
+    }
+
+    /// Requests admitted and not yet finished or cancelled.
+    pub fn requests(&self) -> usize {
+        self.lock().lanes.len()
+    }
+
+    /// Sets the largest batch formed while a new request waits for its first frames.
+    pub fn set_fill_batch(&self, n: usize) {
+        self.lock().batcher.set_fill_batch(n);
+    }
+
+    /// Admits a request's frames (all of them); results arrive, in any order, on the returned
+    /// receiver.
     pub fn admit(
         &self,
         frames: Vec<FrameWork>,
-        face: Arc<Vec<f32>>,
     ) -> Result<(RequestId, Receiver<FrameResult>), Overloaded> {
         let (reply, results) = mpsc::channel();
         let mut s = self.lock();
@@ -92,7 +109,6 @@ impl Scheduler {
         s.lanes.insert(
             id,
             Lane {
-                face,
                 reply,
                 admitted: Instant::now(),
                 first_taken: false,
@@ -150,7 +166,6 @@ impl Scheduler {
             items.push(BatchItem {
                 request,
                 work,
-                face: lane.face.clone(),
                 reply: lane.reply.clone(),
             });
         }
@@ -194,10 +209,12 @@ mod tests {
     use super::*;
 
     fn frames(n: usize) -> Vec<FrameWork> {
+        let face = Arc::new(vec![0f32; 1]);
         (0..n)
             .map(|index| FrameWork {
                 index,
                 mel: vec![0.0; 4],
+                face: face.clone(),
             })
             .collect()
     }
@@ -206,6 +223,7 @@ mod tests {
         Limits {
             max_batch: 8,
             first_batch: 2,
+            fill_batch: 2,
             max_queue: 100,
             max_ahead: 100,
         }
@@ -214,13 +232,12 @@ mod tests {
     #[test]
     fn a_batch_waits_briefly_to_fill_then_runs() {
         let s = Arc::new(Scheduler::new(limits(), Duration::from_millis(300)));
-        let face = Arc::new(vec![0f32; 1]);
-        let (a, _ra) = s.admit(frames(1), face.clone()).unwrap();
+        let (a, _ra) = s.admit(frames(1)).unwrap();
         // The first batch is capped at first_batch (2): it waits for a second frame...
         let s2 = s.clone();
         let waiter = std::thread::spawn(move || s2.next_batch().unwrap());
         std::thread::sleep(Duration::from_millis(50));
-        let (b, _rb) = s.admit(frames(1), face).unwrap();
+        let (b, _rb) = s.admit(frames(1)).unwrap();
         let batch = waiter.join().unwrap();
         let reqs: Vec<RequestId> = batch.iter().map(|i| i.request).collect();
         assert_eq!(reqs, vec![a, b]);
@@ -239,7 +256,7 @@ mod tests {
     #[test]
     fn cancelled_requests_lose_their_queued_frames() {
         let s = Scheduler::new(limits(), Duration::ZERO);
-        let (a, ra) = s.admit(frames(10), Arc::new(vec![])).unwrap();
+        let (a, ra) = s.admit(frames(10)).unwrap();
         let batch = s.next_batch().unwrap();
         assert_eq!(batch.len(), 2);
         assert_eq!(s.cancel(a), 8);

@@ -6,9 +6,16 @@
 //! with unread data, and the resulting TCP reset can destroy the answer on its way.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
+use axum::body::Body;
 use axum::extract::multipart::{Multipart, MultipartRejection};
+use axum::extract::Request;
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::Response;
 use bytes::Bytes;
+use futures_util::StreamExt;
 
 use super::error::ApiError;
 
@@ -48,6 +55,82 @@ impl Form {
     }
 }
 
+/// A request body that sent nothing for longer than `--read-timeout`.
+#[derive(Debug)]
+pub struct ReadTimedOut(pub Duration);
+
+impl std::fmt::Display for ReadTimedOut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the request body stalled for more than {:.1} s (--read-timeout)",
+            self.0.as_secs_f64()
+        )
+    }
+}
+
+impl std::error::Error for ReadTimedOut {}
+
+/// Middleware: every request body fails with [`ReadTimedOut`] when the gap between two of
+/// its pieces exceeds `timeout` (the forms answer that with 408).
+pub fn with_read_timeout(req: Request, timeout: Duration) -> Request {
+    let (parts, body) = req.into_parts();
+    let stream = futures_util::stream::unfold(
+        (body.into_data_stream(), false),
+        move |(mut s, failed)| async move {
+            if failed {
+                return None;
+            }
+            match tokio::time::timeout(timeout, s.next()).await {
+                Ok(Some(Ok(chunk))) => Some((Ok(chunk), (s, false))),
+                Ok(Some(Err(e))) => Some((Err(axum::Error::new(e)), (s, true))),
+                Ok(None) => None,
+                Err(_) => Some((Err(axum::Error::new(ReadTimedOut(timeout))), (s, true))),
+            }
+        },
+    );
+    Request::from_parts(parts, Body::from_stream(stream))
+}
+
+/// [`with_read_timeout`] as an axum middleware function.
+pub async fn read_timeout_layer(timeout: Duration, req: Request, next: Next) -> Response {
+    next.run(with_read_timeout(req, timeout)).await
+}
+
+/// Whether `e` (or what caused it) is a read timeout.
+fn stalled(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if err.is::<ReadTimedOut>() {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
+fn read_timeout() -> ApiError {
+    ApiError::new(
+        StatusCode::REQUEST_TIMEOUT,
+        "read_timeout",
+        "the request body stopped arriving (--read-timeout); send it again",
+    )
+}
+
+/// Reads and discards a body that will not be used (up to `limit` bytes, within the read
+/// timeout), so that a refusal sent before the upload ends reaches the client instead of a
+/// TCP reset.
+pub async fn drain(body: Body, limit: usize) {
+    let mut s = body.into_data_stream();
+    let mut total = 0usize;
+    while let Some(Ok(chunk)) = s.next().await {
+        total += chunk.len();
+        if total > limit {
+            break;
+        }
+    }
+}
+
 fn rejection(e: MultipartRejection) -> ApiError {
     ApiError::new(
         e.status(),
@@ -81,6 +164,7 @@ pub async fn read(
             Ok(Some(f)) => f,
             Ok(None) => break,
             Err(_) if over => return Err(too_large(limit)),
+            Err(e) if stalled(&e) => return Err(read_timeout()),
             Err(e) => {
                 let status = e.status();
                 if status.as_u16() == 413 {
@@ -107,6 +191,7 @@ pub async fn read(
                 }
                 Ok(None) => break,
                 Err(_) if over => return Err(too_large(limit)),
+                Err(e) if stalled(&e) => return Err(read_timeout()),
                 Err(e) if e.status().as_u16() == 413 => return Err(too_large(limit)),
                 Err(e) => {
                     return Err(ApiError::new(

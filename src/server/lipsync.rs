@@ -6,27 +6,28 @@
 //! the connection, so the client never mistakes a cut-off video for a complete one.
 
 use std::io::Write;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::multipart::{Multipart, MultipartRejection};
-use axum::extract::State;
+use axum::extract::{ConnectInfo, FromRequest, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use tokio::sync::mpsc;
 
+use super::conn::ConnInfo;
 use super::error::ApiError;
 use super::{avatars, form, App};
-use crate::engine::job::Job;
 use crate::engine::metrics as m;
-use crate::engine::render::video_frames;
-use crate::engine::scheduler::FrameWork;
-use crate::engine::{self, Avatar};
-use crate::media::audio::{self, Fps, FramePlan, WINDOW};
+use crate::engine::pool::panic_message;
+use crate::engine::{self, Avatar, Job, Planned};
+use crate::media::audio::{self, Fps};
 use crate::media::face::{Blend, FaceBox, Pads};
-use crate::media::video::{self, EncoderSettings};
+use crate::media::video;
 
 const FILES: &[&str] = &["audio", "image"];
 const TEXTS: &[&str] = &["avatar_id", "box", "pads", "fps", "blend", "crf"];
@@ -104,190 +105,126 @@ async fn parse(
         }
     };
     let crf: Option<u8> = f.parse("crf")?;
-    if crf.is_some_and(|c| c > 51) {
-        return Err(ApiError::bad_request(
-            "bad_field",
-            "field `crf`: must be 0-51",
-        ));
-    }
+    let crf = crf
+        .map(video::check_crf)
+        .transpose()
+        .map_err(|e| ApiError::bad_request("bad_field", format!("field `crf`: {e}")))?;
     Ok(Request {
         audio,
         avatar,
         fps: f.parse("fps")?.unwrap_or_default(),
         blend: f.parse("blend")?.unwrap_or_default(),
-        crf: crf.unwrap_or(app.args.crf),
-    })
-}
-
-/// Decoded and planned, ready for admission.
-struct Prepared {
-    speech_seconds: f64,
-    frames: Vec<FrameWork>,
-    video_frames: usize,
-    avatar: Arc<Avatar>,
-}
-
-fn prepare(app: &App, req: &Request, avatar: Arc<Avatar>) -> Result<Prepared, ApiError> {
-    let t = Instant::now();
-    let speech = audio::load(&req.audio, app.args.max_audio_seconds)?;
-    m::stage("decode", t.elapsed());
-    let t = Instant::now();
-    let mel = speech.mel();
-    let plan = FramePlan::new(mel.frames(), req.fps)?;
-    let frames = (0..plan.len())
-        .map(|index| FrameWork {
-            index,
-            mel: mel.window(plan.start(index), WINDOW),
-        })
-        .collect();
-    m::stage("mel", t.elapsed());
-    let avatar = if avatar.blend == req.blend {
-        avatar
-    } else {
-        Arc::new(avatar.with_blend(req.blend))
-    };
-    Ok(Prepared {
-        speech_seconds: speech.seconds(),
-        video_frames: video_frames(speech.seconds(), req.fps, plan.len()),
-        frames,
-        avatar,
+        crf: crf.unwrap_or(app.args.media.crf),
     })
 }
 
 pub async fn lipsync(
     State(app): State<Arc<App>>,
-    multipart: Result<Multipart, MultipartRejection>,
+    ConnectInfo(conn): ConnectInfo<ConnInfo>,
+    req: axum::extract::Request,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
-    let pool = app.ready_pool().map_err(refused)?;
+    let request_id = super::request_id_of(&req);
+    // Refusals before the body is read drain it first (see `refuse_unread`).
+    let engine = match app.ready_engine() {
+        Ok(e) => e,
+        Err(e) => return Ok(refuse_unread(req, &app, e).await),
+    };
+    // Slots are limited; take one before buffering the body or decoding anything.
+    let permit = match app.requests.clone().try_acquire_owned() {
+        Ok(p) => p,
+        Err(_) => {
+            let e = overloaded(&app, "too many streams in progress");
+            return Ok(refuse_unread(req, &app, e).await);
+        }
+    };
+    let multipart = Multipart::from_request(req, &()).await;
     let req = parse(multipart, &app).await.map_err(refused)?;
-    // Slots are limited; take one before the CPU work of decoding.
-    let permit = app
-        .requests
-        .clone()
-        .try_acquire_owned()
-        .map_err(|_| refused(overloaded(&app, "too many streams in progress")))?;
 
     let cached = match &req.avatar {
         AvatarSource::Cached(id) => Some(avatars::lookup(&app, id).map_err(refused)?),
         AvatarSource::Image { .. } => None,
     };
     let app2 = app.clone();
-    let (prepared, req) =
-        tokio::task::spawn_blocking(move || -> Result<(Prepared, Request), ApiError> {
-            let avatar = match (&req.avatar, cached) {
-                (
-                    AvatarSource::Image {
-                        bytes,
-                        face_box,
-                        pads,
-                    },
-                    _,
-                ) => {
-                    let t = Instant::now();
-                    let a =
-                        Avatar::prepare(bytes, &app2.image_limits(), *face_box, *pads, req.blend)?;
-                    m::stage("decode", t.elapsed());
-                    Arc::new(a)
-                }
-                (AvatarSource::Cached(_), Some(a)) => a,
-                (AvatarSource::Cached(_), None) => {
-                    unreachable!("cached avatars are looked up first")
-                }
-            };
-            Ok((prepare(&app2, &req, avatar)?, req))
-        })
-        .await
-        .map_err(|e| {
-            refused(ApiError::internal(format!(
-                "request preparation panicked: {e}"
-            )))
-        })?
-        .map_err(refused)?;
+    let span = tracing::Span::current();
+    let (planned, avatar, req) = tokio::task::spawn_blocking(move || {
+        let _enter = span.enter();
+        prepare(&app2, req, cached)
+    })
+    .await
+    .map_err(|e| {
+        refused(ApiError::internal(format!(
+            "request preparation panicked: {e}"
+        )))
+    })?
+    .map_err(refused)?;
 
-    let scheduler = pool.scheduler().clone();
-    let face = Arc::new(prepared.avatar.input.clone());
-    let model_frames = prepared.frames.len();
-    let (request, results) = scheduler.admit(prepared.frames, face).map_err(|o| {
+    let speech_seconds = planned.speech_seconds;
+    let video_frames = planned.video_frames;
+    let submission = engine.submit(planned.frames).map_err(|o| {
         refused(overloaded(
             &app,
             &format!("{} frames are already waiting", o.queued),
         ))
     })?;
 
-    // The encoder reads the speech from a file, which lives as long as the job.
+    // The encoder reads the speech from a file, which lives as long as the job. If it cannot
+    // start, dropping the submission takes the request's frames back out of the queue.
     let (tx, body) = mpsc::channel::<Result<Bytes, std::io::Error>>(BODY_CHUNKS);
-    let started_encoder = (|| -> Result<_, ApiError> {
-        let mut audio_file = tempfile::Builder::new()
-            .prefix("lipsync-audio-")
-            .tempfile()
-            .map_err(ApiError::internal)?;
-        audio_file
-            .write_all(&req.audio)
-            .map_err(ApiError::internal)?;
-        let frame = &prepared.avatar.frame;
-        let mut settings = EncoderSettings::new(frame.width, frame.height, req.fps);
-        settings.preset = app.args.preset.clone();
-        settings.crf = req.crf;
-        settings.audio = Some(audio_file.path().to_path_buf());
-        settings.ffmpeg = app.args.ffmpeg.clone();
-        settings.threads = app.args.encoder_threads.map(usize::from);
-        settings.workers = app.cfg.encoder_workers;
-        let sink = ChannelSink {
-            tx: tx.clone(),
-            started,
-            first: false,
-        };
-        let encoder = video::spawn(settings, Box::new(sink)).map_err(ApiError::from)?;
-        Ok((audio_file, encoder))
-    })();
-    let (audio_file, encoder) = match started_encoder {
-        Ok(x) => x,
-        Err(e) => {
-            scheduler.cancel(request);
-            return Err(refused(e));
-        }
-    };
+    let (audio_file, encoder) =
+        start_encoder(&app, &req, &avatar, &tx, started).map_err(refused)?;
 
     let job = Job {
-        request,
-        results,
-        model_frames,
-        video_frames: prepared.video_frames,
-        avatar: prepared.avatar,
+        submission,
+        video_frames,
+        avatar,
+        faces_dir: None,
     };
-    let seconds = prepared.speech_seconds;
+    let complete = Arc::new(AtomicBool::new(false));
+    let completed = complete.clone();
+    let span = tracing::Span::current();
     std::thread::Builder::new()
-        .name(format!("lipsync-job-{}", request.0))
+        .name(format!("lipsync-job-{request_id}"))
         .spawn(move || {
+            let _enter = span.enter();
             let _permit = permit;
             let _audio_file = audio_file;
             // The body stream dropped its receiver: the client is gone.
             let gone = || tx.is_closed();
-            let result = job.run(&scheduler, encoder, &gone);
+            let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                job.run(encoder, &gone, &mut |_, _| {})
+            }))
+            .unwrap_or_else(|panic| {
+                Err(engine::Error::Inference(format!(
+                    "the request's job panicked: {}",
+                    panic_message(&panic)
+                )))
+            });
             let outcome = match &result {
-                Ok(summary) => {
+                Ok(stats) => {
+                    completed.store(true, Ordering::SeqCst);
                     tracing::info!(
-                        "request {}: {} frames, {:.2} s of speech, {} bytes in {:.2} s",
-                        request.0,
-                        summary.frames,
-                        seconds,
-                        summary.bytes,
+                        "{} frames, {speech_seconds:.2} s of speech, {} bytes in {:.2} s",
+                        stats.summary.frames,
+                        stats.summary.bytes,
                         started.elapsed().as_secs_f64()
                     );
                     "success"
                 }
+                Err(engine::Error::Cancelled) if conn.timed_out() => {
+                    tracing::warn!(
+                        "the client took no bytes within the send timeout; stream aborted"
+                    );
+                    "client_timeout"
+                }
                 Err(engine::Error::Cancelled) => {
-                    tracing::info!("request {}: the client went away", request.0);
+                    tracing::info!("the client went away");
                     "cancelled"
                 }
                 Err(e) => {
                     // After the first byte only the connection can carry the failure: ending
                     // the body with an error aborts it (no final chunk).
-                    tracing::error!(
-                        "request {} failed after the response started: {e}",
-                        request.0
-                    );
+                    tracing::error!("failed after the response started: {e}");
                     let _ = tx.blocking_send(Err(std::io::Error::other(e.to_string())));
                     "failed"
                 }
@@ -301,8 +238,22 @@ pub async fn lipsync(
             )))
         })?;
 
-    let stream = futures_util::stream::unfold(body, |mut rx| async move {
-        rx.recv().await.map(|item| (item, rx))
+    // The body ends cleanly only when the job says the video is complete; a channel closed
+    // any other way (the job failed or panicked) aborts the connection, so a client never
+    // takes a cut-off video for a whole one.
+    let stream = futures_util::stream::unfold(Some(body), move |rx| {
+        let complete = complete.clone();
+        async move {
+            let mut rx = rx?;
+            match rx.recv().await {
+                Some(item) => Some((item, Some(rx))),
+                None if complete.load(Ordering::SeqCst) => None,
+                None => Some((
+                    Err(std::io::Error::other("the video could not be completed")),
+                    None,
+                )),
+            }
+        }
     });
     Ok((
         StatusCode::OK,
@@ -313,6 +264,84 @@ pub async fn lipsync(
         Body::from_stream(stream),
     )
         .into_response())
+}
+
+/// Decodes the avatar (or takes the cached one) and the speech, and plans the frames.
+fn prepare(
+    app: &App,
+    req: Request,
+    cached: Option<Arc<Avatar>>,
+) -> Result<(Planned, Arc<Avatar>, Request), ApiError> {
+    let avatar = match (&req.avatar, cached) {
+        (
+            AvatarSource::Image {
+                bytes,
+                face_box,
+                pads,
+            },
+            _,
+        ) => {
+            let t = Instant::now();
+            let a = Avatar::prepare(bytes, &app.image_limits(), *face_box, *pads, req.blend)?;
+            m::stage("decode", t.elapsed());
+            Arc::new(a)
+        }
+        (AvatarSource::Cached(_), Some(a)) if a.blend == req.blend => a,
+        (AvatarSource::Cached(_), Some(a)) => Arc::new(a.with_blend(req.blend)),
+        (AvatarSource::Cached(id), None) => {
+            return Err(ApiError::internal(format!("avatar {id} was not looked up")))
+        }
+    };
+    let t = Instant::now();
+    let speech = audio::load(&req.audio, app.args.media.max_audio_seconds)?;
+    m::stage("decode", t.elapsed());
+    let t = Instant::now();
+    let face = Arc::new(avatar.input.clone());
+    let planned = engine::plan(&speech, req.fps, &|_| face.clone())?;
+    m::stage("mel", t.elapsed());
+    Ok((planned, avatar, req))
+}
+
+/// The encoder for a request, writing into the body channel, with the speech in a file.
+fn start_encoder(
+    app: &App,
+    req: &Request,
+    avatar: &Avatar,
+    tx: &mpsc::Sender<Result<Bytes, std::io::Error>>,
+    started: Instant,
+) -> Result<(tempfile::NamedTempFile, Box<dyn video::VideoEncoder>), ApiError> {
+    let mut audio_file = tempfile::Builder::new()
+        .prefix("lipsync-audio-")
+        .tempfile()
+        .map_err(ApiError::internal)?;
+    audio_file
+        .write_all(&req.audio)
+        .map_err(ApiError::internal)?;
+    let frame = &avatar.frame;
+    let mut settings =
+        app.args
+            .media
+            .encoder(frame.width, frame.height, req.fps, app.cfg.encoder_workers);
+    settings.crf = req.crf;
+    settings.audio = Some(audio_file.path().to_path_buf());
+    let sink = ChannelSink {
+        tx: tx.clone(),
+        started,
+        first: false,
+    };
+    let encoder = video::spawn(settings, Box::new(sink)).map_err(ApiError::from)?;
+    Ok((audio_file, encoder))
+}
+
+/// A refusal sent before the request body was read: the body is drained first (up to the
+/// body limit, within the read timeout) and the connection closed after the answer, so the
+/// client sees the status instead of a reset, and does not reuse a half-read connection.
+async fn refuse_unread(req: axum::extract::Request, app: &App, e: ApiError) -> Response {
+    form::drain(req.into_body(), app.args.max_body_bytes).await;
+    let mut res = refused(e).into_response();
+    res.headers_mut()
+        .insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+    res
 }
 
 fn overloaded(app: &App, why: &str) -> ApiError {

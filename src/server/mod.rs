@@ -8,6 +8,7 @@
 
 pub mod avatars;
 pub mod config;
+pub mod conn;
 pub mod error;
 pub mod form;
 pub mod lipsync;
@@ -29,13 +30,11 @@ use config::Resolved;
 pub use config::ServeArgs;
 use error::ApiError;
 
-use crate::engine::batcher::Limits;
 use crate::engine::cache::AvatarCache;
 use crate::engine::metrics as m;
-use crate::engine::pool::{Pool, PoolConfig};
+use crate::engine::Engine;
 use crate::media::image::ImageLimits;
 use crate::model::weights::Summary;
-use crate::model::GeneratorWeights;
 use crate::{media, model};
 
 /// The OpenAPI description, served at `/openapi.yaml`.
@@ -65,7 +64,7 @@ pub enum ServeError {
 pub struct App {
     pub args: ServeArgs,
     pub cfg: Resolved,
-    pool: OnceLock<Pool>,
+    engine: OnceLock<Engine>,
     summary: OnceLock<Summary>,
     avatars: Mutex<AvatarCache>,
     prometheus: PrometheusHandle,
@@ -80,24 +79,21 @@ impl App {
     }
 
     fn image_limits(&self) -> ImageLimits {
-        ImageLimits {
-            max_pixels: self.args.max_pixels,
-            max_side: self.args.max_side,
-        }
+        self.args.media.image_limits()
     }
 
-    /// The pool, if every instance is loaded and warmed up and the server is not stopping.
-    fn ready_pool(&self) -> Result<&Pool, ApiError> {
+    /// The engine, if every instance is loaded and warmed up and the server is not stopping.
+    fn ready_engine(&self) -> Result<&Engine, ApiError> {
         let unavailable = |why: String| {
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_ready", why).with_retry_after(5)
         };
         if self.shutting_down.load(Ordering::SeqCst) {
             return Err(unavailable("the server is shutting down".into()));
         }
-        let Some(pool) = self.pool.get() else {
+        let Some(engine) = self.engine.get() else {
             return Err(unavailable("the model is loading".into()));
         };
-        let status = pool.status();
+        let status = engine.status();
         if let Some(e) = status.failed() {
             return Err(unavailable(format!(
                 "a model instance failed to start: {e}"
@@ -105,19 +101,24 @@ impl App {
         }
         if !status.all_ready() {
             return Err(unavailable(format!(
-                "model instances warming up ({} of {} ready)",
+                "model instances {} ({} of {} ready)",
+                if status.restarts() > 0 {
+                    "restarting"
+                } else {
+                    "warming up"
+                },
                 status.ready(),
                 status.instances
             )));
         }
-        Ok(pool)
+        Ok(engine)
     }
 
     /// Seconds a refused client should wait: the queued frames at the observed rate.
     fn retry_after(&self) -> u64 {
-        let queued = self.pool.get().map_or(0, |p| p.scheduler().queued()) as f64;
+        let queued = self.engine.get().map_or(0, |p| p.scheduler().queued()) as f64;
         let fps = self
-            .pool
+            .engine
             .get()
             .map_or(0.0, |p| p.status().frames_per_second());
         if fps > 0.0 {
@@ -128,7 +129,8 @@ impl App {
     }
 }
 
-/// Reads a request id from the client or makes one; every response carries it.
+/// Reads a request id from the client or makes one; every response carries it, and every log
+/// line written while handling the request (its job thread included) is in a span with it.
 async fn request_id(mut req: Request, next: Next) -> Response {
     let id = req
         .headers()
@@ -142,13 +144,25 @@ async fn request_id(mut req: Request, next: Next) -> Response {
     req.headers_mut().insert(REQUEST_ID.clone(), id.clone());
     let span = tracing::info_span!("request", id = %id.to_str().unwrap_or("?"), method = %req.method(), path = %req.uri().path());
     let mut res = {
-        let _g = span.enter();
-        tracing::debug!("started");
-        drop(_g);
-        next.run(req).await
+        use tracing::Instrument;
+        async {
+            tracing::debug!("started");
+            next.run(req).await
+        }
+        .instrument(span)
+        .await
     };
     res.headers_mut().insert(REQUEST_ID.clone(), id);
     res
+}
+
+/// The request's id (set by the `request_id` middleware).
+pub fn request_id_of(req: &Request) -> String {
+    req.headers()
+        .get(&REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-")
+        .to_string()
 }
 
 /// With `--api-key`: `Authorization: Bearer <key>` on the /v1/ routes.
@@ -181,21 +195,24 @@ async fn health() -> Json<serde_json::Value> {
 }
 
 async fn ready(State(app): State<Arc<App>>) -> Result<Json<serde_json::Value>, ApiError> {
-    let pool = app.ready_pool()?;
+    let engine = app.ready_engine()?;
     Ok(Json(serde_json::json!({
         "status": "ready",
-        "instances": pool.status().instances,
+        "instances": engine.status().instances,
     })))
 }
 
 async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
     let a = &app.args;
+    let e = &a.engine;
+    let md = &a.media;
     let c = &app.cfg;
     let summary = app.summary.get();
-    let status = app.pool.get().map(|p| p.status().clone());
+    let status = app.engine.get().map(|p| p.status().clone());
+    let fill_batch = app.engine.get().map(|p| p.scheduler().limits().fill_batch);
     Json(serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
-        "checkpoint": a.checkpoint,
+        "checkpoint": e.checkpoint,
         "format": summary.map(|s| s.format),
         "folded": summary.map(|s| s.folded),
         "random_weights": summary.map(|s| s.random_init_seed.is_some()),
@@ -203,32 +220,39 @@ async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
         "dtype": c.precision,
         "compute_dtype": status.as_ref().and_then(|s| s.dtype()).map(|d| d.as_str()),
         "conv_path": status.as_ref().and_then(|s| s.conv_path()),
-        "autotune_cache": a.conv.autotune_cache,
+        "autotune_cache": e.conv.autotune_cache,
         "instances": c.instances,
         "instances_ready": status.as_ref().map_or(0, |s| s.ready()),
         "max_batch": c.max_batch,
         "first_batch": c.first_batch,
-        "batch_wait_ms": a.batch_wait_ms,
+        "fill_batch": fill_batch,
+        "fill_latency_ms": e.fill_latency_ms,
+        "batch_cost": status.as_ref().and_then(|s| s.batch_cost()),
+        "instance_restarts": status.as_ref().map_or(0, |s| s.restarts()),
+        "batch_wait_ms": e.batch_wait_ms,
         "pad_batches": c.pad_batches,
-        "gpu_memory_limit": a.gpu_memory_limit,
+        "gpu_memory_limit": e.gpu_memory_limit,
         "limits": {
             "max_queue_frames": c.max_queue_frames,
             "max_ahead_frames": c.max_ahead_frames,
             "max_requests": a.max_requests,
             "max_body_bytes": a.max_body_bytes,
-            "max_pixels": a.max_pixels,
-            "max_side": a.max_side,
-            "max_audio_seconds": a.max_audio_seconds,
+            "max_pixels": md.max_pixels,
+            "max_side": md.max_side,
+            "max_audio_seconds": md.max_audio_seconds,
+            "send_timeout_seconds": a.send_timeout,
+            "read_timeout_seconds": a.read_timeout,
             "avatar_cache_entries": a.avatar_cache_entries,
             "avatar_cache_bytes": a.avatar_cache_bytes,
         },
         "encoder": {
-            "preset": a.preset,
-            "crf": a.crf,
+            "preset": md.preset,
+            "crf": md.crf,
             "workers": app.cfg.encoder_workers,
-            "threads": a.encoder_threads,
+            "threads": md.encoder_threads,
         },
         "auth": a.api_key.is_some(),
+        "requests_in_flight": app.engine.get().map_or(0, |e| e.scheduler().requests()),
         "uptime_seconds": app.started.elapsed().as_secs_f64(),
     }))
 }
@@ -334,15 +358,20 @@ pub fn router(app: Arc<App>) -> Router {
             app.args.max_body_bytes,
         )));
     if !app.args.cors_origins.is_empty() {
-        let origins: Vec<HeaderValue> = app
-            .args
-            .cors_origins
-            .iter()
-            .filter_map(|o| HeaderValue::from_str(o.trim()).ok())
-            .collect();
+        // `*` (alone or in the list) means any origin; tower-http refuses it inside a list.
+        let origins = &app.args.cors_origins;
+        let allow = if origins.iter().any(|o| o.trim() == "*") {
+            tower_http::cors::AllowOrigin::any()
+        } else {
+            tower_http::cors::AllowOrigin::list(
+                origins
+                    .iter()
+                    .filter_map(|o| HeaderValue::from_str(o.trim()).ok()),
+            )
+        };
         router = router.layer(
             tower_http::cors::CorsLayer::new()
-                .allow_origin(origins)
+                .allow_origin(allow)
                 .allow_methods([Method::GET, Method::POST, Method::DELETE])
                 .allow_headers([
                     header::AUTHORIZATION,
@@ -351,6 +380,11 @@ pub fn router(app: Arc<App>) -> Router {
                 ])
                 .expose_headers([REQUEST_ID.clone()]),
         );
+    }
+    if let Some(t) = config::timeout(app.args.read_timeout) {
+        router = router.layer(middleware::from_fn(move |req, next| {
+            form::read_timeout_layer(t, req, next)
+        }));
     }
     router
         .layer(middleware::from_fn(request_id))
@@ -382,6 +416,7 @@ fn install_metrics() -> Result<PrometheusHandle, ServeError> {
         "overloaded",
         "unavailable",
         "cancelled",
+        "client_timeout",
         "failed",
     ] {
         metrics::counter!(m::REQUESTS_TOTAL, "outcome" => outcome).absolute(0);
@@ -399,6 +434,7 @@ fn install_metrics() -> Result<PrometheusHandle, ServeError> {
     }
     metrics::counter!(m::FRAMES_TOTAL).absolute(0);
     metrics::counter!(m::OOM_SPLITS).absolute(0);
+    metrics::counter!(m::INSTANCE_RESTARTS).absolute(0);
     metrics::counter!(m::PRECISION_FALLBACKS).absolute(0);
     metrics::counter!(m::DROPPED_FRAMES_TOTAL).absolute(0);
     metrics::counter!(m::AVATAR_CACHE_HITS).absolute(0);
@@ -434,8 +470,7 @@ async fn shutdown_signal() {
 
 /// Runs the service until SIGTERM/SIGINT (or a fatal start-up error).
 pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
-    crate::media::video::check_ffmpeg(&args.ffmpeg)?;
-    args.conv.apply();
+    crate::media::video::check_ffmpeg(&args.media.ffmpeg)?;
     let prometheus = install_metrics()?;
     let cfg = args.resolve();
     let addr = format!("{}:{}", args.host, args.port);
@@ -460,7 +495,7 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
         requests: Arc::new(Semaphore::new(args.max_requests.max(1))),
         args,
         cfg,
-        pool: OnceLock::new(),
+        engine: OnceLock::new(),
         summary: OnceLock::new(),
         prometheus,
         shutting_down: AtomicBool::new(false),
@@ -475,41 +510,16 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
     std::thread::Builder::new()
         .name("lipsync-loader".into())
         .spawn(move || {
-            let loaded = GeneratorWeights::from_file(&loader.args.checkpoint)
-                .and_then(|(w, summary)| Ok((w.fold()?, summary))); // folded once for all instances
-            let (weights, summary) = match loaded {
+            let (engine, summary) = match loader.args.engine.start_engine(&loader.cfg, true) {
                 Ok(x) => x,
                 Err(e) => {
                     let _ = failed_tx.send(e);
                     return;
                 }
             };
-            if let Some(seed) = summary.random_init_seed {
-                tracing::warn!(
-                    "serving random test weights (seed {seed}): the faces they draw are noise"
-                );
-            }
-            let c = &loader.cfg;
-            let pool = Pool::start(
-                Arc::new(weights),
-                PoolConfig {
-                    device: c.device,
-                    precision: c.precision,
-                    instances: c.instances,
-                    limits: Limits {
-                        max_batch: c.max_batch,
-                        first_batch: c.first_batch,
-                        max_queue: c.max_queue_frames,
-                        max_ahead: c.max_ahead_frames,
-                    },
-                    batch_wait: Duration::from_millis(loader.args.batch_wait_ms),
-                    pad_batches: c.pad_batches,
-                    memory_limit: loader.args.gpu_memory_limit,
-                },
-            );
-            let status = pool.status().clone();
+            let status = engine.status().clone();
             let _ = loader.summary.set(summary);
-            let _ = loader.pool.set(pool);
+            let _ = loader.engine.set(engine);
             while !status.all_ready() {
                 if let Some(e) = status.failed() {
                     let _ = failed_tx.send(model::Error::Device(e));
@@ -521,7 +531,9 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let stopping = app.clone();
-    let server = axum::serve(listener, router(app.clone())).with_graceful_shutdown(async move {
+    let listener = conn::TimeoutListener::new(listener, config::timeout(app.args.send_timeout));
+    let service = router(app.clone()).into_make_service_with_connect_info::<conn::ConnInfo>();
+    let server = axum::serve(listener, service).with_graceful_shutdown(async move {
         shutdown_signal().await;
         tracing::info!("shutting down: no new connections; letting in-flight streams finish");
         stopping.shutting_down.store(true, Ordering::SeqCst);
@@ -549,8 +561,8 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
             Ok(())
         }
     };
-    if let Some(pool) = app.pool.get() {
-        pool.shutdown();
+    if let Some(engine) = app.engine.get() {
+        engine.shutdown();
     }
     tracing::info!("stopped");
     result

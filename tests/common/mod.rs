@@ -2,6 +2,8 @@
 //! `tests/reference/wav2lip_reference.py`.
 #![allow(dead_code)]
 
+pub mod server;
+
 use std::path::PathBuf;
 
 use candle_core::{DType, Tensor};

@@ -58,7 +58,7 @@ pub trait VideoEncoder: Send {
 }
 
 /// What an encoder produced.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct EncodeSummary {
     pub frames: u64,
     pub bytes: u64,
@@ -346,6 +346,15 @@ fn missing(ffmpeg: &std::path::Path, e: &std::io::Error) -> Error {
 }
 
 /// Checks that `ffmpeg` runs and has the libx264 and aac encoders.
+/// x264's quality scale: `crf` if it is within 0 (lossless) to 51 (worst).
+pub fn check_crf(crf: u8) -> Result<u8, String> {
+    if crf <= 51 {
+        Ok(crf)
+    } else {
+        Err(format!("crf {crf} is outside 0-51 (0 lossless, 51 worst)"))
+    }
+}
+
 pub fn check_ffmpeg(ffmpeg: &std::path::Path) -> Result<(), Error> {
     let out = Command::new(ffmpeg)
         .args(["-hide_banner", "-encoders"])

@@ -1,0 +1,250 @@
+//! The engine and media flags that `serve` and `render` share: one definition (with its
+//! `LIPSYNC_*` environment variable and its `--help` text), one place where the
+//! device-dependent defaults are filled in. `serve` adds the HTTP flags
+//! ([`crate::server::ServeArgs`]), `render` its input and output flags.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::engine::backend::Wav2LipLoader;
+use crate::engine::batcher::Limits;
+use crate::engine::pool::PoolConfig;
+use crate::engine::Engine;
+use crate::media::audio::DEFAULT_MAX_SECONDS;
+use crate::media::image::{ImageLimits, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE};
+use crate::media::video::{self, EncoderSettings, PRESETS};
+use crate::model::{self, DeviceKind, GeneratorWeights, Precision};
+
+/// The model, its instances and the batcher.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineArgs {
+    /// Wav2Lip checkpoint: any form `lipsync convert` reads (legacy or zip torch.save,
+    /// whole-module pickle, TorchScript, safetensors).
+    #[arg(long, env = "LIPSYNC_CHECKPOINT")]
+    pub checkpoint: PathBuf,
+    /// Where the model runs [default: cuda when built with CUDA and a GPU is present, else cpu].
+    #[arg(long, env = "LIPSYNC_DEVICE", value_enum)]
+    pub device: Option<DeviceKind>,
+    /// Model precision [default: f16 on CUDA, f32 on CPU; bf16 on the CPU computes in f32].
+    #[arg(long, env = "LIPSYNC_DTYPE", value_enum)]
+    pub dtype: Option<Precision>,
+    /// Model instances, each on its own thread (and CUDA stream) [default: 3 on CUDA, 1 on CPU].
+    #[arg(long, env = "LIPSYNC_INSTANCES", value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub instances: Option<u32>,
+    /// Largest batch of frames per model call [default: 512 on CUDA, 16 on CPU].
+    #[arg(long, visible_alias = "batch", env = "LIPSYNC_MAX_BATCH", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_batch: Option<u32>,
+    /// Frames of a new request in its first batch, so its video starts streaming early
+    /// [default: 16 on CUDA, 4 on CPU].
+    #[arg(long, env = "LIPSYNC_FIRST_BATCH", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub first_batch: Option<u32>,
+    /// While a new request waits for its first frames, the rest of that batch is filled with
+    /// running requests' frames up to the size the instances compute within this many
+    /// milliseconds (measured at warm-up), instead of running a small batch.
+    #[arg(long, env = "LIPSYNC_FILL_LATENCY_MS", default_value_t = 150)]
+    pub fill_latency_ms: u64,
+    /// How long the batcher may wait for more frames to fill a batch, in milliseconds.
+    #[arg(long, env = "LIPSYNC_BATCH_WAIT_MS", default_value_t = 2)]
+    pub batch_wait_ms: u64,
+    /// Run model batches at fixed sizes (powers of two up to --max-batch, padded with copies),
+    /// so warm-up covers every shape served [default: true on CUDA, false on CPU].
+    #[arg(long, env = "LIPSYNC_PAD_BATCHES", value_parser = clap::builder::BoolishValueParser::new())]
+    pub pad_batches: Option<bool>,
+    /// Device memory each model instance may use, e.g. 20G or 512M: a batch estimated to need
+    /// more is treated as out of memory (split and retried smaller) [default: no limit].
+    #[arg(long, env = "LIPSYNC_GPU_MEMORY_LIMIT", value_parser = parse_bytes)]
+    pub gpu_memory_limit: Option<u64>,
+    #[command(flatten)]
+    pub conv: crate::model::cudnn::ConvArgs,
+    /// Frames waiting for the model that could run now, across all requests (each request
+    /// counts at most its --max-ahead-frames); a request that would exceed it is refused with
+    /// 429 and Retry-After [default: 50000 on CUDA, 2000 on CPU].
+    #[arg(long, env = "LIPSYNC_MAX_QUEUE_FRAMES")]
+    pub max_queue_frames: Option<usize>,
+    /// Frames the model may compute ahead of a request's encoder and client, so a slow reader
+    /// holds back its own work instead of piling up frames [default: twice the largest batch].
+    #[arg(long, env = "LIPSYNC_MAX_AHEAD_FRAMES")]
+    pub max_ahead_frames: Option<usize>,
+}
+
+/// Decoding limits and the encoder.
+#[derive(Debug, Clone, clap::Args)]
+pub struct MediaArgs {
+    /// Largest image in pixels (checked from its header before decoding); larger is refused.
+    #[arg(long, env = "LIPSYNC_MAX_PIXELS", default_value_t = DEFAULT_MAX_PIXELS)]
+    pub max_pixels: u64,
+    /// Photos longer than this on their long side are downscaled before rendering.
+    #[arg(long, env = "LIPSYNC_MAX_SIDE", default_value_t = DEFAULT_MAX_SIDE)]
+    pub max_side: u32,
+    /// Longest audio in seconds; longer is refused.
+    #[arg(long, env = "LIPSYNC_MAX_AUDIO_SECONDS", default_value_t = DEFAULT_MAX_SECONDS)]
+    pub max_audio_seconds: f64,
+    /// The ffmpeg executable (needs libx264 and aac).
+    #[arg(long, env = "LIPSYNC_FFMPEG", default_value = "ffmpeg")]
+    pub ffmpeg: PathBuf,
+    /// x264 preset.
+    #[arg(long, env = "LIPSYNC_PRESET", default_value = "veryfast", value_parser = clap::builder::PossibleValuesParser::new(PRESETS))]
+    pub preset: String,
+    /// x264 quality, 0 (lossless) to 51 (worst): the default when a request or job gives none.
+    #[arg(long, env = "LIPSYNC_CRF", default_value_t = 20, value_parser = clap::value_parser!(u8).range(0..=51))]
+    pub crf: u8,
+    /// x264 threads per encoder process [default: ffmpeg's choice with one worker, the
+    /// cores shared among the workers with several].
+    #[arg(long, env = "LIPSYNC_ENCODER_THREADS", value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub encoder_threads: Option<u16>,
+    /// x264 processes per stream, encoding one-second segments in parallel (1-64) [default:
+    /// half the cores, at most 8, on cuda; 1 on cpu, where the model is the bottleneck].
+    #[arg(long, env = "LIPSYNC_ENCODER_WORKERS", value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub encoder_workers: Option<u16>,
+}
+
+/// `1000`, `512K`, `20M`, `8G` (powers of 1024 for the suffixes).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M') => (&s[..s.len() - 1], 1 << 20),
+        Some('G') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.trim()
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("{s:?} is not a size (e.g. 8G, 512M, 1000000)"))
+}
+
+/// Settings with the device-dependent defaults filled in.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    pub device: DeviceKind,
+    pub precision: Precision,
+    pub instances: usize,
+    pub max_batch: usize,
+    pub first_batch: usize,
+    pub max_queue_frames: usize,
+    pub max_ahead_frames: usize,
+    pub pad_batches: bool,
+    pub encoder_workers: usize,
+}
+
+impl EngineArgs {
+    /// Fills in the defaults for the device (`encoder_workers` from `media`).
+    pub fn resolve(&self, media: &MediaArgs) -> Resolved {
+        let device = self.device.unwrap_or_else(DeviceKind::default_for_host);
+        let cuda = device == DeviceKind::Cuda;
+        let max_batch = self
+            .max_batch
+            .map_or(if cuda { 512 } else { 16 }, |b| b as usize);
+        let first_batch = self
+            .first_batch
+            .map_or(if cuda { 16 } else { 4 }, |b| b as usize)
+            .min(max_batch);
+        Resolved {
+            device,
+            precision: self.dtype.unwrap_or(device.default_precision()),
+            instances: self
+                .instances
+                .map_or(if cuda { 3 } else { 1 }, |n| n as usize),
+            max_batch,
+            first_batch,
+            max_queue_frames: self
+                .max_queue_frames
+                .unwrap_or(if cuda { 50_000 } else { 2_000 }),
+            max_ahead_frames: self.max_ahead_frames.unwrap_or(2 * max_batch).max(1),
+            pad_batches: self.pad_batches.unwrap_or(cuda),
+            encoder_workers: media
+                .encoder_workers
+                .map_or_else(|| video::default_workers(cuda), |n| n as usize),
+        }
+    }
+
+    /// The pool configuration for `r` (from [`EngineArgs::resolve`]).
+    pub fn pool_config(&self, r: &Resolved) -> PoolConfig {
+        PoolConfig {
+            precision: r.precision,
+            instances: r.instances,
+            limits: Limits {
+                max_batch: r.max_batch,
+                first_batch: r.first_batch,
+                fill_batch: r.first_batch,
+                max_queue: r.max_queue_frames,
+                max_ahead: r.max_ahead_frames,
+            },
+            batch_wait: Duration::from_millis(self.batch_wait_ms),
+            pad_batches: r.pad_batches,
+            memory_limit: self.gpu_memory_limit,
+            warm_up: true,
+            fill_latency: Duration::from_millis(self.fill_latency_ms),
+        }
+    }
+
+    /// Reads the checkpoint and starts the engine's instances (they load and warm up in the
+    /// background). Logs a warning for random test weights.
+    pub fn start_engine(
+        &self,
+        r: &Resolved,
+        warm_up: bool,
+    ) -> Result<(Engine, model::weights::Summary), model::Error> {
+        self.conv.apply();
+        let (mut weights, summary) = GeneratorWeights::from_file(&self.checkpoint)?;
+        if !weights.is_folded() {
+            weights = weights.fold()?; // once for all instances
+        }
+        if let Some(seed) = summary.random_init_seed {
+            tracing::warn!(
+                "{} holds random test weights (seed {seed}): the faces they draw are noise",
+                self.checkpoint.display()
+            );
+        }
+        let loader = Wav2LipLoader {
+            weights: std::sync::Arc::new(weights),
+            device: r.device,
+        };
+        let mut cfg = self.pool_config(r);
+        cfg.warm_up = warm_up;
+        Ok((Engine::start(std::sync::Arc::new(loader), cfg), summary))
+    }
+}
+
+impl MediaArgs {
+    pub fn image_limits(&self) -> ImageLimits {
+        ImageLimits {
+            max_pixels: self.max_pixels,
+            max_side: self.max_side,
+        }
+    }
+
+    /// Encoder settings for a `width`×`height` video at `fps` with this configuration's
+    /// ffmpeg, threads and `workers`.
+    pub fn encoder(
+        &self,
+        width: u32,
+        height: u32,
+        fps: crate::media::audio::Fps,
+        workers: usize,
+    ) -> EncoderSettings {
+        let mut s = EncoderSettings::new(width, height, fps);
+        s.preset = self.preset.clone();
+        s.crf = self.crf;
+        s.ffmpeg = self.ffmpeg.clone();
+        s.threads = self.encoder_threads.map(usize::from);
+        s.workers = workers;
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!(parse_bytes("1000"), Ok(1000));
+        assert_eq!(parse_bytes("512K"), Ok(512 << 10));
+        assert_eq!(parse_bytes("20m"), Ok(20 << 20));
+        assert_eq!(parse_bytes("8G"), Ok(8 << 30));
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("99999999999999999999G").is_err());
+    }
+}

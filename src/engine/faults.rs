@@ -1,0 +1,37 @@
+//! Faults injected on cue, for tests only: debug builds read `LIPSYNC_TEST_FAULTS`
+//! (comma-separated `point:n`, e.g. `instance_panic:2` panics in the second batch an instance
+//! runs; `job_panic:10` in a request's job after 10 frames). Release builds compile every
+//! check to `false`: this is a test hook, not a production flag.
+
+/// Whether fault `point` fires now: its counter reaches the configured `n` (once).
+#[cfg(debug_assertions)]
+pub fn hit(point: &str) -> bool {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static COUNTS: OnceLock<Mutex<HashMap<String, (u64, u64)>>> = OnceLock::new();
+    let counts = COUNTS.get_or_init(|| {
+        let spec = std::env::var("LIPSYNC_TEST_FAULTS").unwrap_or_default();
+        let map = spec
+            .split(',')
+            .filter_map(|p| {
+                let (name, n) = p.trim().split_once(':')?;
+                Some((name.to_string(), (n.parse().ok()?, 0)))
+            })
+            .collect();
+        Mutex::new(map)
+    });
+    let mut counts = counts.lock().unwrap_or_else(|p| p.into_inner());
+    match counts.get_mut(point) {
+        Some((at, seen)) => {
+            *seen += 1;
+            *seen == *at
+        }
+        None => false,
+    }
+}
+
+#[cfg(not(debug_assertions))]
+#[inline(always)]
+pub fn hit(_point: &str) -> bool {
+    false
+}

@@ -1,0 +1,165 @@
+//! The engine's one front door. The CLI (`render`, one job or many), the HTTP handlers and
+//! the benchmarks all hand work to an [`Engine`] the same way: plan the frames of a speech on
+//! a face input ([`plan`]), [`Engine::submit`] them, and read the predicted faces back in
+//! order from the [`Submission`] (usually through a [`super::job::Job`], which composites and
+//! encodes them). The same instances, batcher, precision fallback and out-of-memory handling
+//! serve every door.
+
+use std::collections::BTreeMap;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::backend::Loader;
+use super::batcher::{Overloaded, RequestId};
+use super::pool::{Pool, PoolConfig, PoolStatus};
+use super::render::video_frames;
+use super::scheduler::{FrameResult, FrameWork, Scheduler};
+use super::Error;
+use crate::media::audio::{Fps, FramePlan, Speech, WINDOW};
+
+/// The model instances and their batcher.
+pub struct Engine {
+    pool: Pool,
+}
+
+impl Engine {
+    /// Starts the instances (they load and warm up in the background).
+    pub fn start(loader: Arc<dyn Loader>, cfg: PoolConfig) -> Engine {
+        Engine {
+            pool: Pool::start(loader, cfg),
+        }
+    }
+
+    pub fn status(&self) -> &Arc<PoolStatus> {
+        self.pool.status()
+    }
+
+    pub fn scheduler(&self) -> &Arc<Scheduler> {
+        self.pool.scheduler()
+    }
+
+    /// Blocks until every instance is ready, or says why one could not start.
+    pub fn wait_ready(&self) -> Result<(), String> {
+        self.pool.wait_ready()
+    }
+
+    /// Admits a request's frames; its faces come back through the [`Submission`].
+    pub fn submit(&self, frames: Vec<FrameWork>) -> Result<Submission, Overloaded> {
+        let total = frames.len();
+        let scheduler = self.pool.scheduler().clone();
+        let (id, results) = scheduler.admit(frames)?;
+        Ok(Submission {
+            scheduler,
+            id,
+            results,
+            pending: BTreeMap::new(),
+            next: 0,
+            total,
+        })
+    }
+
+    /// Stops the instances after their current batch and waits for them.
+    pub fn shutdown(&self) {
+        self.pool.shutdown();
+    }
+}
+
+/// The frames of one request, planned: what the model draws and how long the video is.
+pub struct Planned {
+    pub frames: Vec<FrameWork>,
+    /// Frames in the video (the last drawn one held to the end of the audio).
+    pub video_frames: usize,
+    pub speech_seconds: f64,
+}
+
+/// The original inference's frame plan for `speech` at `fps`: one mel window per frame, each
+/// frame with the face input `face_for(k)` (the same `Arc` for a photo).
+pub fn plan(
+    speech: &Speech,
+    fps: Fps,
+    face_for: &dyn Fn(usize) -> Arc<Vec<f32>>,
+) -> Result<Planned, Error> {
+    let mel = speech.mel();
+    let plan = FramePlan::new(mel.frames(), fps)?;
+    let frames = (0..plan.len())
+        .map(|index| FrameWork {
+            index,
+            mel: mel.window(plan.start(index), WINDOW),
+            face: face_for(index),
+        })
+        .collect();
+    Ok(Planned {
+        frames,
+        video_frames: video_frames(speech.seconds(), fps, plan.len()),
+        speech_seconds: speech.seconds(),
+    })
+}
+
+/// An admitted request. Its predicted faces (96×96 BGR) come out in frame order; dropping it
+/// before the last one drops its queued frames, however the consumer ended (error, panic,
+/// client gone), so no lane is ever left behind in the batcher.
+pub struct Submission {
+    scheduler: Arc<Scheduler>,
+    id: RequestId,
+    results: Receiver<FrameResult>,
+    pending: BTreeMap<usize, Vec<u8>>,
+    next: usize,
+    total: usize,
+}
+
+impl Submission {
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// Frames the model draws for this request.
+    pub fn total(&self) -> usize {
+        self.total
+    }
+
+    /// Frames handed out so far.
+    pub fn delivered(&self) -> usize {
+        self.next
+    }
+
+    /// The next face in order, waiting at most `wait`: `Ok(None)` when it has not come yet
+    /// (or every face has been handed out). Each face handed out is acknowledged, so the
+    /// batcher keeps this request within its look-ahead.
+    pub fn next_face(&mut self, wait: Duration) -> Result<Option<Vec<u8>>, Error> {
+        if self.next >= self.total {
+            return Ok(None);
+        }
+        if !self.pending.contains_key(&self.next) {
+            match self.results.recv_timeout(wait) {
+                Ok(Ok((index, face))) => {
+                    self.pending.insert(index, face);
+                }
+                Ok(Err(e)) => return Err(Error::Inference(e)),
+                Err(RecvTimeoutError::Timeout) => return Ok(None),
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(Error::Inference("the model instances stopped".into()))
+                }
+            }
+        }
+        match self.pending.remove(&self.next) {
+            Some(face) => {
+                self.next += 1;
+                self.scheduler.ack(self.id, 1);
+                if self.next == self.total {
+                    self.scheduler.finish(self.id);
+                }
+                Ok(Some(face))
+            }
+            None => Ok(None),
+        }
+    }
+}
+
+impl Drop for Submission {
+    fn drop(&mut self) {
+        if self.next < self.total {
+            self.scheduler.cancel(self.id);
+        }
+    }
+}
