@@ -47,17 +47,44 @@ fn release_binary() -> PathBuf {
          `cargo build --release --locked` (scripts/test.sh does this before the tests)",
         bin.display()
     );
+    static WARNED: OnceLock<()> = OnceLock::new();
+    WARNED.get_or_init(|| {
+        let built = std::fs::metadata(&bin).and_then(|m| m.modified()).ok();
+        if newest(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src")) > built {
+            eprintln!(
+                "warning: {} is older than src/: the load suite tests that binary;                  `cargo build --release --locked` first (scripts/test.sh does)",
+                bin.display()
+            );
+        }
+    });
     bin
 }
 
-/// Random weights from `lipsync init-weights`, written once.
+/// The newest modification time of the files under `dir`.
+fn newest(dir: &Path) -> Option<std::time::SystemTime> {
+    std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let m = e.metadata().ok()?;
+            if m.is_dir() {
+                newest(&e.path())
+            } else {
+                m.modified().ok()
+            }
+        })
+        .max()
+}
+
+/// Random weights from `lipsync init-weights`, written again whenever the binary is newer.
 fn weights() -> &'static Path {
     static W: OnceLock<PathBuf> = OnceLock::new();
     W.get_or_init(|| {
         let dir = target_dir().join("load-test");
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("random-seed0.safetensors");
-        if !path.is_file() {
+        let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+        if modified(&path) < modified(&release_binary()) {
             let tmp = dir.join(format!("random-{}.tmp.safetensors", std::process::id()));
             let out = Command::new(release_binary())
                 .arg("init-weights")
