@@ -89,9 +89,67 @@ fn unreadable_images_get_typed_errors() {
     for b in garbled[200..400].iter_mut() {
         *b ^= 0x5a;
     }
-    // Damage inside compressed pixel data may decode to garbage (the PNG decoder does not
-    // verify zlib checksums); it must not panic.
-    let _ = kind(&garbled);
+    // Damage inside compressed pixel data would decode to garbage (the PNG decoder does not
+    // verify zlib checksums), but the chunk's CRC gives it away.
+    assert_eq!(kind(&garbled), Some("corrupt_image"));
+}
+
+/// The photo with its last `cut` bytes missing, as an interrupted upload leaves it.
+fn cut_short(name: &str, cut: usize) -> Vec<u8> {
+    let mut b = media(name);
+    b.truncate(b.len() - cut);
+    b
+}
+
+#[test]
+fn images_cut_short_are_refused_as_damaged() {
+    let l = ImageLimits::default();
+    for name in [
+        "astronaut.png",
+        "rgba.png",
+        "grace_hopper.jpg",
+        "exif_rotated.jpg",
+        "small.webp",
+    ] {
+        let len = media(name).len();
+        // From the last byte (a PNG's IEND CRC, a JPEG's end-of-image marker) to half the
+        // file; the decoders accept many of these and fill in the missing pixels.
+        for cut in [1, 2, 8, 100, len / 4, len / 2] {
+            let err = img::load(&cut_short(name, cut), &l)
+                .map(|f| (f.width, f.height))
+                .expect_err(&format!("{name} without its last {cut} bytes was accepted"));
+            assert_eq!(err.kind(), "corrupt_image", "{name} cut by {cut}: {err}");
+            assert!(
+                err.to_string().contains("damaged"),
+                "{name} cut by {cut}: {err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn damaged_structure_is_refused_but_appended_bytes_are_not() {
+    let l = ImageLimits::default();
+    let kind = |b: &[u8]| img::load(b, &l).err().map(|e| e.kind());
+    // A JPEG whose segment lengths no longer fit (a header byte overwritten).
+    let mut jpg = media("grace_hopper.jpg");
+    let sos = jpg
+        .windows(2)
+        .position(|w| w == [0xff, 0xda])
+        .expect("a start-of-scan marker");
+    jpg[sos + 2] = 0xff;
+    assert_eq!(kind(&jpg), Some("corrupt_image"));
+    // A WebP whose RIFF size claims more than the file holds.
+    let mut webp = media("small.webp");
+    let claimed = u32::from_le_bytes(webp[4..8].try_into().unwrap()) + 64;
+    webp[4..8].copy_from_slice(&claimed.to_le_bytes());
+    assert_eq!(kind(&webp), Some("corrupt_image"));
+    // Bytes after the end of the image (some cameras and tools append data) are not damage.
+    for name in ["astronaut.png", "grace_hopper.jpg", "small.webp"] {
+        let mut b = media(name);
+        b.extend_from_slice(b"appended by some tool");
+        assert_eq!(kind(&b), None, "{name}");
+    }
 }
 
 #[test]

@@ -130,6 +130,9 @@ pub fn decode(bytes: &[u8], max_pixels: u64) -> Result<Frame, Error> {
     if pixels == 0 {
         return Err(Error::CorruptImage("the image has no pixels".into()));
     }
+    // The decoders fill in what is missing from a file cut short (or skip what they cannot
+    // read) instead of failing; a damaged photo must be refused, not rendered half grey.
+    check_structure(bytes, format).map_err(Error::CorruptImage)?;
     let mut reader = reader();
     let mut decoder_limits = image::Limits::default();
     decoder_limits.max_alloc = Some(pixels.saturating_mul(16).max(1 << 20));
@@ -141,6 +144,203 @@ pub fn decode(bytes: &[u8], max_pixels: u64) -> Result<Frame, Error> {
     let rgb = img.to_rgb8();
     let (w, h) = rgb.dimensions();
     Ok(Frame::new(w, h, rgb.into_raw()))
+}
+
+/// Checks that the file is complete and well-formed at the container level: every PNG chunk
+/// present with a correct CRC up to `IEND`; every JPEG marker segment complete and the data
+/// ending with an end-of-image marker; the WebP RIFF container as long as it says it is and
+/// its chunks within it. `Err` says what is wrong, in words for the client.
+pub fn check_structure(bytes: &[u8], format: ImageFormat) -> Result<(), String> {
+    match format {
+        ImageFormat::Png => check_png(bytes),
+        ImageFormat::Jpeg => check_jpeg(bytes),
+        ImageFormat::WebP => check_webp(bytes),
+        _ => Ok(()),
+    }
+}
+
+const TRUNCATED: &str = "the file stops early (truncated upload?)";
+
+fn be32(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_be_bytes(b.get(at..at + 4)?.try_into().ok()?))
+}
+
+fn le32(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
+}
+
+/// PNG: the signature, then chunks (length, type, data, CRC-32 of type and data) until `IEND`.
+fn check_png(b: &[u8]) -> Result<(), String> {
+    const SIGNATURE: &[u8] = b"\x89PNG\r\n\x1a\n";
+    if !b.starts_with(SIGNATURE) {
+        return Err("the PNG signature is damaged".into());
+    }
+    let mut at = SIGNATURE.len();
+    loop {
+        let no_end = || format!("{TRUNCATED}: the PNG has no IEND chunk");
+        let (Some(len), Some(kind)) = (be32(b, at), b.get(at + 4..at + 8)) else {
+            return Err(no_end());
+        };
+        if len > 0x7fff_ffff {
+            return Err(format!("a PNG chunk at byte {at} has an impossible length"));
+        }
+        if !kind.iter().all(u8::is_ascii_alphabetic) {
+            return Err(format!("the PNG chunk at byte {at} has no valid type"));
+        }
+        let data_end = at + 8 + len as usize;
+        let Some(stored) = be32(b, data_end) else {
+            return Err(format!(
+                "{TRUNCATED}: the PNG's {} chunk is cut off",
+                String::from_utf8_lossy(kind)
+            ));
+        };
+        if crc32(&b[at + 4..data_end]) != stored {
+            return Err(format!(
+                "the PNG's {} chunk at byte {at} fails its CRC check",
+                String::from_utf8_lossy(kind)
+            ));
+        }
+        if kind == b"IEND" {
+            return Ok(());
+        }
+        at = data_end + 4;
+    }
+}
+
+/// CRC-32 (ISO-HDLC, as PNG uses), a byte at a time from a table.
+fn crc32(bytes: &[u8]) -> u32 {
+    static TABLE: std::sync::OnceLock<[u32; 256]> = std::sync::OnceLock::new();
+    let table = TABLE.get_or_init(|| {
+        let mut t = [0u32; 256];
+        for (n, e) in t.iter_mut().enumerate() {
+            let mut c = n as u32;
+            for _ in 0..8 {
+                c = if c & 1 != 0 {
+                    0xedb8_8320 ^ (c >> 1)
+                } else {
+                    c >> 1
+                };
+            }
+            *e = c;
+        }
+        t
+    });
+    !bytes.iter().fold(!0u32, |c, &x| {
+        table[((c ^ u32::from(x)) & 0xff) as usize] ^ (c >> 8)
+    })
+}
+
+/// JPEG: start-of-image, marker segments of the length they give, after each start-of-scan
+/// the entropy-coded data (where 0xFF is followed by a stuffed 0x00 or a restart marker) up
+/// to the next marker, and finally an end-of-image marker after at least one frame and scan.
+/// Bytes after the end-of-image marker are allowed (some cameras append data).
+fn check_jpeg(b: &[u8]) -> Result<(), String> {
+    if !b.starts_with(&[0xff, 0xd8]) {
+        return Err("the JPEG start-of-image marker is damaged".into());
+    }
+    let no_end = || format!("{TRUNCATED}: the JPEG has no end-of-image marker");
+    let (mut frame, mut scan) = (false, false);
+    let mut at = 2;
+    loop {
+        match b.get(at) {
+            None => return Err(no_end()),
+            Some(0xff) => {}
+            Some(_) => {
+                return Err(format!(
+                    "the JPEG has no marker where one belongs (byte {at})"
+                ))
+            }
+        }
+        // Any number of 0xFF fill bytes may come before a marker code.
+        while b.get(at) == Some(&0xff) {
+            at += 1;
+        }
+        let Some(&code) = b.get(at) else {
+            return Err(no_end());
+        };
+        at += 1;
+        match code {
+            0xd9 if frame && scan => return Ok(()),
+            0xd9 => return Err("the JPEG ends before any image data".into()),
+            // Markers without a length: TEM and restart markers.
+            0x01 | 0xd0..=0xd7 => continue,
+            0x00 | 0xd8 => {
+                return Err(format!("the JPEG has an invalid marker at byte {}", at - 2))
+            }
+            _ => {}
+        }
+        let len = match b.get(at..at + 2) {
+            Some(l) => usize::from(u16::from_be_bytes([l[0], l[1]])),
+            None => return Err(no_end()),
+        };
+        if len < 2 {
+            return Err(format!(
+                "the JPEG segment at byte {} has an impossible length",
+                at - 2
+            ));
+        }
+        let end = at + len;
+        if end > b.len() {
+            return Err(format!("{TRUNCATED}: a JPEG segment is cut off"));
+        }
+        match code {
+            // Start of frame: every SOFn except DHT (C4), JPG (C8) and DAC (CC).
+            0xc0..=0xcf if !matches!(code, 0xc4 | 0xc8 | 0xcc) => frame = true,
+            0xda if !frame => return Err("the JPEG has image data before its frame header".into()),
+            0xda => scan = true,
+            _ => {}
+        }
+        at = end;
+        if code == 0xda {
+            // Entropy-coded data: runs until a 0xFF that starts a real marker.
+            loop {
+                let Some(ff) = b[at..].iter().position(|&x| x == 0xff) else {
+                    return Err(no_end());
+                };
+                at += ff;
+                match b.get(at + 1) {
+                    None => return Err(no_end()),
+                    Some(0x00 | 0xd0..=0xd7) => at += 2,
+                    Some(0xff) => at += 1,
+                    Some(_) => break,
+                }
+            }
+        }
+    }
+}
+
+/// WebP: `RIFF`, the size of what follows, `WEBP`, then chunks (fourcc, little-endian size,
+/// data padded to an even length) that fill the size the header gives.
+fn check_webp(b: &[u8]) -> Result<(), String> {
+    if b.get(..4) != Some(b"RIFF") || b.get(8..12) != Some(b"WEBP") {
+        return Err("the WebP RIFF header is damaged".into());
+    }
+    let riff_end = le32(b, 4).ok_or(TRUNCATED)? as usize + 8;
+    if riff_end > b.len() {
+        return Err(format!(
+            "{TRUNCATED}: the WebP says it holds {riff_end} bytes but {} arrived",
+            b.len()
+        ));
+    }
+    let mut at = 12;
+    let mut chunks = 0;
+    while at < riff_end {
+        let Some(len) = le32(b, at + 4).filter(|_| at + 8 <= riff_end) else {
+            return Err(format!("the WebP chunk at byte {at} is cut off"));
+        };
+        let end = (at + 8).saturating_add(len as usize);
+        if end > riff_end {
+            return Err(format!(
+                "the WebP chunk at byte {at} runs past the end of the file"
+            ));
+        }
+        chunks += 1;
+        at = end + (len as usize & 1);
+    }
+    if chunks == 0 {
+        return Err("the WebP holds no image chunks".into());
+    }
+    Ok(())
 }
 
 /// Names common non-image uploads for a better error message.
