@@ -6,6 +6,18 @@ use std::sync::Arc;
 use super::metrics as m;
 use super::Avatar;
 
+/// Why [`AvatarCache::insert`] did not keep an avatar.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum NotKept {
+    #[error(
+        "the prepared avatar takes {bytes} bytes, more than the whole avatar cache \
+         ({max_bytes} bytes, --avatar-cache-bytes)"
+    )]
+    TooLarge { bytes: u64, max_bytes: u64 },
+    #[error("this server keeps no avatars (--avatar-cache-entries 0)")]
+    Disabled,
+}
+
 pub struct AvatarCache {
     max_entries: usize,
     max_bytes: u64,
@@ -47,13 +59,20 @@ impl AvatarCache {
     }
 
     /// Stores an avatar, evicting the least recently used ones to stay within the bounds.
-    /// An avatar larger than the whole byte budget is not kept.
-    pub fn insert(&mut self, id: String, avatar: Arc<Avatar>) {
+    /// An avatar larger than the whole byte budget (or any avatar, when the cache keeps no
+    /// entries) is not kept: the error says why, and the cache is left as it was.
+    pub fn insert(&mut self, id: String, avatar: Arc<Avatar>) -> Result<(), NotKept> {
         let size = avatar.bytes() as u64;
-        self.remove(&id);
-        if size > self.max_bytes || self.max_entries == 0 {
-            return;
+        if self.max_entries == 0 {
+            return Err(NotKept::Disabled);
         }
+        if size > self.max_bytes {
+            return Err(NotKept::TooLarge {
+                bytes: size,
+                max_bytes: self.max_bytes,
+            });
+        }
+        self.remove(&id);
         while !self.entries.is_empty()
             && (self.entries.len() >= self.max_entries || self.bytes + size > self.max_bytes)
         {
@@ -69,6 +88,7 @@ impl AvatarCache {
         self.bytes += size;
         self.entries.insert(id, (avatar, self.tick));
         self.publish();
+        Ok(())
     }
 
     pub fn remove(&mut self, id: &str) -> bool {
@@ -120,10 +140,10 @@ mod tests {
     #[test]
     fn least_recently_used_goes_first_when_entries_run_out() {
         let mut c = AvatarCache::new(2, u64::MAX);
-        c.insert("a".into(), avatar(10));
-        c.insert("b".into(), avatar(10));
+        c.insert("a".into(), avatar(10)).unwrap();
+        c.insert("b".into(), avatar(10)).unwrap();
         assert!(c.get("a").is_some()); // b is now the oldest
-        c.insert("c".into(), avatar(10));
+        c.insert("c".into(), avatar(10)).unwrap();
         assert!(c.contains("a") && c.contains("c") && !c.contains("b"));
     }
 
@@ -132,16 +152,44 @@ mod tests {
         let one = avatar(100).bytes() as u64;
         let mut c = AvatarCache::new(100, 2 * one + 10);
         for id in ["a", "b", "c"] {
-            c.insert(id.into(), avatar(100));
+            c.insert(id.into(), avatar(100)).unwrap();
         }
         assert_eq!(c.len(), 2);
         assert!(c.bytes() <= 2 * one + 10);
         assert!(!c.contains("a"));
-        // Too big for the whole budget: not kept.
-        let mut small = AvatarCache::new(10, 10);
-        small.insert("x".into(), avatar(100));
-        assert!(small.is_empty());
         assert!(c.remove("b"));
         assert!(!c.remove("b"));
+    }
+
+    #[test]
+    fn an_avatar_larger_than_the_budget_is_refused_and_evicts_nothing() {
+        let one = avatar(10).bytes() as u64;
+        let mut c = AvatarCache::new(10, 2 * one);
+        c.insert("a".into(), avatar(10)).unwrap();
+        c.insert("b".into(), avatar(10)).unwrap();
+        let big = avatar(600);
+        let size = big.bytes() as u64;
+        assert!(size > 2 * one);
+        assert_eq!(
+            c.insert("x".into(), big.clone()),
+            Err(NotKept::TooLarge {
+                bytes: size,
+                max_bytes: 2 * one
+            })
+        );
+        // Nothing was evicted for it, and an entry with the same id is left alone.
+        assert!(c.contains("a") && c.contains("b") && !c.contains("x"));
+        assert_eq!(
+            c.insert("a".into(), big),
+            Err(NotKept::TooLarge {
+                bytes: size,
+                max_bytes: 2 * one
+            })
+        );
+        assert!(c.contains("a"));
+        assert_eq!(c.bytes(), 2 * one);
+        let mut off = AvatarCache::new(0, u64::MAX);
+        assert_eq!(off.insert("a".into(), avatar(10)), Err(NotKept::Disabled));
+        assert!(off.is_empty());
     }
 }

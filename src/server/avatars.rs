@@ -14,6 +14,7 @@ use sha2::{Digest, Sha256};
 
 use super::error::ApiError;
 use super::{form, App};
+use crate::engine::cache::NotKept;
 use crate::engine::Avatar;
 use crate::media::face::{Blend, FaceBox, Pads};
 
@@ -71,15 +72,47 @@ pub async fn create(
     if let Some(a) = app.avatars().get(&id) {
         return Ok((StatusCode::OK, Json(describe(&id, &a))).into_response());
     }
+    // Preparing runs face detection on a blocking thread: it takes one of the request slots
+    // (--max-requests) like a stream does, so a flood of uploads cannot pile up unbounded
+    // work. The permit moves into the blocking task: a client that hangs up does not free
+    // the slot before the work it started is done.
+    let permit = app.requests.clone().try_acquire_owned().map_err(|_| {
+        ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "overloaded",
+            "too many requests in progress (avatar preparation shares the --max-requests \
+             slots with streams); retry later",
+        )
+        .with_retry_after(app.retry_after())
+    })?;
     let limits = app.image_limits();
     let avatar = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
         Avatar::prepare(&image, &limits, face_box, pads, Blend::Feather)
     })
     .await
     .map_err(|e| ApiError::internal(format!("avatar preparation panicked: {e}")))??;
     let body = describe(&id, &avatar);
-    app.avatars().insert(id, Arc::new(avatar));
+    // Only an id that the cache really holds is returned.
+    app.avatars()
+        .insert(id, Arc::new(avatar))
+        .map_err(not_kept)?;
     Ok((StatusCode::CREATED, Json(body)).into_response())
+}
+
+fn not_kept(e: NotKept) -> ApiError {
+    match e {
+        NotKept::TooLarge { .. } => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "avatar_too_large",
+            format!("{e}; send a smaller photo, or send the image with each /v1/lipsync request"),
+        ),
+        NotKept::Disabled => ApiError::new(
+            StatusCode::FORBIDDEN,
+            "avatars_disabled",
+            format!("{e}; send the image with each /v1/lipsync request"),
+        ),
+    }
 }
 
 /// `GET /v1/avatars/{id}`
