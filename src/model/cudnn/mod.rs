@@ -5,16 +5,23 @@
 //! naive kernel), f16/bf16 with f32 accumulation, and bias + residual + ReLU fused into the
 //! convolution (`cudnnConvolutionBiasActivationForward`) where cuDNN accepts it.
 //!
-//! - **Autotuning.** The first time a (layer shape, batch, dtype) is run,
-//!   `cudnnFind…AlgorithmEx` times every algorithm on the real buffers; the fastest that fits
-//!   [`FIND_WORKSPACE_BYTES`] is kept for the process (shared by all instances) and, with a
-//!   cache file ([`configure`]), written to JSON so a restart skips the search. The file
-//!   records the GPU and cuDNN version; a file from another GPU or version is ignored.
-//!   Warm-up before `/ready` runs every padded batch size, so no request waits for a search.
-//! - **Reference.** candle's operations ([`super::Wav2Lip::forward_candle`]) stay the
-//!   reference: each instance compares both on a test batch at load
-//!   ([`super::Wav2Lip::check_conv_engine`]) and falls back to candle's path, with a warning,
-//!   if they disagree; the GPU tests compare them too.
+//! - **Autotuning.** The first time a (layer shape, batch, dtype) is run during warm-up,
+//!   `cudnnFind…AlgorithmEx` times every algorithm on the real buffers (one search workspace
+//!   of [`FIND_WORKSPACE_BYTES`], not zeroed, for the whole warm-up); the fastest usable one
+//!   ([`pick`]: succeeded, fits, f32 only with FMA math) is kept with the exact math type the
+//!   search reported ([`MathType`]) for the process (shared by all instances) and, with a
+//!   cache file ([`configure`]), written to JSON once warm-up ends, so a restart skips the
+//!   search. The file records the GPU and cuDNN version; a file from another GPU or version is
+//!   ignored. After [`CudnnEngine::finish_warm_up`] a shape not seen yet takes cuDNN's
+//!   heuristic choice (`cudnnGet…Algorithm_v7`): no search in the middle of a request.
+//! - **Plans.** Descriptors, algorithm, math type and the workspace size cuDNN reports for
+//!   them are kept per [`PlanKey`]: the layer and its full input and weight shape.
+//! - **Errors.** A failed call is a [`CudnnError`] (`model::Error::Cudnn`): out of memory
+//!   (cuDNN 9's host and device allocation failures) or not (e.g. NOT_SUPPORTED), so callers
+//!   split the batch on the first and switch to candle's operations on the second.
+//! - **Reference.** At load each instance compares the own path and candle's operations with
+//!   an exact f32 reference ([`super::Wav2Lip::check_conv_path`]) and falls back to candle's,
+//!   with a warning, when the own path is worse; `tests/gpu.rs` compares every layer.
 //!
 //! Tensors stay in candle's NCHW layout (no layout conversions between layers).
 //!
