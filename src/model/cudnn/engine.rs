@@ -328,7 +328,9 @@ pub struct LayerReport {
     pub math: MathType,
     /// Bytes of workspace cuDNN asked for this algorithm and math type.
     pub workspace: usize,
-    /// Whether bias, residual and ReLU run inside the convolution call (as of the last call).
+    /// Whether bias, residual and ReLU run inside the convolution call: false for layers
+    /// without a fused form and once cuDNN refused the fused call (the call right after a
+    /// search runs unfused for non-residual layers, whatever this says).
     pub fused: bool,
     pub source: ChoiceSource,
 }
