@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use lipsync::engine::batcher::{Limits, Overloaded, RequestId};
+use lipsync::engine::pool::{self, BatchCost};
 use lipsync::engine::scheduler::{FrameResult, FrameWork, Scheduler};
 
 #[derive(Parser, Debug, Clone)]
@@ -87,13 +88,20 @@ struct Args {
 /// The scheduler's bounds. With `fill_batch` (this tree's scheduler), batches formed while a
 /// new request waits are filled up to it; without (the older scheduler), they stay at
 /// `first_batch`.
-fn limits(args: &Args) -> Limits {
+fn limits_without_fill(args: &Args) -> Limits {
     Limits {
         max_batch: args.max_batch,
         first_batch: args.first_batch,
-        fill_batch: fill_batch(args),
+        fill_batch: args.first_batch,
         max_queue: args.max_queue,
         max_ahead: args.max_ahead.unwrap_or(2 * args.max_batch),
+    }
+}
+
+fn limits(args: &Args) -> Limits {
+    Limits {
+        fill_batch: fill_batch(args),
+        ..limits_without_fill(args)
     }
 }
 
@@ -153,10 +161,17 @@ struct Row {
 
 /// The largest batch done within `--fill-latency-ms`, in `first_batch..=max_batch`.
 fn fill_batch(args: &Args) -> usize {
-    let n = ((args.fill_latency_ms - args.a_ms) / args.b_ms)
-        .floor()
-        .max(0.0) as usize;
-    n.clamp(args.first_batch.min(args.max_batch), args.max_batch)
+    // The pool's own rule, from the cost it would measure at warm-up.
+    let cost = BatchCost {
+        fixed: args.a_ms / 1000.0,
+        per_frame: args.b_ms / 1000.0,
+    };
+    pool::fill_batch(
+        &cost,
+        Duration::from_secs_f64(args.fill_latency_ms / 1000.0),
+        &limits_without_fill(args),
+        args.pad_batches,
+    )
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {

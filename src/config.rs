@@ -13,6 +13,7 @@ use crate::engine::Engine;
 use crate::media::audio::DEFAULT_MAX_SECONDS;
 use crate::media::image::{ImageLimits, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE};
 use crate::media::video::{self, EncoderSettings, PRESETS};
+use crate::model::cudnn::{ConvEngine, ConvSettings};
 use crate::model::{self, DeviceKind, GeneratorWeights, Precision};
 
 /// The model, its instances and the batcher.
@@ -23,10 +24,10 @@ pub struct EngineArgs {
     #[arg(long, env = "LIPSYNC_CHECKPOINT")]
     pub checkpoint: PathBuf,
     /// Where the model runs [default: cuda when built with CUDA and a GPU is present, else cpu].
-    #[arg(long, env = "LIPSYNC_DEVICE", value_enum)]
+    #[arg(long, env = "LIPSYNC_DEVICE", value_parser = choice::<DeviceKind>(DeviceKind::NAMES))]
     pub device: Option<DeviceKind>,
     /// Model precision [default: f16 on CUDA, f32 on CPU; bf16 on the CPU computes in f32].
-    #[arg(long, env = "LIPSYNC_DTYPE", value_enum)]
+    #[arg(long, env = "LIPSYNC_DTYPE", value_parser = choice::<Precision>(Precision::NAMES))]
     pub dtype: Option<Precision>,
     /// Model instances, each on its own thread (and CUDA stream) [default: 3 on CUDA, 1 on CPU].
     #[arg(long, env = "LIPSYNC_INSTANCES", value_parser = clap::value_parser!(u32).range(1..=64))]
@@ -55,7 +56,7 @@ pub struct EngineArgs {
     #[arg(long, env = "LIPSYNC_GPU_MEMORY_LIMIT", value_parser = parse_bytes)]
     pub gpu_memory_limit: Option<u64>,
     #[command(flatten)]
-    pub conv: crate::model::cudnn::ConvArgs,
+    pub conv: ConvArgs,
     /// Frames waiting for the model that could run now, across all requests (each request
     /// counts at most its --max-ahead-frames); a request that would exceed it is refused with
     /// 429 and Retry-After [default: 50000 on CUDA, 2000 on CPU].
@@ -65,6 +66,41 @@ pub struct EngineArgs {
     /// holds back its own work instead of piling up frames [default: twice the largest batch].
     #[arg(long, env = "LIPSYNC_MAX_AHEAD_FRAMES")]
     pub max_ahead_frames: Option<usize>,
+}
+
+/// The convolution-path flags of `serve`, `render` and `bench`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ConvArgs {
+    /// Convolution path on CUDA: own cuDNN calls with timed algorithm choice, or candle's
+    /// operations (the reference). Each instance checks the cuDNN path at start-up and falls
+    /// back to candle's if it is not accurate enough.
+    #[arg(long, env = "LIPSYNC_CONV_ENGINE", default_value = "cudnn", value_parser = choice::<ConvEngine>(ConvEngine::NAMES))]
+    pub conv_engine: ConvEngine,
+    /// JSON file keeping the timed cuDNN algorithm choices, so a restart skips the search
+    /// (its directory must be writable) [default: none, kept in memory].
+    #[arg(long, env = "LIPSYNC_AUTOTUNE_CACHE")]
+    pub autotune_cache: Option<PathBuf>,
+}
+
+impl ConvArgs {
+    /// Makes these the process's settings (see [`crate::model::cudnn::configure`]).
+    pub fn apply(&self) {
+        crate::model::cudnn::configure(ConvSettings {
+            engine: self.conv_engine,
+            cache_file: self.autotune_cache.clone(),
+        });
+    }
+}
+
+/// A flag value that is one of `names`, parsed with the type's `FromStr` (the model and media
+/// layers know nothing of clap; their enums list their names).
+pub fn choice<T>(names: &'static [&'static str]) -> impl clap::builder::TypedValueParser<Value = T>
+where
+    T: std::str::FromStr + Clone + Send + Sync + 'static,
+    T::Err: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+{
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(names).try_map(|s| s.parse::<T>())
 }
 
 /// Decoding limits and the encoder.
@@ -200,6 +236,7 @@ impl EngineArgs {
         let loader = Wav2LipLoader {
             weights: std::sync::Arc::new(weights),
             device: r.device,
+            max_batch: r.max_batch,
         };
         let mut cfg = self.pool_config(r);
         cfg.warm_up = warm_up;

@@ -1,86 +1,15 @@
 //! What a careless or hostile client can send, over a real loopback socket: `lipsync serve`
-//! started as a process with test weights (as in tests/server.rs), driven with HTTP. Needs
+//! started as a process with test weights (tests/common/server.rs), driven with HTTP. Needs
 //! ffmpeg (scripts/test.sh).
 
 mod common;
 
 use common::media;
+use common::server::Server;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use reqwest::multipart::{Form, Part};
-
-/// Servers run one at a time: the machine's cores are shared.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-struct Server {
-    child: Child,
-    base: String,
-    _serial: MutexGuard<'static, ()>,
-}
-
-impl Server {
-    /// Starts `lipsync serve` on a free port with the test checkpoint; returns once it listens.
-    fn start(extra: &[&str]) -> Server {
-        let serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-        let mut child = Command::new(env!("CARGO_BIN_EXE_lipsync"))
-            .arg("serve")
-            .arg("--checkpoint")
-            .arg(common::checkpoint("zip_bare.pt"))
-            .args(["--port", "0", "--shutdown-timeout", "5"])
-            .args(["--max-batch", "8", "--first-batch", "2"])
-            .args(extra)
-            .env("LIPSYNC_LOG", "info")
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let mut seen = Vec::new();
-        let base = loop {
-            let Some(Ok(line)) = lines.next() else {
-                panic!("server exited before listening:\n{}", seen.join("\n"));
-            };
-            seen.push(line.clone());
-            if let Some(rest) = line.split("listening on ").nth(1) {
-                break rest.split_whitespace().next().unwrap().to_string();
-            }
-        };
-        // Keep draining the log so the server never blocks on it.
-        std::thread::spawn(move || for _ in lines.by_ref() {});
-        Server {
-            child,
-            base,
-            _serial: serial,
-        }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    async fn wait_ready(&self) {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while Instant::now() < deadline {
-            if let Ok(r) = reqwest::get(self.url("/ready")).await {
-                if r.status() == 200 {
-                    return;
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-        panic!("server never became ready");
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn file(name: &str, bytes: Vec<u8>) -> Part {
     Part::bytes(bytes).file_name(name.to_string())

@@ -83,10 +83,12 @@ async fn a_panic_in_a_requests_job_aborts_its_stream_instead_of_ending_it_cleanl
     assert_eq!(r.status(), 200);
     // The body ends with an error (no final chunk), never as a short "complete" MP4.
     assert!(r.bytes().await.is_err(), "a cut-off video looked complete");
-    assert_eq!(
-        s.metric("lipsync_requests_total{outcome=\"failed\"}").await,
-        1.0
-    );
+    // Counted as failed once the job thread has finished; its frames are gone from the queue.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while s.metric("lipsync_requests_total{outcome=\"failed\"}").await != 1.0 {
+        assert!(Instant::now() < deadline, "the failure was not counted");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     assert_eq!(s.metric("lipsync_queue_frames").await, 0.0);
     // The server goes on serving.
     let r = client
@@ -161,7 +163,10 @@ async fn a_refusal_before_the_body_is_read_reaches_the_client_and_closes_the_con
     let boundary = "xyzzy";
     let body = multipart_body(
         boundary,
-        &[("audio", &vec![1u8; 2 << 20]), ("image", &media("astronaut.png"))],
+        &[
+            ("audio", &vec![1u8; 2 << 20]),
+            ("image", &media("astronaut.png")),
+        ],
         &[],
     );
     let addr = s.base.trim_start_matches("http://").to_string();
@@ -211,7 +216,10 @@ async fn an_upload_that_stalls_gets_408_after_the_read_timeout() {
     .await
     .unwrap();
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
-    assert!(answer.contains("\"error_type\":\"read_timeout\""), "{answer}");
+    assert!(
+        answer.contains("\"error_type\":\"read_timeout\""),
+        "{answer}"
+    );
     assert!(started.elapsed() < Duration::from_secs(15));
     // The slot it held is free again.
     let r = reqwest::Client::new()
@@ -287,7 +295,11 @@ fn render_recomputes_non_finite_half_precision_batches_like_the_service() {
     // Without the recompute the f16 faces are NaN, written as black; with it, the f16 run
     // draws what f32 draws (the same f32 computation on the same batches: within one level).
     for (h, f) in half.iter().zip(&full) {
-        let diff: u64 = h.iter().zip(f).map(|(a, b)| u64::from(a.abs_diff(*b))).sum();
+        let diff: u64 = h
+            .iter()
+            .zip(f)
+            .map(|(a, b)| u64::from(a.abs_diff(*b)))
+            .sum();
         assert!(diff as f64 / h.len() as f64 <= 1.0);
         assert!(f.iter().any(|&v| v != 0), "the f32 faces are black");
     }
@@ -334,4 +346,29 @@ async fn a_request_that_fails_before_its_first_frame_leaves_no_work_behind() {
         .await
         .unwrap();
     assert_eq!(info["requests_in_flight"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_log_line_of_a_request_carries_its_request_id() {
+    let s = Server::start(&[]);
+    s.wait_ready().await;
+    let r = reqwest::Client::new()
+        .post(s.url("/v1/lipsync"))
+        .header("x-request-id", "trace-me-4711")
+        .multipart(lipsync_form("arctic_a0007_1s.wav", "astronaut.png"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["x-request-id"], "trace-me-4711");
+    assert_eq!(decoded_frames(&r.bytes().await.unwrap()), 25);
+    // The job thread's summary line (written after the body ends) carries the id too.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let done = loop {
+        if let Some(l) = s.log().into_iter().find(|l| l.contains("s of speech")) {
+            break l;
+        }
+        assert!(Instant::now() < deadline, "no summary line: {:?}", s.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(done.contains("trace-me-4711"), "{done}");
 }

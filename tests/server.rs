@@ -6,10 +6,8 @@ mod common;
 use common::media;
 use common::server::{decoded_frames, lipsync_form, multipart_body, Server};
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Mutex, MutexGuard};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;

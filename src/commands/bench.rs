@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Tensor};
+use lipsync::config::choice;
 use lipsync::engine::batcher::Limits;
 use lipsync::engine::pool::PoolConfig;
 use lipsync::engine::render::{face_batch, mel_batch};
@@ -28,13 +29,13 @@ pub struct BenchArgs {
     #[arg(long, env = "LIPSYNC_CHECKPOINT")]
     pub checkpoint: PathBuf,
     /// Where the model runs [default: cuda when built with CUDA and a GPU is present, else cpu].
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = choice::<DeviceKind>(DeviceKind::NAMES))]
     pub device: Option<DeviceKind>,
     /// Precisions to measure, comma-separated [default: f32,f16,bf16 on CUDA, f32 on CPU].
-    #[arg(long, value_enum, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', value_parser = choice::<Precision>(Precision::NAMES))]
     pub dtypes: Vec<Precision>,
     #[command(flatten)]
-    pub conv: lipsync::model::cudnn::ConvArgs,
+    pub conv: lipsync::config::ConvArgs,
     /// Batch sizes to measure [default: 1,16,64,128,256,512 on CUDA, 1,4,16 on CPU].
     #[arg(long, value_delimiter = ',')]
     pub batches: Vec<usize>,
@@ -377,6 +378,7 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
     let loader = lipsync::engine::backend::Wav2LipLoader {
         weights: weights.clone(),
         device,
+        max_batch: if cuda { 512 } else { 16 },
     };
     let engine = Engine::start(
         Arc::new(loader),
@@ -444,8 +446,7 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
         let ttfb = first.lock().unwrap().unwrap_or(f64::NAN);
         println!(
             "| {seconds} s | {} | {} | {total:.2} s | {ttfb:.2} s |",
-            model_frames,
-            summary.frames
+            model_frames, summary.frames
         );
         e2e_rows.push(serde_json::json!({ "encoder_workers": serve_workers, "speech_seconds": seconds, "model_frames": model_frames, "video_frames": summary.frames, "seconds": total, "ttfb_seconds": ttfb }));
     }

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use lipsync::config::choice;
 use lipsync::model::{self, GeneratorWeights, Precision};
 
 use super::{json_error, thousands, CliError};
@@ -13,7 +14,7 @@ pub struct ConvertArgs {
     /// safetensors file to write (replaced atomically).
     pub output: PathBuf,
     /// Storage dtype of the written tensors.
-    #[arg(long, value_enum, default_value = "f32")]
+    #[arg(long, default_value = "f32", value_parser = choice::<Precision>(Precision::NAMES))]
     pub dtype: Precision,
     /// Fold BatchNorm into the convolutions (102 tensors instead of 302; marked in the
     /// file's metadata, and read back as folded).

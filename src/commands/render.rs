@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use lipsync::config::{EngineArgs, MediaArgs, Resolved as EngineConfig};
+use lipsync::config::{choice, EngineArgs, MediaArgs, Resolved as EngineConfig};
 use lipsync::engine::{self, Avatar, Engine};
 use lipsync::media::audio::{self, Fps};
 use lipsync::media::face::{self, Blend, FaceBox, Pads};
@@ -32,7 +32,7 @@ pub struct RenderArgs {
     #[arg(long, default_value = "25")]
     pub fps: Fps,
     /// How the predicted face is put back: feather (soft lower-face mask) or hard (whole box).
-    #[arg(long, value_enum, default_value = "feather")]
+    #[arg(long, default_value = "feather", value_parser = choice::<Blend>(Blend::NAMES))]
     pub blend: Blend,
     /// Output MP4.
     #[arg(long, default_value = "out.mp4")]
@@ -131,7 +131,9 @@ pub fn render(a: RenderArgs) -> Result<(), CliError> {
     // Warm-up measures batch costs for a server's batcher; one render on the CPU skips it.
     let warm_up = cfg.device == lipsync::model::DeviceKind::Cuda;
     let (engine, summary) = a.engine.start_engine(&cfg, warm_up)?;
-    engine.wait_ready().map_err(|e| CliError::Model(lipsync::model::Error::Device(e)))?;
+    engine
+        .wait_ready()
+        .map_err(|e| CliError::Model(lipsync::model::Error::Device(e)))?;
     tracing::info!(
         "loaded {} ({}) on {:?} ({} instance(s), batches up to {}) in {:.1} s",
         a.engine.checkpoint.display(),

@@ -30,6 +30,9 @@ pub trait Model: Send {
     /// Switches to the reference path after the fast one failed; `false` when it already
     /// runs the reference path (nothing left to fall back to).
     fn use_reference_path(&mut self) -> bool;
+    /// Warm-up is over: batch sizes not seen yet must not start an algorithm search in the
+    /// middle of a request.
+    fn finish_warm_up(&mut self) {}
 }
 
 /// Makes models for instances (and their f32 fallback copies).
@@ -41,6 +44,8 @@ pub trait Loader: Send + Sync {
 pub struct Wav2LipLoader {
     pub weights: Arc<GeneratorWeights>,
     pub device: DeviceKind,
+    /// The largest batch the instances run (the own cuDNN path is checked at it too).
+    pub max_batch: usize,
 }
 
 impl Loader for Wav2LipLoader {
@@ -49,27 +54,23 @@ impl Loader for Wav2LipLoader {
             &self.weights,
             self.device,
             precision,
-            true,
+            self.max_batch,
         )?))
     }
 }
 
-/// Loads the generator for one instance (on CUDA with its own stream when `own_stream`),
-/// and checks the own cuDNN path against candle's operations before it serves.
+/// Loads the generator for one instance (on CUDA with its own stream), and checks the own
+/// cuDNN path against an exact reference at batch 2 and `max_batch` before it serves.
 pub fn load_wav2lip(
     weights: &GeneratorWeights,
     device: DeviceKind,
     precision: Precision,
-    own_stream: bool,
+    max_batch: usize,
 ) -> Result<Wav2Lip, model::Error> {
-    let device = if own_stream {
-        device.open_instance()?
-    } else {
-        device.open()?
-    };
+    let device = device.open_instance()?;
     let dtype = model::compute_dtype(&device, precision);
     let mut model = Wav2Lip::load(weights, &device, dtype)?;
-    model.verify_cudnn_path()?;
+    model.verify_cudnn_path_at(max_batch)?;
     Ok(model)
 }
 
@@ -96,5 +97,9 @@ impl Model for Wav2Lip {
         }
         self.use_candle_operations();
         true
+    }
+
+    fn finish_warm_up(&mut self) {
+        Wav2Lip::finish_warm_up(self);
     }
 }

@@ -94,6 +94,23 @@ impl BatchCost {
     }
 }
 
+/// The largest batch formed while a new request waits: what an instance computes within
+/// `latency` at `cost`, between the first and the largest batch, and with padding rounded
+/// down to a padded size (a fill between two would run padded to the larger one).
+pub fn fill_batch(cost: &BatchCost, latency: Duration, limits: &Limits, pad: bool) -> usize {
+    let fill = cost.largest_within(latency, limits.first_batch, limits.max_batch);
+    if pad {
+        batch_sizes(limits.max_batch, limits.first_batch, true)
+            .into_iter()
+            .filter(|&n| n <= fill)
+            .max()
+            .unwrap_or(fill)
+            .max(limits.first_batch.min(limits.max_batch))
+    } else {
+        fill
+    }
+}
+
 /// Batch sizes an instance runs: with padding, the powers of two up to `max_batch` and
 /// `max_batch` itself; without, the first and full batch sizes (warm-up only).
 pub fn batch_sizes(max_batch: usize, first_batch: usize, pad: bool) -> Vec<usize> {
@@ -371,8 +388,7 @@ fn run_instance(
         let cost = inst.warm_up()?;
         if let Some(cost) = cost {
             *status.cost.lock().unwrap_or_else(|p| p.into_inner()) = Some(cost);
-            let l = cfg.limits;
-            let fill = cost.largest_within(cfg.fill_latency, l.first_batch, l.max_batch);
+            let fill = fill_batch(&cost, cfg.fill_latency, &cfg.limits, cfg.pad_batches);
             scheduler.set_fill_batch(fill);
             tracing::info!(
                 "instance {i}: a batch costs {:.1} ms + {:.2} ms per frame; batches fill to {fill} \
@@ -435,9 +451,10 @@ fn warm_up_inputs(n: usize) -> (Vec<f32>, Vec<f32>) {
 pub fn is_out_of_memory(e: &super::Error) -> bool {
     match e {
         super::Error::OutOfMemory(_) => true,
+        super::Error::Model(m) => m.is_out_of_memory(),
         other => {
             let s = other.to_string();
-            s.contains("out of memory") || s.contains("OUT_OF_MEMORY") || s.contains("ALLOC_FAILED")
+            s.contains("out of memory") || s.contains("OUT_OF_MEMORY")
         }
     }
 }
@@ -510,6 +527,8 @@ impl Instance<'_> {
             }
             break;
         }
+        // Batch sizes first seen from now on take cuDNN's heuristic choice, not a search.
+        self.model.finish_warm_up();
         let small = self.sizes.first().copied().unwrap_or(1).min(self.cap);
         let large = self.cap;
         let mut time = |n: usize| -> Result<f64, String> {
@@ -609,6 +628,16 @@ impl Instance<'_> {
                     let _ = item.reply.send(Err(e.to_string()));
                 }
                 Ok(())
+            }
+            Err(super::Error::Model(e))
+                if e.is_cudnn_failure() && self.model.use_reference_path() =>
+            {
+                tracing::warn!(
+                    "instance {}: the own cuDNN path failed ({e}); this instance runs candle's \
+                     operations from now on",
+                    self.id
+                );
+                self.serve(items)
             }
             Err(e) => {
                 tracing::error!("instance {}: batch of {n} frames failed: {e}", self.id);
@@ -750,7 +779,8 @@ mod tests {
     fn a_warm_up_error_switches_to_the_reference_path_instead_of_failing() {
         let l = loader(None, true);
         let pool = Pool::start(l.clone(), config(true));
-        pool.wait_ready().expect("the instance falls back and becomes ready");
+        pool.wait_ready()
+            .expect("the instance falls back and becomes ready");
         assert_eq!(pool.status().conv_path(), Some("reference"));
         let (_, rx) = pool.scheduler().admit(frames(3)).unwrap();
         let mut got: Vec<usize> = (0..3)

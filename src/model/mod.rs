@@ -133,7 +133,7 @@ fn truncated_message(size: u64, expected: Option<u64>, detail: &str) -> String {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Where the model runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceKind {
     Cpu,
@@ -141,7 +141,7 @@ pub enum DeviceKind {
 }
 
 /// The precision the model computes in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
     F32,
@@ -149,7 +149,40 @@ pub enum Precision {
     Bf16,
 }
 
+impl DeviceKind {
+    /// The names `FromStr` accepts.
+    pub const NAMES: &'static [&'static str] = &["cpu", "cuda"];
+}
+
+impl std::str::FromStr for DeviceKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim() {
+            "cpu" => Ok(DeviceKind::Cpu),
+            "cuda" => Ok(DeviceKind::Cuda),
+            _ => Err(format!("{s:?} is not a device (cpu or cuda)")),
+        }
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim() {
+            "f32" => Ok(Precision::F32),
+            "f16" => Ok(Precision::F16),
+            "bf16" => Ok(Precision::Bf16),
+            _ => Err(format!("{s:?} is not a precision (f32, f16 or bf16)")),
+        }
+    }
+}
+
 impl Precision {
+    /// The names `FromStr` accepts.
+    pub const NAMES: &'static [&'static str] = &["f32", "f16", "bf16"];
+
     pub fn dtype(self) -> DType {
         match self {
             Precision::F32 => DType::F32,

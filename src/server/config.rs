@@ -54,7 +54,9 @@ pub struct ServeArgs {
 fn parse_seconds(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
         Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
-        _ => Err(format!("{s:?} is not a number of seconds (e.g. 30 or 2.5; 0 = off)")),
+        _ => Err(format!(
+            "{s:?} is not a number of seconds (e.g. 30 or 2.5; 0 = off)"
+        )),
     }
 }
 

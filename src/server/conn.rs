@@ -231,7 +231,9 @@ mod tests {
             total
         });
         for _ in 0..(2 << 20) / chunk.len() {
-            io.write_all(&chunk).await.expect("a reading client is never timed out");
+            io.write_all(&chunk)
+                .await
+                .expect("a reading client is never timed out");
         }
         drop(io);
         assert!(reader.await.unwrap() > 0);

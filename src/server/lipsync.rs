@@ -339,8 +339,10 @@ fn start_encoder(
 async fn refuse_unread(req: axum::extract::Request, app: &App, e: ApiError) -> Response {
     form::drain(req.into_body(), app.args.max_body_bytes).await;
     let mut res = refused(e).into_response();
-    res.headers_mut()
-        .insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+    res.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
     res
 }
 

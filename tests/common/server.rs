@@ -16,6 +16,7 @@ static SERIAL: Mutex<()> = Mutex::new(());
 pub struct Server {
     pub child: Child,
     pub base: String,
+    log: std::sync::Arc<Mutex<Vec<String>>>,
     _serial: MutexGuard<'static, ()>,
 }
 
@@ -64,13 +65,25 @@ impl Server {
                 break rest.split_whitespace().next().unwrap().to_string();
             }
         };
-        // Keep draining the log so the server never blocks on it.
-        std::thread::spawn(move || for _ in lines.by_ref() {});
+        // Keep draining the log (and keeping it) so the server never blocks on it.
+        let log = std::sync::Arc::new(Mutex::new(seen));
+        let keep = log.clone();
+        std::thread::spawn(move || {
+            for line in lines.map_while(Result::ok) {
+                keep.lock().unwrap_or_else(|p| p.into_inner()).push(line);
+            }
+        });
         Server {
             child,
             base,
+            log,
             _serial: serial,
         }
+    }
+
+    /// The server's log lines so far.
+    pub fn log(&self) -> Vec<String> {
+        self.log.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -169,4 +182,3 @@ pub fn multipart_body(boundary: &str, files: &[(&str, &[u8])], texts: &[(&str, &
     b.extend(format!("--{boundary}--\r\n").bytes());
     b
 }
-

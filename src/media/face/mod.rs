@@ -234,17 +234,7 @@ pub fn prediction_to_bgr(pred: &[f32]) -> Vec<u8> {
 }
 
 /// How the predicted face goes back into the photo.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Default,
-    clap::ValueEnum,
-    serde::Serialize,
-    serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Blend {
     /// A soft lower-face mask: pixels outside the box are untouched and the mask fades to zero
@@ -253,6 +243,11 @@ pub enum Blend {
     Feather,
     /// The original's paste of the whole box (for parity checks).
     Hard,
+}
+
+impl Blend {
+    /// The names `FromStr` accepts.
+    pub const NAMES: &'static [&'static str] = &["feather", "hard"];
 }
 
 impl FromStr for Blend {

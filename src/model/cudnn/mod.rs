@@ -50,7 +50,7 @@ pub const CONVOLUTIONS_METRIC: &str = "lipsync_cudnn_convolutions_total";
 pub const FIND_WORKSPACE_BYTES: usize = 256 << 20;
 
 /// Which convolution path CUDA models use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ConvEngine {
     /// Own cuDNN calls: timed algorithm choice, persistent descriptors and workspace.
@@ -87,26 +87,21 @@ pub fn enabled() -> bool {
     settings().engine == ConvEngine::Cudnn
 }
 
-/// The convolution-path flags of `serve`, `render` and `bench`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct ConvArgs {
-    /// Convolution path on CUDA: own cuDNN calls with timed algorithm choice, or candle's
-    /// operations (the reference). Each instance checks the cuDNN path against candle's at
-    /// start-up and falls back to candle's if they disagree.
-    #[arg(long, env = "LIPSYNC_CONV_ENGINE", value_enum, default_value = "cudnn")]
-    pub conv_engine: ConvEngine,
-    /// JSON file keeping the timed cuDNN algorithm choices, so a restart skips the search
-    /// (its directory must be writable) [default: none, kept in memory].
-    #[arg(long, env = "LIPSYNC_AUTOTUNE_CACHE")]
-    pub autotune_cache: Option<PathBuf>,
+impl ConvEngine {
+    /// The names `FromStr` accepts.
+    pub const NAMES: &'static [&'static str] = &["cudnn", "candle"];
 }
 
-impl ConvArgs {
-    /// Makes these the process's settings (see [`configure`]).
-    pub fn apply(&self) {
-        configure(ConvSettings {
-            engine: self.conv_engine,
-            cache_file: self.autotune_cache.clone(),
-        });
+impl std::str::FromStr for ConvEngine {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "cudnn" => Ok(ConvEngine::Cudnn),
+            "candle" => Ok(ConvEngine::Candle),
+            _ => Err(format!(
+                "{s:?} is not a convolution engine (cudnn or candle)"
+            )),
+        }
     }
 }
