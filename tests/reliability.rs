@@ -231,30 +231,10 @@ async fn an_upload_that_stalls_gets_408_after_the_read_timeout() {
     assert_eq!(r.status(), 200);
 }
 
-/// Test weights whose output convolution overflows in f16 (finite in f32).
-fn overflowing_checkpoint(dir: &std::path::Path) -> std::path::PathBuf {
-    let path = dir.join("overflow.safetensors");
-    let ck = lipsync::model::checkpoint::read(&common::checkpoint("zip_bare.pt")).unwrap();
-    let tensors: Vec<(String, candle_core::Tensor)> = ck
-        .tensors
-        .iter()
-        .filter(|(k, _)| !k.ends_with("num_batches_tracked"))
-        .map(|(k, t)| {
-            let mut v = t.to_tensor().unwrap();
-            if k == "output_block.0.conv_block.0.weight" {
-                v = (v * 1e5).unwrap();
-            }
-            (k.clone(), v)
-        })
-        .collect();
-    lipsync::model::checkpoint::write_safetensors(&path, &tensors, &Default::default()).unwrap();
-    path
-}
-
 #[test]
 fn render_recomputes_non_finite_half_precision_batches_like_the_service() {
     let dir = tempfile::tempdir().unwrap();
-    let ck = overflowing_checkpoint(dir.path());
+    let ck = common::overflowing_checkpoint(dir.path());
     // 0.4 s of speech (7 model frames): f16 convolutions are slow on the CPU.
     let clip = lipsync::media::audio::load(&media("arctic_a0007.wav"), 60.0)
         .unwrap()

@@ -191,3 +191,23 @@ pub fn decode_frames(path: &std::path::Path, width: usize, height: usize) -> Vec
         .map(<[u8]>::to_vec)
         .collect()
 }
+
+/// Test weights whose output convolution overflows in f16 (finite in f32).
+pub fn overflowing_checkpoint(dir: &std::path::Path) -> std::path::PathBuf {
+    let path = dir.join("overflow.safetensors");
+    let ck = lipsync::model::checkpoint::read(&checkpoint("zip_bare.pt")).unwrap();
+    let tensors: Vec<(String, candle_core::Tensor)> = ck
+        .tensors
+        .iter()
+        .filter(|(k, _)| !k.ends_with("num_batches_tracked"))
+        .map(|(k, t)| {
+            let mut v = t.to_tensor().unwrap();
+            if k == "output_block.0.conv_block.0.weight" {
+                v = (v * 1e5).unwrap();
+            }
+            (k.clone(), v)
+        })
+        .collect();
+    lipsync::model::checkpoint::write_safetensors(&path, &tensors, &Default::default()).unwrap();
+    path
+}
