@@ -118,11 +118,6 @@ impl Submission {
         self.total
     }
 
-    /// Frames handed out so far.
-    pub fn delivered(&self) -> usize {
-        self.next
-    }
-
     /// The next face in order, waiting at most `wait`: `Ok(None)` when it has not come yet
     /// (or every face has been handed out). Each face handed out is acknowledged, so the
     /// batcher keeps this request within its look-ahead.

@@ -81,12 +81,6 @@ impl Scheduler {
         self.lock().batcher.queued()
     }
 
-    /// The admission load: frames runnable now (each request counting at most its
-    /// look-ahead).
-    pub fn load(&self) -> usize {
-        self.lock().batcher.load()
-    }
-
     /// Requests admitted and not yet finished or cancelled.
     pub fn requests(&self) -> usize {
         self.lock().lanes.len()
