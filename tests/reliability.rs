@@ -67,19 +67,9 @@ async fn short_requests_are_served_while_a_long_one_streams() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_panic_in_a_requests_job_aborts_its_stream_instead_of_ending_it_cleanly() {
-    let s = Server::start_with(
-        &common::checkpoint("zip_bare.pt").display().to_string(),
-        &[],
-        &[("LIPSYNC_TEST_FAULTS", "job_panic:5")],
-    );
+    let s = Server::start_with_faults("job_panic:5");
     s.wait_ready().await;
-    let client = reqwest::Client::new();
-    let r = client
-        .post(s.url("/v1/lipsync"))
-        .multipart(lipsync_form("arctic_a0007_1s.wav", "astronaut.png"))
-        .send()
-        .await
-        .unwrap();
+    let r = s.post_short().await;
     assert_eq!(r.status(), 200);
     // The body ends with an error (no final chunk), never as a short "complete" MP4.
     assert!(r.bytes().await.is_err(), "a cut-off video looked complete");
@@ -91,31 +81,16 @@ async fn a_panic_in_a_requests_job_aborts_its_stream_instead_of_ending_it_cleanl
     }
     assert_eq!(s.metric("lipsync_queue_frames").await, 0.0);
     // The server goes on serving.
-    let r = client
-        .post(s.url("/v1/lipsync"))
-        .multipart(lipsync_form("arctic_a0007_1s.wav", "astronaut.png"))
-        .send()
-        .await
-        .unwrap();
+    let r = s.post_short().await;
     assert_eq!(decoded_frames(&r.bytes().await.unwrap()), 25);
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_panicking_instance_fails_its_requests_and_is_restarted() {
     // The instance panics in the third batch it serves.
-    let s = Server::start_with(
-        &common::checkpoint("zip_bare.pt").display().to_string(),
-        &[],
-        &[("LIPSYNC_TEST_FAULTS", "instance_panic:3")],
-    );
+    let s = Server::start_with_faults("instance_panic:3");
     s.wait_ready().await;
-    let client = reqwest::Client::new();
-    let r = client
-        .post(s.url("/v1/lipsync"))
-        .multipart(lipsync_form("arctic_a0007_1s.wav", "astronaut.png"))
-        .send()
-        .await
-        .unwrap();
+    let r = s.post_short().await;
     assert_eq!(r.status(), 200);
     // Within a bounded time the stream is aborted: its frames failed, nothing waits forever.
     let body = tokio::time::timeout(Duration::from_secs(60), r.bytes())
@@ -129,12 +104,7 @@ async fn a_panicking_instance_fails_its_requests_and_is_restarted() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     s.wait_ready().await;
-    let r = client
-        .post(s.url("/v1/lipsync"))
-        .multipart(lipsync_form("arctic_a0007_1s.wav", "astronaut.png"))
-        .send()
-        .await
-        .unwrap();
+    let r = s.post_short().await;
     assert_eq!(decoded_frames(&r.bytes().await.unwrap()), 25);
     let info: serde_json::Value = reqwest::get(s.url("/info"))
         .await
@@ -222,12 +192,7 @@ async fn an_upload_that_stalls_gets_408_after_the_read_timeout() {
     );
     assert!(started.elapsed() < Duration::from_secs(15));
     // The slot it held is free again.
-    let r = reqwest::Client::new()
-        .post(s.url("/v1/lipsync"))
-        .multipart(lipsync_form("arctic_a0007_1s.wav", "astronaut.png"))
-        .send()
-        .await
-        .unwrap();
+    let r = s.post_short().await;
     assert_eq!(r.status(), 200);
 }
 

@@ -81,6 +81,25 @@ impl Server {
         }
     }
 
+    /// With faults injected through the debug build's test hook (`point:n,...`).
+    pub fn start_with_faults(faults: &str) -> Server {
+        Self::start_with(
+            &super::checkpoint("zip_bare.pt").display().to_string(),
+            &[],
+            &[("LIPSYNC_TEST_FAULTS", faults)],
+        )
+    }
+
+    /// `POST /v1/lipsync` with one second of speech on the astronaut photo (25 video frames).
+    pub async fn post_short(&self) -> reqwest::Response {
+        reqwest::Client::new()
+            .post(self.url("/v1/lipsync"))
+            .multipart(lipsync_form("arctic_a0007_1s.wav", "astronaut.png"))
+            .send()
+            .await
+            .unwrap()
+    }
+
     /// The server's log lines so far.
     pub fn log(&self) -> Vec<String> {
         self.log.lock().unwrap_or_else(|p| p.into_inner()).clone()
