@@ -8,10 +8,12 @@ use std::time::Duration;
 
 use crate::engine::backend::Wav2LipLoader;
 use crate::engine::batcher::Limits;
+use crate::engine::clip::ClipOptions;
 use crate::engine::pool::PoolConfig;
 use crate::engine::Engine;
 use crate::media::audio::DEFAULT_MAX_SECONDS;
 use crate::media::image::{ImageLimits, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE};
+use crate::media::video::clip::{ClipLimits, DEFAULT_MAX_CLIP_SECONDS};
 use crate::media::video::{self, EncoderSettings, PRESETS};
 use crate::model::cudnn::{ConvEngine, ConvSettings};
 use crate::model::{self, DeviceKind, GeneratorWeights, Precision};
@@ -112,6 +114,9 @@ pub struct MediaArgs {
     /// Photos longer than this on their long side are downscaled before rendering.
     #[arg(long, env = "LIPSYNC_MAX_SIDE", default_value_t = DEFAULT_MAX_SIDE)]
     pub max_side: u32,
+    /// Longest avatar clip in seconds; longer is refused (413 avatar_too_long).
+    #[arg(long, env = "LIPSYNC_MAX_AVATAR_SECONDS", default_value_t = DEFAULT_MAX_CLIP_SECONDS)]
+    pub max_avatar_seconds: f64,
     /// Longest audio in seconds; longer is refused.
     #[arg(long, env = "LIPSYNC_MAX_AUDIO_SECONDS", default_value_t = DEFAULT_MAX_SECONDS)]
     pub max_audio_seconds: f64,
@@ -245,6 +250,19 @@ impl EngineArgs {
 }
 
 impl MediaArgs {
+    /// How to prepare a clip avatar (`smooth`: temporal smoothing of detected boxes).
+    pub fn clip_options(&self, smooth: bool) -> ClipOptions {
+        ClipOptions {
+            ffmpeg: self.ffmpeg.clone(),
+            limits: ClipLimits {
+                max_seconds: self.max_avatar_seconds,
+                max_pixels: self.max_pixels,
+            },
+            max_side: self.max_side,
+            smooth,
+        }
+    }
+
     pub fn image_limits(&self) -> ImageLimits {
         ImageLimits {
             max_pixels: self.max_pixels,

@@ -439,6 +439,7 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
             submission,
             video_frames: planned.video_frames,
             avatar: Arc::new(avatar.clone()),
+            loop_mode: lipsync::engine::Loop::default(),
             faces_dir: None,
         };
         let summary = job.run(encoder, &|| false, &mut |_, _| {})?.summary;

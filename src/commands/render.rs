@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use lipsync::config::{choice, EngineArgs, MediaArgs, Resolved as EngineConfig};
-use lipsync::engine::{self, Avatar, Engine};
+use lipsync::engine::{self, Avatar, Engine, FaceInputs, Loop};
 use lipsync::media::audio::{self, Fps};
 use lipsync::media::face::{self, Blend, FaceBox, Pads};
 use lipsync::media::image::DEFAULT_MAX_PIXELS;
@@ -15,20 +15,33 @@ use lipsync::media::video;
 use super::{json_error, read_file, CliError};
 
 #[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("avatar").args(["image", "video", "jobs"]).required(true)))]
 pub struct RenderArgs {
     /// Speech: WAV, MP3, FLAC, Ogg Vorbis or M4A/AAC.
     #[arg(long, required_unless_present = "jobs")]
     pub audio: Option<PathBuf>,
     /// Avatar photo: PNG, JPEG or WebP with one frontal face.
-    #[arg(long, required_unless_present = "jobs")]
+    #[arg(long)]
     pub image: Option<PathBuf>,
-    /// Face box x1,y1,x2,y2 in the photo's pixels (x2, y2 exclusive): skips detection and pads.
+    /// Avatar clip (MP4, MOV, WebM, MKV, ...): its face is redrawn on its frames, looped when
+    /// the speech is longer; the video runs at the clip's frame rate.
+    #[arg(long)]
+    pub video: Option<PathBuf>,
+    /// Face box x1,y1,x2,y2 in the photo's (or every clip frame's) pixels (x2, y2 exclusive):
+    /// skips detection, pads and smoothing.
     #[arg(long = "box")]
     pub face_box: Option<FaceBox>,
     /// Pixels added to a detected box: top,bottom,left,right.
     #[arg(long, default_value = "0,10,0,0", allow_hyphen_values = true)]
     pub pads: Pads,
-    /// Video frame rate: a number in (0, 60] or a fraction such as 30000/1001.
+    /// How a clip repeats when the speech is longer: pingpong (forwards, backwards) or repeat.
+    #[arg(long = "loop", default_value = "pingpong", value_parser = choice::<Loop>(Loop::NAMES))]
+    pub loop_mode: Loop,
+    /// Use a clip's detected face boxes as they are, without temporal smoothing.
+    #[arg(long)]
+    pub no_smooth: bool,
+    /// Frame rate of a photo's video: a number in (0, 60] or a fraction such as 30000/1001
+    /// (a clip runs at its own rate).
     #[arg(long, default_value = "25")]
     pub fps: Fps,
     /// How the predicted face is put back: feather (soft lower-face mask) or hard (whole box).
@@ -41,8 +54,9 @@ pub struct RenderArgs {
     #[arg(long)]
     pub faces_dir: Option<PathBuf>,
     /// Run many renders with the model loaded once: a JSON Lines file, one object per line with
-    /// the keys audio, image, out (required) and box, pads, fps, blend, crf, preset, faces_dir.
-    #[arg(long, conflicts_with_all = ["audio", "image", "face_box", "faces_dir"])]
+    /// the keys audio, out and image or video (required) and box, pads, fps, loop, smooth,
+    /// blend, crf, preset, faces_dir.
+    #[arg(long, conflicts_with_all = ["audio", "image", "video", "face_box", "faces_dir"])]
     pub jobs: Option<PathBuf>,
     /// The model, its instances and the batcher: the same engine as `lipsync serve`.
     #[command(flatten)]
@@ -56,26 +70,38 @@ pub struct RenderArgs {
 #[serde(deny_unknown_fields)]
 struct Job {
     audio: PathBuf,
-    image: PathBuf,
+    image: Option<PathBuf>,
+    video: Option<PathBuf>,
     out: PathBuf,
     #[serde(rename = "box")]
     face_box: Option<String>,
     pads: Option<String>,
     fps: Option<serde_json::Value>,
+    #[serde(rename = "loop")]
+    loop_mode: Option<String>,
+    smooth: Option<bool>,
     blend: Option<Blend>,
     crf: Option<u8>,
     preset: Option<String>,
     faces_dir: Option<PathBuf>,
 }
 
+/// The avatar of a job: a photo or a clip.
+enum AvatarFile {
+    Image(PathBuf),
+    Video(PathBuf),
+}
+
 /// A job with every option resolved.
 struct Resolved {
     audio: PathBuf,
-    image: PathBuf,
+    avatar: AvatarFile,
     out: PathBuf,
     face_box: Option<FaceBox>,
     pads: Pads,
     fps: Fps,
+    loop_mode: Loop,
+    smooth: bool,
     blend: Blend,
     crf: u8,
     preset: String,
@@ -100,10 +126,26 @@ impl Job {
             return Err(format!("unknown preset {preset:?}"));
         }
         let crf = video::check_crf(self.crf.unwrap_or(a.media.crf)).map_err(|e| e.to_string())?;
+        let avatar = match (self.image, self.video) {
+            (Some(i), None) => AvatarFile::Image(i),
+            (None, Some(v)) => AvatarFile::Video(v),
+            _ => return Err("give exactly one of image and video".into()),
+        };
+        if self.smooth.is_some() && matches!(avatar, AvatarFile::Image(_)) {
+            return Err("smooth applies to a video avatar only".into());
+        }
+        let loop_mode = match &self.loop_mode {
+            Some(l) => l
+                .parse()
+                .map_err(|e: lipsync::media::Error| e.to_string())?,
+            None => a.loop_mode,
+        };
         Ok(Resolved {
             audio: self.audio,
-            image: self.image,
+            avatar,
             out: self.out,
+            loop_mode,
+            smooth: self.smooth.unwrap_or(!a.no_smooth),
             face_box: self
                 .face_box
                 .map(|b| b.parse())
@@ -147,11 +189,14 @@ pub fn render(a: RenderArgs) -> Result<(), CliError> {
         None => {
             let job = Job {
                 audio: a.audio.clone().expect("clap requires --audio"),
-                image: a.image.clone().expect("clap requires --image"),
+                image: a.image.clone(),
+                video: a.video.clone(),
                 out: a.out.clone(),
                 face_box: None,
                 pads: None,
                 fps: None,
+                loop_mode: None,
+                smooth: None,
                 blend: None,
                 crf: None,
                 preset: None,
@@ -232,15 +277,25 @@ fn render_one(
 ) -> Result<(), CliError> {
     let start = Instant::now();
     let speech = audio::load(&read_file(&job.audio)?, a.media.max_audio_seconds)?;
-    let avatar = Avatar::prepare(
-        &read_file(&job.image)?,
-        &a.media.image_limits(),
-        job.face_box,
-        job.pads,
-        job.blend,
-    )?;
-    let face = Arc::new(avatar.input.clone());
-    let planned = engine::plan(&speech, job.fps, &|_| face.clone())?;
+    let avatar = match &job.avatar {
+        AvatarFile::Image(path) => Avatar::prepare(
+            &read_file(path)?,
+            &a.media.image_limits(),
+            job.face_box,
+            job.pads,
+            job.blend,
+        )?,
+        AvatarFile::Video(path) => engine::clip::prepare(
+            &read_file(path)?,
+            &a.media.clip_options(job.smooth),
+            job.face_box,
+            job.pads,
+            job.blend,
+        )?,
+    };
+    let fps = avatar.fps().unwrap_or(job.fps);
+    let faces = FaceInputs::new(&avatar, job.loop_mode);
+    let planned = engine::plan(&speech, fps, &|k| faces.get(k))?;
     let video_frames = planned.video_frames;
     let model_frames = planned.frames.len();
     let submission = engine.submit(planned.frames).map_err(|o| {
@@ -252,7 +307,7 @@ fn render_one(
     let mut settings = a.media.encoder(
         avatar.frame.width,
         avatar.frame.height,
-        job.fps,
+        fps,
         cfg.encoder_workers,
     );
     settings.preset = job.preset.clone();
@@ -269,6 +324,7 @@ fn render_one(
         submission,
         video_frames,
         avatar: Arc::new(avatar),
+        loop_mode: job.loop_mode,
         faces_dir: job.faces_dir.clone(),
     };
     let bar = progress_bar(&job.out);
@@ -299,7 +355,7 @@ fn render_one(
          (waiting for the model {:.1} s, composite {:.1} s, encode {:.1} s); face box {}",
         job.out.display(),
         stats.video_frames,
-        job.fps,
+        fps,
         speech.seconds(),
         stats.summary.bytes as f64 / 1e6,
         start.elapsed().as_secs_f64(),

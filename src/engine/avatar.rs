@@ -1,11 +1,18 @@
-//! An avatar prepared once: decoded photo, face box, the model's face input and the blend
-//! mask. The service caches these; `lipsync render` makes one per job.
+//! An avatar prepared once: a photo (decoded, face box, the model's face input and the blend
+//! mask) or a clip (the same per frame, see [`super::clip`]). The service caches these;
+//! `lipsync render` makes one per job.
 
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use super::clip::{Clip, Loop};
+use crate::media::audio::Fps;
 use crate::media::face::{self, Blend, BlendMask, Detection, FaceBox, Pads};
 use crate::media::image::{self, Frame, ImageLimits};
 use crate::media::Error;
 
-/// A photo ready to be animated.
+/// A photo or a clip ready to be animated. The fields describe the photo, or a clip's first
+/// frame; per-frame access goes through the methods.
 #[derive(Debug, Clone)]
 pub struct Avatar {
     /// The photo as it will appear in the video (downscaled if it was larger than allowed).
@@ -24,6 +31,8 @@ pub struct Avatar {
     pub input: Vec<f32>,
     pub mask: BlendMask,
     pub blend: Blend,
+    /// The clip, for a video avatar.
+    pub clip: Option<Arc<Clip>>,
 }
 
 impl Avatar {
@@ -67,6 +76,67 @@ impl Avatar {
         Avatar::from_parts(frame, face, face, size, None, blend)
     }
 
+    /// A clip avatar from its first frame (output pixels), that frame's box in the clip's own
+    /// pixels, and the prepared clip.
+    pub(super) fn from_clip(
+        frame: Frame,
+        source_face: FaceBox,
+        source_size: (u32, u32),
+        detection: Option<Detection>,
+        blend: Blend,
+        clip: Arc<Clip>,
+    ) -> Avatar {
+        let face = clip.face(0);
+        let mut a = Avatar::from_parts(frame, face, source_face, source_size, detection, blend);
+        a.clip = Some(clip);
+        a
+    }
+
+    /// `image` or `video`.
+    pub fn kind(&self) -> &'static str {
+        if self.clip.is_some() {
+            "video"
+        } else {
+            "image"
+        }
+    }
+
+    /// Frames of the avatar: 1 for a photo.
+    pub fn frame_count(&self) -> usize {
+        self.clip.as_ref().map_or(1, |c| c.len())
+    }
+
+    /// A clip's own frame rate (`None` for a photo, whose rate the request chooses).
+    pub fn fps(&self) -> Option<Fps> {
+        self.clip.as_ref().map(|c| c.fps)
+    }
+
+    /// The avatar frame that model frame `k` is drawn on.
+    pub fn select(&self, k: usize, mode: Loop) -> usize {
+        mode.select(k, self.frame_count())
+    }
+
+    /// Avatar frame `i`'s face box.
+    pub fn face_at(&self, i: usize) -> FaceBox {
+        self.clip.as_ref().map_or(self.face, |c| c.face(i))
+    }
+
+    /// Avatar frame `i`'s 96×96 BGR crop.
+    pub fn crop_bgr(&self, i: usize) -> &[u8] {
+        match &self.clip {
+            Some(c) => c.crop_bgr(i),
+            None => &self.crop_bgr,
+        }
+    }
+
+    /// Avatar frame `i` as it appears in the video.
+    pub fn background(&self, i: usize) -> Result<Cow<'_, Frame>, Error> {
+        match &self.clip {
+            Some(c) if i > 0 => Ok(Cow::Owned(c.frame(i)?)),
+            _ => Ok(Cow::Borrowed(&self.frame)),
+        }
+    }
+
     /// The same avatar with another blend mode (a new mask; the rest is shared data copied).
     pub fn with_blend(&self, blend: Blend) -> Avatar {
         let mut a = self.clone();
@@ -96,12 +166,14 @@ impl Avatar {
             input,
             mask,
             blend,
+            clip: None,
         }
     }
 
     /// Approximate memory held, for cache accounting.
     pub fn bytes(&self) -> usize {
-        self.frame.rgb.len()
+        self.clip.as_ref().map_or(0, |c| c.bytes())
+            + self.frame.rgb.len()
             + self.crop_bgr.len()
             + self.input.len() * 4
             + (self.face.width() * self.face.height()) as usize * 2
@@ -109,7 +181,7 @@ impl Avatar {
 }
 
 /// A box in a `from`-sized image mapped into a `to`-sized copy (identity when equal).
-fn scale_box(b: FaceBox, from: (u32, u32), to: (u32, u32)) -> FaceBox {
+pub(super) fn scale_box(b: FaceBox, from: (u32, u32), to: (u32, u32)) -> FaceBox {
     if from == to {
         return b;
     }

@@ -1,17 +1,23 @@
 //! Predicted faces, in frame order, to encoded video: each face (optionally saved as a PNG)
-//! pasted into a copy of the avatar's photo and handed to the encoder; at the end the last
-//! frame is held until the audio ends. Shared by `lipsync render` and the service.
+//! pasted into a copy of the avatar's frame it was drawn on (the photo, or the clip frame the
+//! loop mode selects) and handed to the encoder; at the end the last frame is held until the
+//! audio ends. Shared by `lipsync render` and the service.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use super::clip::Loop;
 use super::{Avatar, Error};
-use crate::media::face::{self, FACE_SIZE};
+use crate::media::face::{self, BlendMask, FACE_SIZE};
 use crate::media::image::Frame;
 use crate::media::video::VideoEncoder;
 
 pub struct Compositor<'a> {
     avatar: &'a Avatar,
+    mode: Loop,
+    /// Blend masks of clip boxes whose size differs from the first frame's.
+    masks: HashMap<(u32, u32), BlendMask>,
     encoder: &'a mut dyn VideoEncoder,
     faces_dir: Option<PathBuf>,
     last: Option<Frame>,
@@ -23,6 +29,7 @@ pub struct Compositor<'a> {
 impl<'a> Compositor<'a> {
     pub fn new(
         avatar: &'a Avatar,
+        mode: Loop,
         encoder: &'a mut dyn VideoEncoder,
         faces_dir: Option<&Path>,
     ) -> Result<Self, Error> {
@@ -34,6 +41,8 @@ impl<'a> Compositor<'a> {
         }
         Ok(Compositor {
             avatar,
+            mode,
+            masks: HashMap::new(),
             encoder,
             faces_dir: faces_dir.map(Path::to_path_buf),
             last: None,
@@ -49,8 +58,18 @@ impl<'a> Compositor<'a> {
         if let Some(dir) = &self.faces_dir {
             save_face(dir, self.frames, face_bgr)?;
         }
-        let mut frame = self.avatar.frame.clone();
-        face::paste(&mut frame, &self.avatar.face, face_bgr, &self.avatar.mask);
+        let a = self.avatar;
+        let i = a.select(self.frames, self.mode);
+        let mut frame = a.background(i)?.into_owned();
+        let b = a.face_at(i);
+        let mask = if (b.width(), b.height()) == (a.face.width(), a.face.height()) {
+            &a.mask
+        } else {
+            self.masks
+                .entry((b.width(), b.height()))
+                .or_insert_with(|| BlendMask::new(a.blend, b.width(), b.height()))
+        };
+        face::paste(&mut frame, &b, face_bgr, mask);
         self.composite_time += t.elapsed();
         let t = Instant::now();
         self.encoder.write_frame(&frame)?;

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::clip::Loop;
 use super::compositor::Compositor;
 use super::front::Submission;
 use super::metrics as m;
@@ -22,6 +23,8 @@ pub struct Job {
     /// Frames in the video (the last one held to the end of the audio).
     pub video_frames: usize,
     pub avatar: Arc<Avatar>,
+    /// How a clip avatar's frames follow each other (ignored for a photo).
+    pub loop_mode: Loop,
     /// Where to write every predicted 96×96 face as `00000.png`, … (RGB).
     pub faces_dir: Option<PathBuf>,
 }
@@ -55,7 +58,12 @@ impl Job {
             ..Default::default()
         };
         let failed = |e: Error| if gone() { Error::Cancelled } else { e };
-        let mut out = Compositor::new(&self.avatar, encoder.as_mut(), self.faces_dir.as_deref())?;
+        let mut out = Compositor::new(
+            &self.avatar,
+            self.loop_mode,
+            encoder.as_mut(),
+            self.faces_dir.as_deref(),
+        )?;
         while out.frames < model_frames {
             if gone() {
                 return Err(Error::Cancelled);

@@ -9,6 +9,7 @@ pub mod avatar;
 pub mod backend;
 pub mod batcher;
 pub mod cache;
+pub mod clip;
 pub mod compositor;
 pub mod faults;
 pub mod front;
@@ -19,6 +20,7 @@ pub mod render;
 pub mod scheduler;
 
 pub use avatar::Avatar;
+pub use clip::{FaceInputs, Loop};
 pub use front::{plan, Engine, Planned, Submission};
 pub use job::{Job, JobStats};
 

@@ -355,6 +355,28 @@ fn sniff_other(b: &[u8]) -> String {
     }
 }
 
+/// Encodes `frame` as a baseline JPEG of the given quality (1–100) into `out`.
+pub fn encode_jpeg(frame: &Frame, quality: u8, out: &mut Vec<u8>) -> Result<(), Error> {
+    image::codecs::jpeg::JpegEncoder::new_with_quality(out, quality)
+        .encode(
+            &frame.rgb,
+            frame.width,
+            frame.height,
+            image::ExtendedColorType::Rgb8,
+        )
+        .map_err(|e| Error::Internal(format!("JPEG encoding failed: {e}")))
+}
+
+/// Decodes a JPEG this process wrote (no limits: its size is known).
+pub fn decode_jpeg(bytes: impl std::io::BufRead + std::io::Seek) -> Result<Frame, Error> {
+    let img = ImageReader::with_format(bytes, ImageFormat::Jpeg)
+        .decode()
+        .map_err(|e| Error::Internal(format!("stored JPEG unreadable: {e}")))?
+        .into_rgb8();
+    let (w, h) = img.dimensions();
+    Ok(Frame::new(w, h, img.into_raw()))
+}
+
 /// Downscales (area-averaging filter) so that the longer side is at most `max_side`;
 /// smaller frames are returned unchanged.
 pub fn downscale_to(frame: Frame, max_side: u32) -> Frame {

@@ -56,6 +56,19 @@ pub enum Error {
     BadPads(String),
     #[error("bad blend mode: {0}")]
     BadBlend(String),
+    #[error("bad loop mode: {0}")]
+    BadLoop(String),
+    #[error("not a video: {0}")]
+    NotVideo(String),
+    #[error("the video is damaged: {0}")]
+    DamagedVideo(String),
+    #[error("frame rate too high: {0}")]
+    FpsTooHigh(String),
+    #[error(
+        "the avatar clip is too long: {seconds:.1} s, the limit is {max_seconds:.1} s \
+         (--max-avatar-seconds)"
+    )]
+    AvatarTooLong { seconds: f64, max_seconds: f64 },
     #[error("ffmpeg is not available: {0}")]
     FfmpegMissing(String),
     #[error("video encoding failed: {0}")]
@@ -87,6 +100,11 @@ impl Error {
             Error::BadBox(_) => "bad_box",
             Error::BadPads(_) => "bad_pads",
             Error::BadBlend(_) => "bad_blend",
+            Error::BadLoop(_) => "bad_loop",
+            Error::NotVideo(_) => "not_video",
+            Error::DamagedVideo(_) => "damaged_video",
+            Error::FpsTooHigh(_) => "fps_too_high",
+            Error::AvatarTooLong { .. } => "avatar_too_long",
             Error::FfmpegMissing(_) => "ffmpeg_missing",
             Error::Encoder(_) => "encoder_failed",
             Error::Internal(_) => "internal",

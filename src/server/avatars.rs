@@ -1,7 +1,9 @@
-//! Avatars: a photo prepared once (decoded, face found, crop and mask made) and reused by id.
+//! Avatars: a photo or a clip prepared once (decoded, face found, crops and masks made) and
+//! reused by id.
 //!
-//! The id is the SHA-256 (hex) of the image bytes and the box or pads given, so uploading the
-//! same photo with the same options again finds the same avatar (`200` instead of `201`).
+//! The id is the SHA-256 (hex) of the uploaded bytes and the box or pads given (and, for a
+//! clip, whether boxes are smoothed), so uploading the same file with the same options again
+//! finds the same avatar (`200` instead of `201`).
 
 use std::sync::Arc;
 
@@ -10,33 +12,110 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use bytes::Bytes;
 use sha2::{Digest, Sha256};
 
 use super::error::ApiError;
 use super::{form, App};
 use crate::engine::cache::NotKept;
-use crate::engine::Avatar;
+use crate::engine::{clip, Avatar};
 use crate::media::face::{Blend, FaceBox, Pads};
 
 /// The JSON that describes an avatar.
 fn describe(id: &str, a: &Avatar) -> serde_json::Value {
-    serde_json::json!({
+    let mut v = serde_json::json!({
         "id": id,
+        "kind": a.kind(),
         "box": a.source_face.to_array(),
         "width": a.source_size.0,
         "height": a.source_size.1,
-    })
+    });
+    if let Some(c) = &a.clip {
+        v["frames"] = c.len().into();
+        v["fps"] = c.fps.value().into();
+        v["duration"] = c.duration.into();
+    }
+    v
 }
 
-/// The avatar id of an upload: SHA-256 over the image bytes and the canonical options.
-pub fn avatar_id(image: &[u8], face_box: Option<FaceBox>, pads: Pads) -> String {
-    let mut h = Sha256::new();
-    h.update(image);
-    match face_box {
-        Some(b) => h.update(format!("\0box={b}")),
-        None => h.update(format!("\0pads={pads}")),
+/// An uploaded photo or clip and how to prepare it.
+pub struct Upload {
+    pub bytes: Bytes,
+    pub video: bool,
+    pub face_box: Option<FaceBox>,
+    pub pads: Pads,
+    /// Temporal smoothing of a clip's detected boxes.
+    pub smooth: bool,
+}
+
+impl Upload {
+    /// Takes `image` or `video` and the options that belong to the avatar (`box`, `pads`,
+    /// `smooth`) from a form; `None` when it holds neither file (then it must not hold the
+    /// options either: they belong to the avatar).
+    pub fn from_form(f: &mut form::Form) -> Result<Option<Upload>, ApiError> {
+        let face_box: Option<FaceBox> = f.parse("box")?;
+        let pads: Option<Pads> = f.parse("pads")?;
+        let smooth: Option<bool> = f.parse("smooth")?;
+        let (bytes, video) = match (f.file("image"), f.file("video")) {
+            (Some(b), None) => (b, false),
+            (None, Some(b)) => (b, true),
+            (Some(_), Some(_)) => {
+                return Err(ApiError::bad_request(
+                    "bad_field",
+                    "give one of `image`, `video` or `avatar_id`, not several",
+                ))
+            }
+            (None, None) => {
+                if face_box.is_some() || pads.is_some() || smooth.is_some() {
+                    return Err(ApiError::bad_request(
+                        "bad_field",
+                        "`box`, `pads` and `smooth` belong to the avatar: give them when \
+                         creating it, not with `avatar_id`",
+                    ));
+                }
+                return Ok(None);
+            }
+        };
+        if smooth.is_some() && !video {
+            return Err(ApiError::bad_request(
+                "bad_field",
+                "`smooth` applies to a `video` avatar only",
+            ));
+        }
+        Ok(Some(Upload {
+            bytes,
+            video,
+            face_box,
+            pads: pads.unwrap_or_default(),
+            smooth: smooth.unwrap_or(true),
+        }))
     }
-    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+
+    /// The avatar id: SHA-256 over the bytes and the canonical options.
+    pub fn id(&self) -> String {
+        let mut h = Sha256::new();
+        h.update(&self.bytes);
+        match self.face_box {
+            Some(b) => h.update(format!("\0box={b}")),
+            None => h.update(format!("\0pads={}", self.pads)),
+        }
+        if self.video {
+            h.update(format!("\0video smooth={}", self.smooth));
+        }
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Decodes and prepares the avatar (blocking: face detection, clip decoding).
+    pub fn prepare(&self, app: &App, blend: Blend) -> Result<Avatar, crate::media::Error> {
+        let media = &app.args.media;
+        if self.video {
+            let options = media.clip_options(self.smooth);
+            clip::prepare(&self.bytes, &options, self.face_box, self.pads, blend)
+        } else {
+            let limits = media.image_limits();
+            Avatar::prepare(&self.bytes, &limits, self.face_box, self.pads, blend)
+        }
+    }
 }
 
 fn unknown(id: &str) -> ApiError {
@@ -58,17 +137,18 @@ pub async fn create(
 ) -> Result<Response, ApiError> {
     let mut f = form::read(
         multipart,
-        &["image"],
-        &["box", "pads"],
+        &["image", "video"],
+        &["box", "pads", "smooth"],
         app.args.max_body_bytes,
     )
     .await?;
-    let image = f
-        .file("image")
-        .ok_or_else(|| ApiError::bad_request("missing_field", "the form needs an `image` file"))?;
-    let face_box: Option<FaceBox> = f.parse("box")?;
-    let pads: Pads = f.parse("pads")?.unwrap_or_default();
-    let id = avatar_id(&image, face_box, pads);
+    let upload = Upload::from_form(&mut f)?.ok_or_else(|| {
+        ApiError::bad_request(
+            "missing_field",
+            "the form needs an `image` or a `video` file",
+        )
+    })?;
+    let id = upload.id();
     if let Some(a) = app.avatars().get(&id) {
         return Ok((StatusCode::OK, Json(describe(&id, &a))).into_response());
     }
@@ -85,10 +165,10 @@ pub async fn create(
         )
         .with_retry_after(app.retry_after())
     })?;
-    let limits = app.image_limits();
+    let app2 = app.clone();
     let avatar = tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        Avatar::prepare(&image, &limits, face_box, pads, Blend::Feather)
+        upload.prepare(&app2, Blend::Feather)
     })
     .await
     .map_err(|e| ApiError::internal(format!("avatar preparation panicked: {e}")))??;
@@ -105,12 +185,15 @@ fn not_kept(e: NotKept) -> ApiError {
         NotKept::TooLarge { .. } => ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "avatar_too_large",
-            format!("{e}; send a smaller photo, or send the image with each /v1/lipsync request"),
+            format!(
+                "{e}; send a smaller photo or a shorter clip, or send the file with each \
+                 /v1/lipsync request"
+            ),
         ),
         NotKept::Disabled => ApiError::new(
             StatusCode::FORBIDDEN,
             "avatars_disabled",
-            format!("{e}; send the image with each /v1/lipsync request"),
+            format!("{e}; send the image or video with each /v1/lipsync request"),
         ),
     }
 }
@@ -140,19 +223,36 @@ pub async fn delete(
 mod tests {
     use super::*;
 
+    fn upload(bytes: &'static [u8], video: bool, face_box: Option<FaceBox>, pads: &str) -> Upload {
+        Upload {
+            bytes: Bytes::from_static(bytes),
+            video,
+            face_box,
+            pads: pads.parse().unwrap(),
+            smooth: true,
+        }
+    }
+
     #[test]
     fn ids_depend_on_bytes_and_options() {
-        let a = avatar_id(b"img", None, Pads::default());
+        let a = upload(b"img", false, None, "0,10,0,0").id();
         assert_eq!(a.len(), 64);
-        assert_eq!(a, avatar_id(b"img", None, Pads::default()));
-        assert_ne!(a, avatar_id(b"img2", None, Pads::default()));
-        assert_ne!(a, avatar_id(b"img", None, "0,0,0,0".parse().unwrap()));
+        assert_eq!(a, upload(b"img", false, None, "0,10,0,0").id());
+        assert_ne!(a, upload(b"img2", false, None, "0,10,0,0").id());
+        assert_ne!(a, upload(b"img", false, None, "0,0,0,0").id());
         let b = FaceBox {
             x1: 1,
             y1: 2,
             x2: 3,
             y2: 4,
         };
-        assert_ne!(a, avatar_id(b"img", Some(b), Pads::default()));
+        assert_ne!(a, upload(b"img", false, Some(b), "0,10,0,0").id());
+        let v = upload(b"img", true, None, "0,10,0,0");
+        assert_ne!(a, v.id());
+        let unsmoothed = Upload {
+            smooth: false,
+            ..upload(b"img", true, None, "0,10,0,0")
+        };
+        assert_ne!(v.id(), unsmoothed.id());
     }
 }

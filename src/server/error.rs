@@ -54,10 +54,14 @@ impl From<media::Error> for ApiError {
     fn from(e: media::Error) -> Self {
         use media::Error as E;
         let status = match &e {
-            E::NotAudio(_) | E::UnsupportedCodec(_) | E::NotAnImage(_) | E::UnsupportedImage(_) => {
-                StatusCode::UNSUPPORTED_MEDIA_TYPE
+            E::NotAudio(_)
+            | E::UnsupportedCodec(_)
+            | E::NotAnImage(_)
+            | E::UnsupportedImage(_)
+            | E::NotVideo(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            E::AudioTooLong { .. } | E::TooManyPixels { .. } | E::AvatarTooLong { .. } => {
+                StatusCode::PAYLOAD_TOO_LARGE
             }
-            E::AudioTooLong { .. } | E::TooManyPixels { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             E::AudioTooShort { .. } | E::NoSamples | E::NonFiniteAudio | E::NoFace(_) => {
                 StatusCode::UNPROCESSABLE_ENTITY
             }
@@ -69,7 +73,10 @@ impl From<media::Error> for ApiError {
             | E::CorruptImage(_)
             | E::BadBox(_)
             | E::BadPads(_)
-            | E::BadBlend(_) => StatusCode::BAD_REQUEST,
+            | E::BadBlend(_)
+            | E::BadLoop(_)
+            | E::DamagedVideo(_)
+            | E::FpsTooHigh(_) => StatusCode::BAD_REQUEST,
             E::FfmpegMissing(_) | E::Encoder(_) | E::Internal(_) => return ApiError::internal(e),
         };
         ApiError::new(status, e.kind(), e.to_string())

@@ -19,18 +19,28 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use tokio::sync::mpsc;
 
+use super::avatars::{self, Upload};
 use super::conn::ConnInfo;
 use super::error::ApiError;
-use super::{avatars, form, App};
+use super::{form, App};
 use crate::engine::metrics as m;
 use crate::engine::pool::panic_message;
-use crate::engine::{self, Avatar, Job, Planned};
+use crate::engine::{self, Avatar, FaceInputs, Job, Loop, Planned};
 use crate::media::audio::{self, Fps};
-use crate::media::face::{Blend, FaceBox, Pads};
+use crate::media::face::Blend;
 use crate::media::video;
 
-const FILES: &[&str] = &["audio", "image"];
-const TEXTS: &[&str] = &["avatar_id", "box", "pads", "fps", "blend", "crf"];
+const FILES: &[&str] = &["audio", "image", "video"];
+const TEXTS: &[&str] = &[
+    "avatar_id",
+    "box",
+    "pads",
+    "smooth",
+    "loop",
+    "fps",
+    "blend",
+    "crf",
+];
 
 /// Encoded chunks buffered between ffmpeg and the client (the rest waits in ffmpeg's pipe:
 /// a slow reader slows the encoder, which slows the model work of that request).
@@ -52,17 +62,15 @@ pub fn refused(e: ApiError) -> ApiError {
 struct Request {
     audio: Bytes,
     avatar: AvatarSource,
+    /// For a photo; a clip runs at its own rate.
     fps: Fps,
+    loop_mode: Loop,
     blend: Blend,
     crf: u8,
 }
 
 enum AvatarSource {
-    Image {
-        bytes: Bytes,
-        face_box: Option<FaceBox>,
-        pads: Pads,
-    },
+    Upload(Upload),
     Cached(String),
 }
 
@@ -74,33 +82,19 @@ async fn parse(
     let audio = f
         .file("audio")
         .ok_or_else(|| ApiError::bad_request("missing_field", "the form needs an `audio` file"))?;
-    let face_box: Option<FaceBox> = f.parse("box")?;
-    let pads: Option<Pads> = f.parse("pads")?;
-    let avatar = match (f.file("image"), f.text("avatar_id")) {
-        (Some(bytes), None) => AvatarSource::Image {
-            bytes,
-            face_box,
-            pads: pads.unwrap_or_default(),
-        },
-        (None, Some(id)) => {
-            if face_box.is_some() || pads.is_some() {
-                return Err(ApiError::bad_request(
-                    "bad_field",
-                    "`box` and `pads` belong to the avatar: give them when creating it, not with `avatar_id`",
-                ));
-            }
-            AvatarSource::Cached(id)
-        }
+    let avatar = match (Upload::from_form(&mut f)?, f.text("avatar_id")) {
+        (Some(upload), None) => AvatarSource::Upload(upload),
+        (None, Some(id)) => AvatarSource::Cached(id),
         (Some(_), Some(_)) => {
             return Err(ApiError::bad_request(
                 "bad_field",
-                "give either `image` or `avatar_id`, not both",
+                "give one of `image`, `video` or `avatar_id`, not several",
             ))
         }
         (None, None) => {
             return Err(ApiError::bad_request(
                 "missing_field",
-                "the form needs an `image` file or an `avatar_id`",
+                "the form needs an `image` or `video` file, or an `avatar_id`",
             ))
         }
     };
@@ -113,6 +107,7 @@ async fn parse(
         audio,
         avatar,
         fps: f.parse("fps")?.unwrap_or_default(),
+        loop_mode: f.parse("loop")?.unwrap_or_default(),
         blend: f.parse("blend")?.unwrap_or_default(),
         crf: crf.unwrap_or(app.args.media.crf),
     })
@@ -143,7 +138,7 @@ pub async fn lipsync(
 
     let cached = match &req.avatar {
         AvatarSource::Cached(id) => Some(avatars::lookup(&app, id).map_err(refused)?),
-        AvatarSource::Image { .. } => None,
+        AvatarSource::Upload(_) => None,
     };
     let app2 = app.clone();
     let span = tracing::Span::current();
@@ -178,6 +173,7 @@ pub async fn lipsync(
         submission,
         video_frames,
         avatar,
+        loop_mode: req.loop_mode,
         faces_dir: None,
     };
     let complete = Arc::new(AtomicBool::new(false));
@@ -273,16 +269,9 @@ fn prepare(
     cached: Option<Arc<Avatar>>,
 ) -> Result<(Planned, Arc<Avatar>, Request), ApiError> {
     let avatar = match (&req.avatar, cached) {
-        (
-            AvatarSource::Image {
-                bytes,
-                face_box,
-                pads,
-            },
-            _,
-        ) => {
+        (AvatarSource::Upload(upload), _) => {
             let t = Instant::now();
-            let a = Avatar::prepare(bytes, &app.image_limits(), *face_box, *pads, req.blend)?;
+            let a = upload.prepare(app, req.blend)?;
             m::stage("decode", t.elapsed());
             Arc::new(a)
         }
@@ -296,10 +285,15 @@ fn prepare(
     let speech = audio::load(&req.audio, app.args.media.max_audio_seconds)?;
     m::stage("decode", t.elapsed());
     let t = Instant::now();
-    let face = Arc::new(avatar.input.clone());
-    let planned = engine::plan(&speech, req.fps, &|_| face.clone())?;
+    let faces = FaceInputs::new(&avatar, req.loop_mode);
+    let planned = engine::plan(&speech, video_fps(&req, &avatar), &|k| faces.get(k))?;
     m::stage("mel", t.elapsed());
     Ok((planned, avatar, req))
+}
+
+/// The video's frame rate: a clip's own, else the request's.
+fn video_fps(req: &Request, avatar: &Avatar) -> Fps {
+    avatar.fps().unwrap_or(req.fps)
 }
 
 /// The encoder for a request, writing into the body channel, with the speech in a file.
@@ -318,10 +312,11 @@ fn start_encoder(
         .write_all(&req.audio)
         .map_err(ApiError::internal)?;
     let frame = &avatar.frame;
+    let fps = video_fps(req, avatar);
     let mut settings =
         app.args
             .media
-            .encoder(frame.width, frame.height, req.fps, app.cfg.encoder_workers);
+            .encoder(frame.width, frame.height, fps, app.cfg.encoder_workers);
     settings.crf = req.crf;
     settings.audio = Some(audio_file.path().to_path_buf());
     let sink = ChannelSink {

@@ -33,7 +33,6 @@ use error::ApiError;
 use crate::engine::cache::AvatarCache;
 use crate::engine::metrics as m;
 use crate::engine::Engine;
-use crate::media::image::ImageLimits;
 use crate::model::weights::Summary;
 use crate::{media, model};
 
@@ -76,10 +75,6 @@ pub struct App {
 impl App {
     fn avatars(&self) -> MutexGuard<'_, AvatarCache> {
         self.avatars.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn image_limits(&self) -> ImageLimits {
-        self.args.media.image_limits()
     }
 
     /// The engine, if every instance is loaded and warmed up and the server is not stopping.

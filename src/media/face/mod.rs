@@ -180,6 +180,55 @@ pub fn locate(frame: &Frame, explicit: Option<FaceBox>, pads: Pads) -> Result<Fa
     }
 }
 
+/// Frames in the temporal box-smoothing window (inference.py's `T = 5`).
+pub const SMOOTH_WINDOW: usize = 5;
+
+/// Wav2Lip's `get_smoothened_boxes`: in place and in order, box `i` becomes the mean of boxes
+/// `i..i + t`, truncated to integers; where that window runs past the end it is the last `t`
+/// boxes (already smoothed ones included). With fewer than `t` boxes the window is the whole
+/// clip (a deviation: the original's negative slice there is a quirk).
+pub fn smooth_boxes(boxes: &mut [FaceBox], t: usize) {
+    let n = boxes.len();
+    let t = t.max(1);
+    for i in 0..n {
+        let start = if i + t > n { n.saturating_sub(t) } else { i };
+        let window = &boxes[start..(start + t).min(n)];
+        let len = window.len() as u64;
+        let mean = |f: fn(&FaceBox) -> u32| {
+            (window.iter().map(|b| u64::from(f(b))).sum::<u64>() / len) as u32
+        };
+        boxes[i] = FaceBox {
+            x1: mean(|b| b.x1),
+            y1: mean(|b| b.y1),
+            x2: mean(|b| b.x2),
+            y2: mean(|b| b.y2),
+        };
+    }
+}
+
+/// For frames without a face (`None`), the box of the nearest frame with one (the earlier on
+/// a tie); `None` when no frame has a face.
+pub fn fill_missing(boxes: &[Option<FaceBox>]) -> Option<Vec<FaceBox>> {
+    let found: Vec<usize> = (0..boxes.len()).filter(|&i| boxes[i].is_some()).collect();
+    if found.is_empty() {
+        return None;
+    }
+    Some(
+        (0..boxes.len())
+            .map(|i| {
+                let j = match found.binary_search(&i) {
+                    Ok(p) => found[p],
+                    Err(0) => found[0],
+                    Err(p) if p == found.len() => found[p - 1],
+                    Err(p) if i - found[p - 1] <= found[p] - i => found[p - 1],
+                    Err(p) => found[p],
+                };
+                boxes[j].expect("found")
+            })
+            .collect(),
+    )
+}
+
 /// The box's pixels resized to 96×96 as `cv2.resize` would (INTER_LINEAR), in BGR order,
 /// the model's channel order.
 pub fn crop_bgr(frame: &Frame, b: &FaceBox) -> Vec<u8> {
@@ -343,6 +392,35 @@ pub fn paste(frame: &mut Frame, b: &FaceBox, face_bgr: &[u8], mask: &BlendMask) 
 
 #[cfg(test)]
 mod tests {
+
+    fn bx(v: u32) -> FaceBox {
+        FaceBox {
+            x1: v,
+            y1: v,
+            x2: v + 10,
+            y2: v + 10,
+        }
+    }
+
+    #[test]
+    fn frames_without_a_face_take_the_nearest_box() {
+        let got = fill_missing(&[None, Some(bx(1)), None, None, None, Some(bx(5)), None]).unwrap();
+        let firsts: Vec<u32> = got.iter().map(|b| b.x1).collect();
+        assert_eq!(firsts, [1, 1, 1, 1, 5, 5, 5]);
+        assert!(fill_missing(&[None, None]).is_none());
+    }
+
+    #[test]
+    fn short_clips_smooth_over_the_whole_clip() {
+        // n < 5: every box is the running mean of the whole (partly smoothed) clip.
+        let mut b = vec![bx(0), bx(3), bx(9)];
+        smooth_boxes(&mut b, SMOOTH_WINDOW);
+        // i=0: (0+3+9)/3 = 4; i=1: (4+3+9)/3 = 5; i=2: (4+5+9)/3 = 6.
+        assert_eq!(b.iter().map(|b| b.x1).collect::<Vec<_>>(), [4, 5, 6]);
+        let mut one = vec![bx(7)];
+        smooth_boxes(&mut one, SMOOTH_WINDOW);
+        assert_eq!(one, [bx(7)]);
+    }
     use super::*;
 
     #[test]

@@ -16,6 +16,7 @@
 //! Every process's stdout is drained by its own thread (and stderr kept for error messages),
 //! so ffmpeg can never block on a full pipe; unfinished processes are killed and reaped.
 
+pub mod clip;
 mod process;
 mod segmented;
 mod single;

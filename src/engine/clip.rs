@@ -1,0 +1,334 @@
+//! Clip avatars: a short video of the person, prepared once. Per frame only what a request
+//! needs is kept: the face box, the 96×96 crop the model sees (from the decoded frame, before
+//! any recompression) and the frame itself as a high-quality JPEG (random access, about a
+//! tenth of the raw size); the model input and the blend mask are derived when used.
+//!
+//! Preparing: with an explicit box, one decoding pass makes the crops. Without one, a first
+//! pass detects the face in every frame (frames without a face take the nearest detected box;
+//! a clip with none is refused), pads and smooths the boxes (inference.py's
+//! `get_smoothened_boxes`, once over the whole clip), and a second pass makes the crops.
+
+use std::cell::RefCell;
+use std::io::Cursor;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use crate::media::audio::Fps;
+use crate::media::face::{self, Blend, Detection, FaceBox, Pads, SMOOTH_WINDOW};
+use crate::media::image::{self, Frame};
+use crate::media::video::clip::{ClipFile, ClipLimits};
+use crate::media::Error;
+
+use super::avatar::{scale_box, Avatar};
+
+/// JPEG quality of the stored clip frames (measured in docs/BENCHMARKS.md).
+pub const JPEG_QUALITY: u8 = 90;
+
+/// How a clip is repeated when the speech is longer than it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Loop {
+    /// Forwards, then backwards, without repeating the end frames.
+    #[default]
+    PingPong,
+    /// From the start again (inference.py).
+    Repeat,
+}
+
+impl Loop {
+    pub const NAMES: &'static [&'static str] = &["pingpong", "repeat"];
+
+    /// The clip frame (of `n`) that model frame `k` is drawn on.
+    pub fn select(self, k: usize, n: usize) -> usize {
+        if n <= 1 {
+            return 0;
+        }
+        match self {
+            Loop::Repeat => k % n,
+            Loop::PingPong => {
+                let p = k % (2 * n - 2);
+                if p < n {
+                    p
+                } else {
+                    2 * n - 2 - p
+                }
+            }
+        }
+    }
+}
+
+impl FromStr for Loop {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s.trim() {
+            "pingpong" => Ok(Loop::PingPong),
+            "repeat" => Ok(Loop::Repeat),
+            other => Err(Error::BadLoop(format!(
+                "unknown loop mode {other:?}; use pingpong or repeat"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for Loop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Loop::PingPong => "pingpong",
+            Loop::Repeat => "repeat",
+        })
+    }
+}
+
+/// How to prepare a clip.
+#[derive(Debug, Clone)]
+pub struct ClipOptions {
+    pub ffmpeg: PathBuf,
+    pub limits: ClipLimits,
+    /// Longest side of the output video (larger frames are downscaled, as photos are).
+    pub max_side: u32,
+    /// Temporal box smoothing (detected boxes only).
+    pub smooth: bool,
+}
+
+/// One prepared clip frame.
+#[derive(Clone)]
+struct ClipFrame {
+    face: FaceBox,
+    crop_bgr: Arc<Vec<u8>>,
+    jpeg: Vec<u8>,
+}
+
+/// A prepared clip.
+#[derive(Clone)]
+pub struct Clip {
+    pub fps: Fps,
+    /// Seconds (frames / fps).
+    pub duration: f64,
+    pub width: u32,
+    pub height: u32,
+    frames: Vec<ClipFrame>,
+}
+
+impl std::fmt::Debug for Clip {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Clip({} frames of {}x{} at {} fps)",
+            self.frames.len(),
+            self.width,
+            self.height,
+            self.fps
+        )
+    }
+}
+
+impl Clip {
+    pub fn len(&self) -> usize {
+        self.frames.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.frames.is_empty()
+    }
+
+    /// Frame `i`'s face box (output pixels).
+    pub fn face(&self, i: usize) -> FaceBox {
+        self.frames[i].face
+    }
+
+    /// Frame `i`'s 96×96 BGR crop.
+    pub fn crop_bgr(&self, i: usize) -> &[u8] {
+        &self.frames[i].crop_bgr
+    }
+
+    /// Frame `i` decoded.
+    pub fn frame(&self, i: usize) -> Result<Frame, Error> {
+        decode_jpeg(&self.frames[i].jpeg)
+    }
+
+    /// Memory held.
+    pub fn bytes(&self) -> usize {
+        self.frames
+            .iter()
+            .map(|f| f.jpeg.len() + f.crop_bgr.len() + std::mem::size_of::<ClipFrame>())
+            .sum()
+    }
+
+    /// Bytes of the stored JPEG frames alone.
+    pub fn jpeg_bytes(&self) -> usize {
+        self.frames.iter().map(|f| f.jpeg.len()).sum()
+    }
+}
+
+fn encode_jpeg(frame: &Frame) -> Result<Vec<u8>, Error> {
+    let mut out = Vec::with_capacity(frame.rgb.len() / 8);
+    image::encode_jpeg(frame, JPEG_QUALITY, &mut out)?;
+    Ok(out)
+}
+
+fn decode_jpeg(bytes: &[u8]) -> Result<Frame, Error> {
+    image::decode_jpeg(Cursor::new(bytes))
+}
+
+/// The detected (padded, smoothed) boxes of every frame, in the clip's own pixels, and the
+/// first frame's detection.
+fn detect_boxes(
+    clip: &ClipFile,
+    pads: Pads,
+    smooth: bool,
+) -> Result<(Vec<FaceBox>, Option<Detection>), Error> {
+    let mut found: Vec<Option<FaceBox>> = Vec::new();
+    let mut first = None;
+    clip.decode(&mut |i, frame| {
+        let b = match face::detect(&frame) {
+            Ok(d) => {
+                if i == 0 {
+                    first = Some(d);
+                }
+                Some(pads.apply(d.face, frame.width, frame.height)?)
+            }
+            Err(Error::NoFace(_)) => None,
+            Err(e) => return Err(e),
+        };
+        found.push(b);
+        Ok(())
+    })?;
+    let mut boxes = face::fill_missing(&found).ok_or_else(|| {
+        Error::NoFace(format!(
+            "no face was found in any of the clip's {} frames; give the face box (`box`)",
+            found.len()
+        ))
+    })?;
+    if smooth {
+        face::smooth_boxes(&mut boxes, SMOOTH_WINDOW);
+    }
+    Ok((boxes, first))
+}
+
+/// Prepares a clip avatar: decodes `bytes`, finds the face in every frame (or uses
+/// `explicit`, exactly, on every frame, in the clip's own pixels), and keeps per frame the
+/// box, the crop and a JPEG of the (downscaled) frame.
+pub fn prepare(
+    bytes: &[u8],
+    options: &ClipOptions,
+    explicit: Option<FaceBox>,
+    pads: Pads,
+    blend: Blend,
+) -> Result<Avatar, Error> {
+    let file = ClipFile::open(bytes, &options.ffmpeg, options.limits.clone())?;
+    let (source_boxes, detection) = match explicit {
+        Some(_) => (Vec::new(), None),
+        None => {
+            let (b, d) = detect_boxes(&file, pads, options.smooth)?;
+            (b, d)
+        }
+    };
+    let mut frames = Vec::with_capacity(source_boxes.len());
+    let mut first: Option<(Frame, FaceBox, (u32, u32))> = None;
+    let mut size: Option<(u32, u32, u32, u32)> = None;
+    file.decode(&mut |i, source| {
+        let (sw, sh) = (source.width, source.height);
+        match size {
+            None => size = Some((sw, sh, 0, 0)),
+            Some((w, h, _, _)) if (w, h) != (sw, sh) => {
+                return Err(Error::DamagedVideo(format!(
+                    "frame {i} is {sw}x{sh}, the first frame {w}x{h}; the size must not change"
+                )))
+            }
+            Some(_) => {}
+        }
+        let source_face = match explicit {
+            Some(b) => {
+                b.check(sw, sh)?;
+                b
+            }
+            None => *source_boxes.get(i).ok_or_else(|| {
+                Error::DamagedVideo("the clip decoded to more frames the second time".into())
+            })?,
+        };
+        let frame = image::downscale_to(source, options.max_side);
+        let face = scale_box(source_face, (sw, sh), (frame.width, frame.height));
+        let crop_bgr = Arc::new(face::crop_bgr(&frame, &face));
+        let jpeg = encode_jpeg(&frame)?;
+        if i == 0 {
+            first = Some((frame, source_face, (sw, sh)));
+        }
+        frames.push(ClipFrame {
+            face,
+            crop_bgr,
+            jpeg,
+        });
+        Ok(())
+    })?;
+    if explicit.is_none() && frames.len() != source_boxes.len() {
+        return Err(Error::DamagedVideo(format!(
+            "the clip decoded to {} frames, then to {}",
+            source_boxes.len(),
+            frames.len()
+        )));
+    }
+    let (frame, source_face, source_size) = first.expect("decode returns at least one frame");
+    let fps = file.info.fps;
+    let clip = Clip {
+        fps,
+        duration: frames.len() as f64 / fps.value(),
+        width: frame.width,
+        height: frame.height,
+        frames,
+    };
+    Ok(Avatar::from_clip(
+        frame,
+        source_face,
+        source_size,
+        detection,
+        blend,
+        Arc::new(clip),
+    ))
+}
+
+/// Model face inputs for a request, one per model frame `k`, made once per clip frame used
+/// (the inputs of one request share them).
+pub struct FaceInputs<'a> {
+    avatar: &'a Avatar,
+    mode: Loop,
+    made: RefCell<Vec<Option<Arc<Vec<f32>>>>>,
+}
+
+impl<'a> FaceInputs<'a> {
+    pub fn new(avatar: &'a Avatar, mode: Loop) -> Self {
+        FaceInputs {
+            avatar,
+            mode,
+            made: RefCell::new(vec![None; avatar.frame_count()]),
+        }
+    }
+
+    /// The face input of model frame `k`.
+    pub fn get(&self, k: usize) -> Arc<Vec<f32>> {
+        let i = self.avatar.select(k, self.mode);
+        let mut made = self.made.borrow_mut();
+        made[i]
+            .get_or_insert_with(|| Arc::new(face::model_input(self.avatar.crop_bgr(i))))
+            .clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loops_select_frames_as_documented() {
+        let seq = |mode: Loop, n: usize| (0..10).map(|k| mode.select(k, n)).collect::<Vec<_>>();
+        assert_eq!(seq(Loop::Repeat, 4), [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]);
+        assert_eq!(seq(Loop::PingPong, 4), [0, 1, 2, 3, 2, 1, 0, 1, 2, 3]);
+        assert_eq!(seq(Loop::PingPong, 2), [0, 1, 0, 1, 0, 1, 0, 1, 0, 1]);
+        assert_eq!(seq(Loop::PingPong, 1), [0; 10]);
+        assert_eq!(seq(Loop::Repeat, 1), [0; 10]);
+        // A clip longer than the speech is simply cut.
+        assert_eq!(seq(Loop::PingPong, 100), (0..10).collect::<Vec<_>>());
+        assert_eq!("repeat".parse::<Loop>().unwrap(), Loop::Repeat);
+        assert_eq!("loop".parse::<Loop>().unwrap_err().kind(), "bad_loop");
+        assert_eq!(Loop::default().to_string(), "pingpong");
+    }
+}
