@@ -22,8 +22,13 @@ use crate::media::Error;
 
 use super::avatar::{scale_box, Avatar};
 
-/// JPEG quality of the stored clip frames (measured in docs/BENCHMARKS.md).
-pub const JPEG_QUALITY: u8 = 90;
+/// JPEG qualities tried for a stored clip frame, best first: the first whose JPEG fits
+/// [`JPEG_BYTES_PER_PIXEL`] is kept (measured in docs/BENCHMARKS.md).
+pub const JPEG_QUALITIES: &[u8] = &[90, 80, 70, 60, 50];
+
+/// The most bytes per pixel a stored frame may take unless even the lowest quality is larger.
+/// 0.2 keeps a 10 s 1280×720 clip at 25 fps (with its crops) under 64 MB.
+pub const JPEG_BYTES_PER_PIXEL: f64 = 0.2;
 
 /// How a clip is repeated when the speech is longer than it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -160,9 +165,17 @@ impl Clip {
     }
 }
 
+/// The frame as a JPEG at the best quality within the size budget.
 fn encode_jpeg(frame: &Frame) -> Result<Vec<u8>, Error> {
-    let mut out = Vec::with_capacity(frame.rgb.len() / 8);
-    image::encode_jpeg(frame, JPEG_QUALITY, &mut out)?;
+    let budget = (f64::from(frame.width) * f64::from(frame.height) * JPEG_BYTES_PER_PIXEL) as usize;
+    let mut out = Vec::with_capacity(budget);
+    for &q in JPEG_QUALITIES {
+        out.clear();
+        image::encode_jpeg(frame, q, &mut out)?;
+        if out.len() <= budget {
+            break;
+        }
+    }
     Ok(out)
 }
 
