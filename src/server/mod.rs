@@ -235,6 +235,7 @@ async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
             "max_pixels": md.max_pixels,
             "max_side": md.max_side,
             "max_audio_seconds": md.max_audio_seconds,
+            "max_avatar_seconds": md.max_avatar_seconds,
             "send_timeout_seconds": a.send_timeout,
             "read_timeout_seconds": a.read_timeout,
             "avatar_cache_entries": a.avatar_cache_entries,
