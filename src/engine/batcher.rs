@@ -17,6 +17,9 @@
 //! - Each request may have at most `max_ahead` items taken but not yet acknowledged by its
 //!   consumer: a slow reader stops getting work instead of piling results up.
 //! - Cancelling a request drops its queued items (and says how many).
+//! - Real-time requests (live sessions) carry a deadline per item, in any monotonic unit the
+//!   caller picks. They are admitted outside the queue bound (sessions have their own
+//!   admission) and served first, earliest deadline first; other requests fill what is left.
 
 use std::collections::VecDeque;
 
@@ -53,11 +56,21 @@ struct Lane<T> {
     outstanding: usize,
     /// Has had at least one batch.
     started: bool,
+    /// Real-time requests: each queued item's deadline, front first (empty otherwise).
+    deadlines: VecDeque<u64>,
+    realtime: bool,
 }
 
 impl<T> Lane<T> {
     fn eligible(&self, max_ahead: usize) -> bool {
         !self.items.is_empty() && self.outstanding < max_ahead
+    }
+
+    fn take(&mut self) -> Option<T> {
+        let item = self.items.pop_front()?;
+        self.deadlines.pop_front();
+        self.outstanding += 1;
+        Some(item)
     }
 }
 
@@ -107,6 +120,7 @@ impl<T> Batcher<T> {
     pub fn load(&self) -> usize {
         self.lanes
             .iter()
+            .filter(|l| !l.realtime)
             .map(|l| l.items.len().min(self.limits.max_ahead))
             .sum()
     }
@@ -137,8 +151,40 @@ impl<T> Batcher<T> {
             items,
             outstanding: 0,
             started: false,
+            deadlines: VecDeque::new(),
+            realtime: false,
         });
         Ok(id)
+    }
+
+    /// Admits a real-time request: `(item, deadline)` pairs in the order they are to be
+    /// delivered. Never refused (the caller bounds its sessions); served before any other
+    /// request, earliest deadline first.
+    pub fn admit_realtime(&mut self, items: impl IntoIterator<Item = (T, u64)>) -> RequestId {
+        let (items, deadlines): (VecDeque<T>, VecDeque<u64>) = items.into_iter().unzip();
+        let id = RequestId(self.next_id);
+        self.next_id += 1;
+        self.queued += items.len();
+        self.lanes.push(Lane {
+            id,
+            items,
+            outstanding: 0,
+            // Deadlines, not the first-batch rule, decide when it runs.
+            started: true,
+            deadlines,
+            realtime: true,
+        });
+        id
+    }
+
+    /// The earliest deadline of a real-time item that could be taken now.
+    pub fn earliest_deadline(&self) -> Option<u64> {
+        let ahead = self.limits.max_ahead;
+        self.lanes
+            .iter()
+            .filter(|l| l.realtime && l.eligible(ahead))
+            .filter_map(|l| l.deadlines.front().copied())
+            .min()
     }
 
     /// Whether a batch could be formed now.
@@ -195,6 +241,20 @@ impl<T> Batcher<T> {
         let cap = self.batch_cap().min(limit.max(1));
         let mut batch = Vec::with_capacity(cap);
         let n = self.lanes.len();
+        // Real-time items first, earliest deadline first.
+        while batch.len() < cap {
+            let next = self
+                .lanes
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| l.realtime && l.eligible(ahead))
+                .min_by_key(|(_, l)| l.deadlines.front().copied().unwrap_or(u64::MAX))
+                .map(|(i, _)| i);
+            let Some(i) = next else { break };
+            let lane = &mut self.lanes[i];
+            let item = lane.take().expect("eligible lane has items");
+            batch.push((lane.id, item));
+        }
         // New requests first: up to `first_batch` items each, round-robin one at a time.
         if fresh {
             let first = self.limits.first_batch;
@@ -221,9 +281,8 @@ impl<T> Batcher<T> {
         let mut i = self.cursor % n.max(1);
         while batch.len() < cap && idle_in_a_row < n {
             let lane = &mut self.lanes[i];
-            if (lane.started || !fresh) && lane.eligible(ahead) {
-                let item = lane.items.pop_front().expect("eligible lane has items");
-                lane.outstanding += 1;
+            if !lane.realtime && (lane.started || !fresh) && lane.eligible(ahead) {
+                let item = lane.take().expect("eligible lane has items");
                 batch.push((lane.id, item));
                 idle_in_a_row = 0;
             } else {
@@ -462,5 +521,27 @@ mod tests {
     fn first_batch_never_exceeds_max_batch() {
         let b: Batcher<u32> = Batcher::new(limits(4, 16, 100, 100));
         assert_eq!(b.limits().first_batch, 4);
+    }
+    #[test]
+    fn real_time_items_go_first_earliest_deadline_first_outside_the_queue_bound() {
+        let mut l = limits(4, 2, 5, 5);
+        l.fill_batch = 4;
+        let mut b = Batcher::new(l);
+        let file = b.admit(0..10u32).unwrap();
+        // The bound (5 runnable) is full, yet sessions are admitted and do not count.
+        let late = b.admit_realtime([(100u32, 50u64), (101, 90)]);
+        let early = b.admit_realtime([(200u32, 10u64), (201, 60), (202, 70)]);
+        assert_eq!(b.load(), 5);
+        assert_eq!(b.earliest_deadline(), Some(10));
+        let batch = b.next_batch();
+        let items: Vec<u32> = batch.iter().map(|(_, i)| *i).collect();
+        assert_eq!(items, vec![200, 100, 201, 202]);
+        // What is left of the sessions still comes before the file request.
+        let batch = b.next_batch();
+        assert_eq!(batch[0], (late, 101));
+        // (the file request's first batch: first_batch items)
+        assert_eq!(batch[1..].iter().filter(|(id, _)| *id == file).count(), 2);
+        assert_eq!(b.earliest_deadline(), None);
+        assert_eq!(b.cancel(early), 0);
     }
 }

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::backend::Loader;
 use super::batcher::{Overloaded, RequestId};
@@ -57,6 +57,22 @@ impl Engine {
             next: 0,
             total,
         })
+    }
+
+    /// Admits a live session's frames with their delivery deadlines (served first, earliest
+    /// deadline first; never refused: sessions are admitted by their own bound).
+    pub fn submit_realtime(&self, frames: Vec<(FrameWork, Instant)>) -> Submission {
+        let total = frames.len();
+        let scheduler = self.pool.scheduler().clone();
+        let (id, results) = scheduler.admit_realtime(frames);
+        Submission {
+            scheduler,
+            id,
+            results,
+            pending: BTreeMap::new(),
+            next: 0,
+            total,
+        }
     }
 
     /// Stops the instances after their current batch and waits for them.

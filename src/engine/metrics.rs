@@ -25,6 +25,14 @@ pub const GPU_MEMORY_TOTAL: &str = "lipsync_gpu_memory_total_bytes";
 pub const OOM_SPLITS: &str = "lipsync_oom_splits_total";
 pub const INSTANCE_RESTARTS: &str = "lipsync_instance_restarts_total";
 pub const PRECISION_FALLBACKS: &str = "lipsync_precision_fallbacks_total";
+pub const STREAM_SESSIONS: &str = "lipsync_stream_sessions";
+pub const STREAM_LATENCY: &str = "lipsync_stream_latency_seconds";
+pub const STREAM_LATE_FRAMES: &str = "lipsync_stream_late_frames_total";
+
+/// Buckets of [`STREAM_LATENCY`]: 0.05 to 1.0 s in steps of 0.05.
+pub fn stream_latency_buckets() -> Vec<f64> {
+    (1..=20).map(|i| f64::from(i) / 20.0).collect()
+}
 
 /// Stages timed per request (and per batch for inference).
 pub const STAGES: [&str; 6] = ["decode", "mel", "queue", "inference", "composite", "encode"];

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod pool;
 pub mod render;
 pub mod scheduler;
+pub mod session;
 
 pub use avatar::Avatar;
 pub use clip::{FaceInputs, Loop};
@@ -44,6 +45,9 @@ pub enum Error {
     OutOfMemory(String),
     #[error("the client went away")]
     Cancelled,
+    /// A live session's client sent something it cannot use.
+    #[error("{0}")]
+    Stream(String),
 }
 
 impl Error {
@@ -56,6 +60,7 @@ impl Error {
             Error::Inference(_) => "inference_failed",
             Error::OutOfMemory(_) => "out_of_memory",
             Error::Cancelled => "cancelled",
+            Error::Stream(_) => "bad_stream",
         }
     }
 }

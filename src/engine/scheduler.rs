@@ -41,6 +41,8 @@ struct Lane {
 
 struct State {
     batcher: Batcher<FrameWork>,
+    /// Where real-time deadlines are counted from (microseconds).
+    epoch: Instant,
     lanes: HashMap<RequestId, Lane>,
     shutdown: bool,
 }
@@ -58,6 +60,7 @@ impl Scheduler {
         Scheduler {
             state: Mutex::new(State {
                 batcher: Batcher::new(limits),
+                epoch: Instant::now(),
                 lanes: HashMap::new(),
                 shutdown: false,
             }),
@@ -112,6 +115,33 @@ impl Scheduler {
         drop(s);
         self.work.notify_all();
         Ok((id, results))
+    }
+
+    /// Admits a live session's frames, each with the time it must be delivered by; they are
+    /// served before file requests, earliest deadline first, and never refused.
+    pub fn admit_realtime(
+        &self,
+        frames: Vec<(FrameWork, Instant)>,
+    ) -> (RequestId, Receiver<FrameResult>) {
+        let (reply, results) = mpsc::channel();
+        let mut s = self.lock();
+        let epoch = s.epoch;
+        let id = s.batcher.admit_realtime(frames.into_iter().map(|(f, due)| {
+            let us = due.saturating_duration_since(epoch).as_micros();
+            (f, u64::try_from(us).unwrap_or(u64::MAX))
+        }));
+        s.lanes.insert(
+            id,
+            Lane {
+                reply,
+                admitted: Instant::now(),
+                first_taken: false,
+            },
+        );
+        m::queue_frames(s.batcher.queued());
+        drop(s);
+        self.work.notify_all();
+        (id, results)
     }
 
     /// Blocks until a batch can be formed (waiting up to the fill time for it to grow to a full

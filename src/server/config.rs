@@ -48,6 +48,9 @@ pub struct ServeArgs {
     /// no CORS headers otherwise.
     #[arg(long, env = "LIPSYNC_CORS_ORIGINS", value_delimiter = ',')]
     pub cors_origins: Vec<String>,
+    /// Leave out the try-it page at `/` (then `/` answers 404 like any unknown path).
+    #[arg(long, env = "LIPSYNC_NO_UI")]
+    pub no_ui: bool,
 }
 
 /// A number of seconds, decimals allowed, not negative.
@@ -75,6 +78,7 @@ impl std::fmt::Debug for ServeArgs {
             .field("media", &self.media)
             .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
             .field("cors_origins", &self.cors_origins)
+            .field("no_ui", &self.no_ui)
             .finish_non_exhaustive()
     }
 }

@@ -12,6 +12,7 @@ pub mod conn;
 pub mod error;
 pub mod form;
 pub mod lipsync;
+pub mod ui;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -346,6 +347,12 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/info", get(info))
         .route("/metrics", get(metrics_text))
         .route("/openapi.yaml", get(openapi))
+        // The page is outside the key check: it asks for the key and sends it itself.
+        .merge(if app.args.no_ui {
+            Router::new()
+        } else {
+            ui::routes()
+        })
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         // Forms enforce --max-body-bytes themselves and drain what is over it (see form.rs);

@@ -1,0 +1,892 @@
+//! A live session's engine side: speech arriving in pieces becomes utterances, each
+//! utterance's frames go to the engine with deadlines as soon as their audio is there, and a
+//! continuous video comes out at the session's frame rate, idle between utterances.
+//!
+//! - **Clock.** Frame `k` is due at `start + lag + k / fps`. `lag` covers the 212.5 ms of audio
+//!   Wav2Lip needs after a frame's time (16 mel columns plus half an 800-sample window) and the
+//!   time to draw it. Idle frames are sent when due (all at once when the session is behind, so
+//!   it catches up without a gap in the frame numbers); a speaking frame is sent as soon as it
+//!   is drawn and never skipped: after its due time it is counted as late.
+//! - **Utterances.** Audio that arrives while idle starts an utterance at the next frame
+//!   boundary (`ceil((arrival − start) · fps)`, or the next frame not yet sent). It ends at
+//!   `end`, at `clear` (dropped), or after `utterance_gap` without audio. Its frames follow the
+//!   file rule ([`crate::media::audio::FramePlan`]): frame `j` uses mel columns
+//!   `⌊j · 80 / fps⌋ ..+16` of the utterance's own spectrogram, and its last frames the
+//!   windows the file rule gives for the end of its audio. A column is computed once the audio
+//!   around it is there, from a slice long enough that it equals the whole utterance's column,
+//!   so the model inputs are those of `POST /v1/lipsync` on the same 16 kHz audio.
+//! - **Idle face.** A photo avatar idles on the face the model draws for a silent mel window,
+//!   computed once per session, so speech starts without a jump in the face's look.
+//!
+//! Runs on its own OS thread; the server hands it client messages through a channel and
+//! receives frames and events through a [`Sink`].
+
+use std::collections::VecDeque;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rubato::{Fft, FixedSync, Resampler};
+
+use super::front::{Engine, Submission};
+use super::metrics as m;
+use super::scheduler::FrameWork;
+use super::{Avatar, Error};
+use crate::media::audio::mel::{self, HOP, SAMPLE_RATE};
+use crate::media::audio::{mel_spectrogram, Fps, FramePlan, MIN_SAMPLES, WINDOW};
+use crate::media::face;
+use crate::media::image::Frame;
+
+/// Audio after a frame's time that the model needs to draw it: 16 mel columns of 200 samples
+/// minus one, plus half of the 800-sample STFT window (= 212.5 ms at 16 kHz).
+pub const AUDIO_LOOKAHEAD: Duration = Duration::from_micros(
+    (((WINDOW - 1) * HOP + mel::N_FFT / 2) as u64 * 1_000_000) / SAMPLE_RATE as u64,
+);
+
+/// How often a session waiting for faces looks for them.
+const POLL: Duration = Duration::from_millis(2);
+
+/// Sample encodings a client may send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SampleFormat {
+    S16le,
+    F32le,
+}
+
+impl std::str::FromStr for SampleFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "s16le" => Ok(SampleFormat::S16le),
+            "f32le" => Ok(SampleFormat::F32le),
+            _ => Err(format!("audio format {s:?}: use \"s16le\" or \"f32le\"")),
+        }
+    }
+}
+
+/// The raw audio a client streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AudioFormat {
+    pub sample: SampleFormat,
+    pub rate: u32,
+    pub channels: u16,
+}
+
+impl AudioFormat {
+    pub const MIN_RATE: u32 = 8_000;
+    pub const MAX_RATE: u32 = 192_000;
+
+    /// Checks the rate (8–192 kHz) and channels (1 or 2).
+    pub fn new(sample: SampleFormat, rate: u32, channels: u16) -> Result<Self, String> {
+        if !(Self::MIN_RATE..=Self::MAX_RATE).contains(&rate) {
+            return Err(format!(
+                "sample rate {rate}: use {}–{} Hz",
+                Self::MIN_RATE,
+                Self::MAX_RATE
+            ));
+        }
+        if !(1..=2).contains(&channels) {
+            return Err(format!("{channels} channels: use 1 or 2"));
+        }
+        Ok(AudioFormat {
+            sample,
+            rate,
+            channels,
+        })
+    }
+
+    fn bytes_per_frame(&self) -> usize {
+        usize::from(self.channels)
+            * match self.sample {
+                SampleFormat::S16le => 2,
+                SampleFormat::F32le => 4,
+            }
+    }
+}
+
+/// How a session runs.
+#[derive(Debug, Clone)]
+pub struct SessionConfig {
+    pub fps: Fps,
+    pub audio: AudioFormat,
+    /// An utterance ends after this long without audio.
+    pub utterance_gap: Duration,
+    /// Frame `k` is due at `start + lag + k / fps` (at least [`AUDIO_LOOKAHEAD`]).
+    pub lag: Duration,
+    /// Audio received but not yet drawn, at most (seconds).
+    pub max_undrawn_seconds: f64,
+}
+
+/// What the client sent.
+#[derive(Debug)]
+pub enum Input {
+    /// Raw audio bytes in the session's format, and when they arrived.
+    Audio(Vec<u8>, Instant),
+    /// Drop the audio not yet drawn; idle again.
+    Clear,
+    /// Draw everything sent, then stop.
+    End,
+}
+
+/// Whether the avatar is speaking.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activity {
+    Idle,
+    Speaking,
+}
+
+impl Activity {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Activity::Idle => "idle",
+            Activity::Speaking => "speaking",
+        }
+    }
+}
+
+/// One video frame going out.
+pub struct OutFrame<'a> {
+    pub index: u64,
+    /// Presentation time, `index / fps` seconds.
+    pub pts: f64,
+    pub image: &'a Frame,
+    /// This frame's share of the session's audio (16 kHz mono; silence while idle).
+    pub audio: &'a [f32],
+    /// The idle frame (the same image every time: sinks may cache its encoding).
+    pub idle: bool,
+}
+
+/// Where a session's output goes (the server's WebSocket, a test).
+pub trait Sink {
+    fn event(&mut self, activity: Activity, frame: u64, pts: f64) -> Result<(), Error>;
+    fn frame(&mut self, frame: OutFrame<'_>) -> Result<(), Error>;
+    /// Called after each run of frames sent together (a batch drawn, or idle frames due):
+    /// a sink that buffers sends what it has.
+    fn flush(&mut self) -> Result<(), Error> {
+        Ok(())
+    }
+}
+
+/// What a session did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct SessionStats {
+    pub frames: u64,
+    pub speaking_frames: u64,
+    pub idle_frames: u64,
+    pub late_frames: u64,
+    pub utterances: u64,
+    pub interrupted: u64,
+    /// Audio chunk arrival → its first drawn frame sent, milliseconds.
+    pub latency_ms_p50: Option<f64>,
+    pub latency_ms_p95: Option<f64>,
+    /// Largest delay of a speaking frame past its due time, milliseconds.
+    pub max_lateness_ms: f64,
+    #[serde(skip)]
+    pub latencies: Vec<f64>,
+    #[serde(skip)]
+    pub lateness: Vec<f64>,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    Some(sorted[i.min(sorted.len() - 1)])
+}
+
+impl SessionStats {
+    fn finish(&mut self) {
+        let mut l = self.latencies.clone();
+        l.sort_by(f64::total_cmp);
+        self.latency_ms_p50 = percentile(&l, 0.5).map(|s| s * 1e3);
+        self.latency_ms_p95 = percentile(&l, 0.95).map(|s| s * 1e3);
+    }
+}
+
+/// The face the model draws for silence on `avatar`, 96×96 BGR (waits for the engine).
+pub fn idle_face(engine: &Engine, avatar: &Avatar, wait: Duration) -> Result<Vec<u8>, Error> {
+    let silence = mel_spectrogram(&vec![0.0; MIN_SAMPLES]);
+    let work = FrameWork {
+        index: 0,
+        mel: silence.window(0, WINDOW),
+        face: Arc::new(avatar.input.clone()),
+    };
+    let mut sub = engine.submit_realtime(vec![(work, Instant::now())]);
+    let until = Instant::now() + wait;
+    loop {
+        if let Some(face) = sub.next_face(Duration::from_millis(50))? {
+            return Ok(face);
+        }
+        if Instant::now() >= until {
+            return Err(Error::Inference(
+                "the idle face was not drawn in time".into(),
+            ));
+        }
+    }
+}
+
+/// Streaming resampler to 16 kHz (10 ms blocks; its start-up delay trimmed).
+struct StreamResampler {
+    r: Fft<f32>,
+    pending: Vec<f32>,
+    to_trim: usize,
+    fed: usize,
+    produced: usize,
+}
+
+impl StreamResampler {
+    fn new(rate: u32) -> Result<Self, Error> {
+        let fail = |e: String| Error::Stream(format!("cannot resample {rate} Hz audio: {e}"));
+        let g = gcd(rate as usize, SAMPLE_RATE as usize);
+        let (block_in, block_out) = (rate as usize / g, SAMPLE_RATE as usize / g);
+        let mut blocks = (rate as usize / 100).div_ceil(block_in).max(1);
+        if blocks * block_out % 2 == 1 {
+            blocks += 1;
+        }
+        let r = Fft::<f32>::new_custom(
+            rate as usize,
+            SAMPLE_RATE as usize,
+            blocks * block_in,
+            1,
+            1,
+            rubato::WindowFunction::BlackmanHarris2,
+            FixedSync::Input,
+        )
+        .map_err(|e| fail(e.to_string()))?;
+        Ok(StreamResampler {
+            to_trim: r.output_delay(),
+            r,
+            pending: Vec::new(),
+            fed: 0,
+            produced: 0,
+        })
+    }
+
+    fn run(&mut self, input: &[f32], partial: Option<usize>, out: &mut Vec<f32>) {
+        use audioadapter_buffers::direct::InterleavedSlice;
+        let need = self.r.input_frames_next();
+        let mut block = input.to_vec();
+        block.resize(need, 0.0);
+        let Ok(adapter) = InterleavedSlice::new(&block[..], 1, need) else {
+            return;
+        };
+        let indexing = rubato::Indexing {
+            input_offset: 0,
+            output_offset: 0,
+            partial_len: partial,
+            active_channels_mask: None,
+        };
+        if let Ok(res) = self.r.process(&adapter, Some(&indexing)) {
+            let data = res.take_data();
+            let skip = self.to_trim.min(data.len());
+            self.to_trim -= skip;
+            self.produced += data.len() - skip;
+            out.extend_from_slice(&data[skip..]);
+        }
+    }
+
+    fn push(&mut self, x: &[f32], out: &mut Vec<f32>) {
+        self.pending.extend_from_slice(x);
+        self.fed += x.len();
+        loop {
+            let need = self.r.input_frames_next();
+            if self.pending.len() < need {
+                break;
+            }
+            let block: Vec<f32> = self.pending.drain(..need).collect();
+            self.run(&block, None, out);
+        }
+    }
+
+    /// The rest, padded with silence, to `ceil(fed · 16000 / rate)` samples in all.
+    fn finish(&mut self, rate: u32, out: &mut Vec<f32>) {
+        let expected = (self.fed as u64 * u64::from(SAMPLE_RATE)).div_ceil(u64::from(rate));
+        let pending = std::mem::take(&mut self.pending);
+        let mut first = true;
+        let mut guard = 0;
+        while (self.produced as u64) < expected && guard < 64 {
+            let partial = if first { pending.len() } else { 0 };
+            let input = if first { &pending[..] } else { &[][..] };
+            self.run(input, Some(partial), out);
+            first = false;
+            guard += 1;
+        }
+        let extra = self.produced as u64 - expected.min(self.produced as u64);
+        out.truncate(out.len() - extra as usize);
+        self.produced -= extra as usize;
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// The mel window `start ..start + 16` of an utterance whose first `samples.len()` samples
+/// are known: computed from a slice that starts three hops before the window (so the
+/// pre-emphasis and the STFT frame see the same samples as the whole utterance's) and ends
+/// where the last column's frame ends, or at the end of the audio (then its reflect padding is
+/// the whole utterance's too).
+pub fn mel_window(samples: &[f32], start: usize) -> Vec<f32> {
+    let from = start.saturating_sub(3) * HOP;
+    let to = samples
+        .len()
+        .min((start + WINDOW - 1) * HOP + mel::N_FFT / 2);
+    let mel = mel_spectrogram(&samples[from..to]);
+    mel.window(start - from / HOP, WINDOW)
+}
+
+/// Mel columns of `n` samples that no later sample changes.
+fn final_columns(n: usize) -> usize {
+    let half = mel::N_FFT / 2;
+    if n >= half {
+        (n - half) / HOP + 1
+    } else {
+        0
+    }
+}
+
+struct Utterance {
+    /// Video frame of the utterance's frame 0.
+    first: u64,
+    /// 16 kHz mono.
+    samples: Vec<f32>,
+    resampler: Option<StreamResampler>,
+    closed: bool,
+    last_audio: Instant,
+    /// Frames handed to the engine.
+    planned: usize,
+    /// All its frames, once closed.
+    total: Option<usize>,
+    /// Submissions in order, with their frames not yet received.
+    subs: VecDeque<(Submission, usize)>,
+    /// Frames sent.
+    sent: usize,
+    /// The face of frame `sent`, when it has come.
+    ready: Option<Vec<u8>>,
+    /// `(first 16 kHz sample, arrival)` of each audio chunk not yet in a sent frame.
+    arrivals: VecDeque<(usize, Instant)>,
+}
+
+impl Utterance {
+    fn done(&self) -> bool {
+        self.total == Some(self.sent)
+    }
+
+    /// Pulls the next face if it has come.
+    fn pull(&mut self) -> Result<(), Error> {
+        while self.ready.is_none() {
+            let Some((sub, left)) = self.subs.front_mut() else {
+                return Ok(());
+            };
+            match sub.next_face(Duration::ZERO)? {
+                Some(face) => {
+                    *left -= 1;
+                    if *left == 0 {
+                        self.subs.pop_front();
+                    }
+                    self.ready = Some(face);
+                }
+                None => return Ok(()),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A running session (see the module documentation).
+pub struct Session<'a> {
+    engine: &'a Engine,
+    avatar: Arc<Avatar>,
+    face_input: Arc<Vec<f32>>,
+    cfg: SessionConfig,
+    idle_frame: Frame,
+    start: Instant,
+    /// Next frame to send.
+    next: u64,
+    shown: Option<Activity>,
+    utts: VecDeque<Utterance>,
+    carry: Vec<u8>,
+    ending: bool,
+    silence: Vec<f32>,
+    scratch: Frame,
+    stats: SessionStats,
+}
+
+impl<'a> Session<'a> {
+    /// A session whose frame 0 is due at `start + cfg.lag`; `idle_face` from [`idle_face`].
+    pub fn new(
+        engine: &'a Engine,
+        avatar: Arc<Avatar>,
+        idle_face: &[u8],
+        cfg: SessionConfig,
+        start: Instant,
+    ) -> Self {
+        let mut idle_frame = avatar.frame.clone();
+        face::paste(&mut idle_frame, &avatar.face, idle_face, &avatar.mask);
+        Session {
+            engine,
+            face_input: Arc::new(avatar.input.clone()),
+            scratch: idle_frame.clone(),
+            idle_frame,
+            avatar,
+            cfg,
+            start,
+            next: 0,
+            shown: None,
+            utts: VecDeque::new(),
+            carry: Vec::new(),
+            ending: false,
+            silence: Vec::new(),
+            stats: SessionStats::default(),
+        }
+    }
+
+    fn fps(&self) -> f64 {
+        self.cfg.fps.value()
+    }
+
+    fn due(&self, k: u64) -> Instant {
+        self.start + self.cfg.lag + Duration::from_secs_f64(k as f64 / self.fps())
+    }
+
+    fn pts(&self, k: u64) -> f64 {
+        self.cfg.fps.seconds(k as usize)
+    }
+
+    /// First 16 kHz sample of frame `k` on the session's timeline.
+    fn sample_at(&self, k: u64) -> u64 {
+        let (num, den) = self.cfg.fps.ratio();
+        k * u64::from(SAMPLE_RATE) * u64::from(den) / u64::from(num)
+    }
+
+    /// Runs until `end` has been drawn (then returns the stats) or the client goes away.
+    pub fn run(
+        mut self,
+        inputs: &Receiver<Input>,
+        sink: &mut dyn Sink,
+    ) -> Result<SessionStats, Error> {
+        loop {
+            let wait = self.wait_time();
+            match inputs.recv_timeout(wait) {
+                Ok(input) => {
+                    self.input(input)?;
+                    while let Ok(input) = inputs.try_recv() {
+                        self.input(input)?;
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => {
+                    if !self.ending {
+                        return Err(Error::Cancelled);
+                    }
+                }
+            }
+            self.close_quiet_utterances();
+            self.plan()?;
+            self.emit(sink)?;
+            if self.ending && self.utts.is_empty() {
+                if self.shown != Some(Activity::Idle) {
+                    self.send_idle(sink)?;
+                    sink.flush()?;
+                }
+                self.stats.finish();
+                return Ok(self.stats);
+            }
+        }
+    }
+
+    fn wait_time(&self) -> Duration {
+        if self.utts.iter().any(|u| !u.subs.is_empty()) {
+            return POLL;
+        }
+        let now = Instant::now();
+        let mut until = self.due(self.next);
+        for u in &self.utts {
+            if !u.closed {
+                until = until.min(u.last_audio + self.cfg.utterance_gap);
+            }
+        }
+        until
+            .saturating_duration_since(now)
+            .clamp(Duration::from_millis(1), POLL * 25)
+    }
+
+    fn input(&mut self, input: Input) -> Result<(), Error> {
+        match input {
+            Input::Audio(bytes, arrived) if !self.ending => self.audio(&bytes, arrived)?,
+            Input::Audio(..) => {}
+            Input::Clear => {
+                if !self.utts.is_empty() {
+                    self.stats.interrupted += 1;
+                }
+                self.utts.clear(); // dropping the submissions cancels their queued frames
+                self.carry.clear();
+            }
+            Input::End => {
+                self.ending = true;
+                if let Some(u) = self.utts.back_mut() {
+                    if !u.closed {
+                        close(u, self.cfg.audio.rate);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn audio(&mut self, bytes: &[u8], arrived: Instant) -> Result<(), Error> {
+        let fmt = self.cfg.audio;
+        self.carry.extend_from_slice(bytes);
+        let frame_bytes = fmt.bytes_per_frame();
+        let whole = self.carry.len() / frame_bytes * frame_bytes;
+        if whole == 0 {
+            return Ok(());
+        }
+        let raw: Vec<u8> = self.carry.drain(..whole).collect();
+        let channels = usize::from(fmt.channels);
+        let values: Vec<f32> = match fmt.sample {
+            SampleFormat::S16le => raw
+                .chunks_exact(2)
+                .map(|c| f32::from(i16::from_le_bytes([c[0], c[1]])) / 32_768.0)
+                .collect(),
+            SampleFormat::F32le => raw
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        };
+        if values.iter().any(|v| !v.is_finite()) {
+            return Err(Error::Stream(
+                "the audio holds NaN or infinite samples".into(),
+            ));
+        }
+        let mono: Vec<f32> = if channels == 1 {
+            values
+        } else {
+            let inv = 1.0 / channels as f32;
+            values
+                .chunks_exact(channels)
+                .map(|f| f.iter().sum::<f32>() * inv)
+                .collect()
+        };
+        // Audio while idle (or after the last utterance closed) starts a new utterance.
+        if self.utts.back().is_none_or(|u| u.closed) {
+            let t = arrived.saturating_duration_since(self.start).as_secs_f64();
+            let mut first = ((t * self.fps()).ceil() as u64).max(self.next);
+            if let Some(prev) = self.utts.back() {
+                first = first.max(prev.first + prev.total.unwrap_or(0) as u64);
+            }
+            let resampler = if fmt.rate == SAMPLE_RATE {
+                None
+            } else {
+                Some(StreamResampler::new(fmt.rate)?)
+            };
+            self.utts.push_back(Utterance {
+                first,
+                samples: Vec::new(),
+                resampler,
+                closed: false,
+                last_audio: arrived,
+                planned: 0,
+                total: None,
+                subs: VecDeque::new(),
+                sent: 0,
+                ready: None,
+                arrivals: VecDeque::new(),
+            });
+            self.stats.utterances += 1;
+        }
+        let u = self.utts.back_mut().expect("an open utterance");
+        u.last_audio = arrived;
+        let at = u.samples.len();
+        match &mut u.resampler {
+            None => u.samples.extend_from_slice(&mono),
+            Some(r) => r.push(&mono, &mut u.samples),
+        }
+        u.arrivals.push_back((at, arrived));
+        // Undrawn audio is bounded.
+        let per_frame = f64::from(SAMPLE_RATE) / self.fps();
+        let undrawn: f64 = self
+            .utts
+            .iter()
+            .map(|u| (u.samples.len() as f64 - u.sent as f64 * per_frame).max(0.0))
+            .sum();
+        if undrawn > self.cfg.max_undrawn_seconds * f64::from(SAMPLE_RATE) {
+            return Err(Error::Stream(format!(
+                "more than {} s of audio is waiting to be drawn: send it no faster than real \
+                 time",
+                self.cfg.max_undrawn_seconds
+            )));
+        }
+        Ok(())
+    }
+
+    fn close_quiet_utterances(&mut self) {
+        let now = Instant::now();
+        let gap = self.cfg.utterance_gap;
+        let rate = self.cfg.audio.rate;
+        for u in self.utts.iter_mut() {
+            if !u.closed && now.saturating_duration_since(u.last_audio) >= gap {
+                close(u, rate);
+            }
+        }
+    }
+
+    /// Hands every frame whose audio is complete to the engine.
+    fn plan(&mut self) -> Result<(), Error> {
+        let step = mel::MEL_FPS / self.fps();
+        for i in 0..self.utts.len() {
+            let u = &self.utts[i];
+            let (total, plan) = if u.closed {
+                let cols = 1 + u.samples.len() / HOP;
+                let plan = FramePlan::new(cols, self.cfg.fps)?;
+                (plan.len(), Some(plan))
+            } else {
+                let cols = final_columns(u.samples.len());
+                let mut n = u.planned;
+                while ((n as f64 * step) as usize) + WINDOW <= cols {
+                    n += 1;
+                }
+                (n, None)
+            };
+            if u.closed {
+                self.utts[i].total = Some(total);
+            }
+            let u = &self.utts[i];
+            if total <= u.planned {
+                continue;
+            }
+            let mut frames = Vec::with_capacity(total - u.planned);
+            for (index, j) in (u.planned..total).enumerate() {
+                let start = match &plan {
+                    Some(p) => p.start(j),
+                    None => (j as f64 * step) as usize,
+                };
+                let work = FrameWork {
+                    index,
+                    mel: mel_window(&u.samples, start),
+                    face: self.face_input.clone(),
+                };
+                frames.push((work, self.due(u.first + j as u64)));
+            }
+            let n = frames.len();
+            let sub = self.engine.submit_realtime(frames);
+            let u = &mut self.utts[i];
+            u.subs.push_back((sub, n));
+            u.planned = total;
+        }
+        Ok(())
+    }
+
+    fn audio_of(&mut self, k: u64) -> Vec<f32> {
+        let len = (self.sample_at(k + 1) - self.sample_at(k)) as usize;
+        match self.utts.front() {
+            Some(u) if k >= u.first => {
+                let base = self.sample_at(u.first);
+                let from = (self.sample_at(k) - base) as usize;
+                let mut a: Vec<f32> = u
+                    .samples
+                    .get(from..(from + len).min(u.samples.len()))
+                    .unwrap_or(&[])
+                    .to_vec();
+                a.resize(len, 0.0);
+                a
+            }
+            _ => {
+                self.silence.resize(len, 0.0);
+                self.silence.clone()
+            }
+        }
+    }
+
+    fn send_idle(&mut self, sink: &mut dyn Sink) -> Result<(), Error> {
+        let k = self.next;
+        if self.shown != Some(Activity::Idle) {
+            sink.event(Activity::Idle, k, self.pts(k))?;
+            self.shown = Some(Activity::Idle);
+        }
+        let audio = self.audio_of(k);
+        sink.frame(OutFrame {
+            index: k,
+            pts: self.pts(k),
+            image: &self.idle_frame,
+            audio: &audio,
+            idle: true,
+        })?;
+        self.stats.frames += 1;
+        self.stats.idle_frames += 1;
+        self.next += 1;
+        Ok(())
+    }
+
+    /// Sends every frame that is due or drawn, in order.
+    fn emit(&mut self, sink: &mut dyn Sink) -> Result<(), Error> {
+        let mut sent_any = false;
+        let mut sent_speaking: Vec<(u64, Instant)> = Vec::new();
+        loop {
+            let k = self.next;
+            let speaking_now = match self.utts.front_mut() {
+                Some(u) => {
+                    u.pull()?;
+                    k >= u.first
+                }
+                None => false,
+            };
+            if !speaking_now {
+                // An idle frame: when due, or at once when a drawn face waits behind it.
+                let face_waiting = self.utts.front().is_some_and(|u| u.ready.is_some());
+                if Instant::now() >= self.due(k) || face_waiting {
+                    self.send_idle(sink)?;
+                    sent_any = true;
+                    continue;
+                }
+                break;
+            }
+            let Some(face) = self.utts.front_mut().and_then(|u| u.ready.take()) else {
+                break;
+            };
+            let (first, j) = {
+                let u = self.utts.front().expect("speaking");
+                (u.first, (k - u.first) as usize)
+            };
+            if j == 0 || self.shown != Some(Activity::Speaking) {
+                sink.event(Activity::Speaking, k, self.pts(k))?;
+                self.shown = Some(Activity::Speaking);
+            }
+            self.scratch.rgb.copy_from_slice(&self.avatar.frame.rgb);
+            face::paste(
+                &mut self.scratch,
+                &self.avatar.face,
+                &face,
+                &self.avatar.mask,
+            );
+            let audio = self.audio_of(k);
+            let image = std::mem::replace(&mut self.scratch, Frame::new(0, 0, Vec::new()));
+            let r = sink.frame(OutFrame {
+                index: k,
+                pts: self.pts(k),
+                image: &image,
+                audio: &audio,
+                idle: false,
+            });
+            self.scratch = image;
+            r?;
+            let now = Instant::now();
+            let lateness = now.saturating_duration_since(self.due(k)).as_secs_f64();
+            self.stats.lateness.push(lateness);
+            self.stats.max_lateness_ms = self.stats.max_lateness_ms.max(lateness * 1e3);
+            if lateness > 0.0 {
+                self.stats.late_frames += 1;
+                metrics::counter!(m::STREAM_LATE_FRAMES).increment(1);
+            }
+            self.stats.frames += 1;
+            self.stats.speaking_frames += 1;
+            self.next += 1;
+            sent_any = true;
+            // Audio chunks whose first sample is in this frame: their first drawn frame.
+            let end_sample = (self.sample_at(k + 1) - self.sample_at(first)) as usize;
+            let u = self.utts.front_mut().expect("speaking");
+            u.sent = j + 1;
+            while u.arrivals.front().is_some_and(|(s, _)| *s < end_sample) {
+                let (_, at) = u.arrivals.pop_front().expect("checked");
+                sent_speaking.push((k, at));
+            }
+            if u.done() {
+                self.utts.pop_front();
+            }
+        }
+        if sent_any {
+            sink.flush()?;
+            let now = Instant::now();
+            for (_, at) in sent_speaking {
+                let l = now.saturating_duration_since(at).as_secs_f64();
+                self.stats.latencies.push(l);
+                metrics::histogram!(m::STREAM_LATENCY).record(l);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// No more audio for `u`: the rest of its resampled audio, and at least one mel window.
+fn close(u: &mut Utterance, rate: u32) {
+    if let Some(r) = &mut u.resampler {
+        r.finish(rate, &mut u.samples);
+    }
+    if u.samples.len() < MIN_SAMPLES {
+        u.samples.resize(MIN_SAMPLES, 0.0);
+    }
+    u.closed = true;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn speech(n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| (i as f32 * 0.013).sin() * 0.3 + (i as f32 * 0.0021).cos() * 0.2)
+            .collect()
+    }
+
+    #[test]
+    fn windows_from_a_growing_utterance_equal_the_whole_utterances() {
+        let x = speech(16_000);
+        let whole = mel_spectrogram(&x);
+        let plan = FramePlan::new(whole.frames(), Fps::DEFAULT).unwrap();
+        let step = mel::MEL_FPS / 25.0;
+        for j in 0..plan.len() {
+            let start = plan.start(j);
+            let want = whole.window(start, WINDOW);
+            // The shortest prefix that makes this window final (or all of it at the end).
+            let open = (j as f64 * step) as usize == start;
+            let n = if open && start + WINDOW <= final_columns(x.len()) {
+                (start + WINDOW - 1) * HOP + mel::N_FFT / 2
+            } else {
+                x.len()
+            };
+            assert!(start + WINDOW <= final_columns(n) || n == x.len());
+            assert_eq!(mel_window(&x[..n], start), want, "frame {j}");
+        }
+    }
+
+    #[test]
+    fn the_lookahead_is_212_5_ms() {
+        assert_eq!(AUDIO_LOOKAHEAD, Duration::from_micros(212_500));
+    }
+
+    #[test]
+    fn streamed_resampling_keeps_length_and_tone() {
+        let rate = 48_000;
+        let x: Vec<f32> = (0..rate)
+            .map(|i| (2.0 * std::f32::consts::PI * 440.0 * i as f32 / rate as f32).sin() * 0.5)
+            .collect();
+        let mut r = StreamResampler::new(rate).unwrap();
+        let mut out = Vec::new();
+        for chunk in x.chunks(777) {
+            r.push(chunk, &mut out);
+        }
+        r.finish(rate, &mut out);
+        assert_eq!(out.len(), 16_000);
+        let whole = crate::media::audio::resample::to_16k(&x, rate).unwrap();
+        let err = out[800..15200]
+            .iter()
+            .zip(&whole[800..15200])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(err < 1e-2, "max difference from the file path {err}");
+    }
+
+    #[test]
+    fn audio_formats_are_checked() {
+        assert!(AudioFormat::new(SampleFormat::S16le, 16_000, 1).is_ok());
+        assert!(AudioFormat::new(SampleFormat::F32le, 44_100, 2).is_ok());
+        assert!(AudioFormat::new(SampleFormat::S16le, 4_000, 1).is_err());
+        assert!(AudioFormat::new(SampleFormat::S16le, 16_000, 3).is_err());
+        assert!("u8".parse::<SampleFormat>().is_err());
+    }
+}

@@ -1,0 +1,652 @@
+//! `GET /v1/stream`: a live session over a WebSocket. Speech arrives in binary messages, a
+//! talking avatar goes back as it is drawn (see `openapi.yaml` for the messages).
+//!
+//! Before the upgrade: the API key (`Authorization: Bearer` or `?api_key=`), the `Origin`
+//! (only `--cors-origins` or the server's own host), a real upgrade request (else 426), a
+//! ready engine, and a free session slot (`--max-sessions`, else 429). After it, the first
+//! text message opens the session; the session itself runs on its own OS thread
+//! ([`crate::engine::session`]), and this task only moves messages between the socket and it.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use tokio::sync::mpsc;
+
+use super::error::ApiError;
+use super::{avatars, constant_time_eq, App};
+use crate::engine::metrics as m;
+use crate::engine::session::{
+    self, Activity, AudioFormat, Input, OutFrame, SampleFormat, Session, SessionConfig, Sink,
+};
+use crate::engine::{self, Avatar, Engine};
+use crate::media::audio::Fps;
+
+/// Close codes.
+const NORMAL: u16 = 1000;
+const GOING_AWAY: u16 = 1001;
+const POLICY: u16 = 1008;
+const INTERNAL: u16 = 1011;
+const TRY_LATER: u16 = 1013;
+const UNKNOWN_AVATAR: u16 = 4404;
+
+/// Messages queued between a session's thread and its socket.
+const OUT_QUEUE: usize = 64;
+
+/// JPEG quality of `jpeg` output.
+const JPEG_QUALITY: u8 = 85;
+
+/// The open sessions and their frame rates.
+#[derive(Default)]
+pub struct Sessions {
+    open: Mutex<HashMap<u64, f64>>,
+    next: AtomicU64,
+}
+
+impl Sessions {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, f64>> {
+        self.open.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn count(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// A slot, unless `max` sessions are open.
+    fn try_open(self: &Arc<Self>, max: usize) -> Option<Slot> {
+        let mut open = self.lock();
+        if open.len() >= max {
+            return None;
+        }
+        let id = self.next.fetch_add(1, Ordering::SeqCst);
+        open.insert(id, 0.0);
+        metrics::gauge!(m::STREAM_SESSIONS).set(open.len() as f64);
+        Some(Slot {
+            sessions: self.clone(),
+            id,
+        })
+    }
+}
+
+/// An open session's place; freed when dropped.
+struct Slot {
+    sessions: Arc<Sessions>,
+    id: u64,
+}
+
+impl Slot {
+    /// Claims `fps` of the engine's `capacity` (frames/s), unless other sessions hold too
+    /// much of it already (one session is always admitted).
+    fn claim(&self, fps: f64, capacity: f64) -> bool {
+        let mut open = self.sessions.lock();
+        let others: Vec<f64> = open
+            .iter()
+            .filter(|(id, _)| **id != self.id)
+            .map(|(_, f)| *f)
+            .collect();
+        let used: f64 = others.iter().sum();
+        if !others.iter().all(|f| *f == 0.0) && used + fps > capacity {
+            return false;
+        }
+        open.insert(self.id, fps);
+        true
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut open = self.sessions.lock();
+        open.remove(&self.id);
+        metrics::gauge!(m::STREAM_SESSIONS).set(open.len() as f64);
+    }
+}
+
+/// Frames per second the instances sustain at their largest batch (from the warm-up), if
+/// measured.
+fn capacity_fps(engine: &Engine) -> Option<f64> {
+    let cost = engine.status().batch_cost()?;
+    let n = engine.scheduler().limits().max_batch as f64;
+    let t = cost.fixed + cost.per_frame * n;
+    (t > 0.0).then(|| engine.status().instances as f64 * n / t)
+}
+
+/// `--max-sessions`, or the 25 fps sessions the measured batch times sustain (at least 1).
+pub fn max_sessions(app: &App, engine: &Engine) -> usize {
+    app.args.max_sessions.unwrap_or_else(|| {
+        capacity_fps(engine).map_or(1, |fps| ((fps / 25.0).floor() as usize).max(1))
+    })
+}
+
+/// With `--api-key`: `Authorization: Bearer <key>` or `?api_key=<key>`.
+fn authorize(
+    app: &App,
+    headers: &HeaderMap,
+    query: &HashMap<String, String>,
+) -> Result<(), ApiError> {
+    let Some(key) = &app.args.api_key else {
+        return Ok(());
+    };
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let given = bearer
+        .or(query.get("api_key").map(String::as_str))
+        .unwrap_or("");
+    if constant_time_eq(given.as_bytes(), key.as_bytes()) {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "missing or wrong API key (send `Authorization: Bearer <key>` or `?api_key=<key>`)",
+        ))
+    }
+}
+
+/// An `Origin` (browsers send one) must be allowed by `--cors-origins` or be this server.
+fn check_origin(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(origin) = headers.get(header::ORIGIN) else {
+        return Ok(());
+    };
+    let origin = origin.to_str().unwrap_or("").trim();
+    let allowed = &app.args.cors_origins;
+    if allowed
+        .iter()
+        .any(|o| o.trim() == "*" || o.trim().eq_ignore_ascii_case(origin))
+    {
+        return Ok(());
+    }
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("");
+    let authority = origin
+        .strip_prefix("http://")
+        .or_else(|| origin.strip_prefix("https://"))
+        .unwrap_or("");
+    if !host.is_empty() && authority.eq_ignore_ascii_case(host) {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        StatusCode::FORBIDDEN,
+        "origin_not_allowed",
+        format!(
+            "WebSocket connections from origin {origin:?} are not allowed (see --cors-origins)"
+        ),
+    ))
+}
+
+/// `GET /v1/stream`
+pub async fn stream(
+    State(app): State<Arc<App>>,
+    query: Result<Query<HashMap<String, String>>, axum::extract::rejection::QueryRejection>,
+    headers: HeaderMap,
+    ws: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
+) -> Response {
+    let query = query.map(|q| q.0).unwrap_or_default();
+    let checks = authorize(&app, &headers, &query).and_then(|_| check_origin(&app, &headers));
+    if let Err(e) = checks {
+        return e.into_response();
+    }
+    let Ok(ws) = ws else {
+        return ApiError::new(
+            StatusCode::UPGRADE_REQUIRED,
+            "upgrade_required",
+            "GET /v1/stream is a WebSocket: connect with `Connection: Upgrade`, \
+             `Upgrade: websocket` (e.g. `lipsync stream` or any WebSocket client)",
+        )
+        .into_response();
+    };
+    let engine = match app.ready_engine() {
+        Ok(e) => e,
+        Err(e) => return e.into_response(),
+    };
+    let max = max_sessions(&app, engine);
+    let Some(slot) = app.sessions.try_open(max) else {
+        return ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "overloaded",
+            format!("{max} live sessions are open (--max-sessions)"),
+        )
+        .with_retry_after(5)
+        .into_response();
+    };
+    let span = tracing::Span::current();
+    ws.on_upgrade(move |socket| {
+        use tracing::Instrument;
+        run(socket, app, slot).instrument(span)
+    })
+}
+
+/// What goes back to the client.
+enum Out {
+    Text(String),
+    Binary(Vec<u8>),
+    Close(u16, String),
+}
+
+fn error_json(error: &str, kind: &str) -> String {
+    serde_json::json!({ "type": "error", "error": error, "error_type": kind }).to_string()
+}
+
+/// Sends an error message and closes with `code`.
+async fn fail(socket: &mut WebSocket, code: u16, kind: &str, error: &str) {
+    let _ = socket
+        .send(Message::Text(error_json(error, kind).into()))
+        .await;
+    close(socket, code, kind).await;
+}
+
+async fn close(socket: &mut WebSocket, code: u16, reason: &str) {
+    let _ = socket
+        .send(Message::Close(Some(CloseFrame {
+            code,
+            reason: reason.chars().take(100).collect::<String>().into(),
+        })))
+        .await;
+}
+
+/// The client's opening message.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Opening {
+    avatar_id: String,
+    #[serde(default)]
+    fps: Option<serde_json::Value>,
+    #[serde(default)]
+    audio: Option<AudioSpec>,
+    #[serde(default)]
+    output: Option<String>,
+    #[serde(default)]
+    blend: Option<String>,
+    #[serde(default, rename = "loop")]
+    loop_: Option<bool>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AudioSpec {
+    #[serde(default)]
+    format: Option<String>,
+    #[serde(default)]
+    sample_rate: Option<u32>,
+    #[serde(default)]
+    channels: Option<u16>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Output {
+    Fmp4,
+    Jpeg,
+}
+
+struct Opened {
+    avatar_id: String,
+    fps: Fps,
+    audio: AudioFormat,
+    output: Output,
+    blend: Option<crate::media::face::Blend>,
+}
+
+/// A bad opening: `(error_type, message)`.
+fn parse_opening(text: &str) -> Result<Opened, (&'static str, String)> {
+    let o: Opening = serde_json::from_str(text).map_err(|e| {
+        (
+            "bad_message",
+            format!(
+                "the first message must be {{\"avatar_id\": ..., \"fps\": 25, \"audio\": \
+                 {{\"format\": \"s16le\", \"sample_rate\": 16000, \"channels\": 1}}, \
+                 \"output\": \"fmp4\"}}: {e}"
+            ),
+        )
+    })?;
+    let fps = match &o.fps {
+        None => Fps::DEFAULT,
+        Some(serde_json::Value::Number(n)) => n
+            .as_f64()
+            .ok_or("not a number")
+            .map_err(|e| ("bad_fps", e.to_string()))
+            .and_then(|v| Fps::new(v).map_err(|e| ("bad_fps", e.to_string())))?,
+        Some(serde_json::Value::String(s)) => {
+            s.parse::<Fps>().map_err(|e| ("bad_fps", e.to_string()))?
+        }
+        Some(_) => {
+            return Err((
+                "bad_fps",
+                "`fps` is a number or a string like \"30000/1001\"".into(),
+            ))
+        }
+    };
+    let spec = o.audio.unwrap_or(AudioSpec {
+        format: None,
+        sample_rate: None,
+        channels: None,
+    });
+    let sample: SampleFormat = spec
+        .format
+        .as_deref()
+        .unwrap_or("s16le")
+        .parse()
+        .map_err(|e| ("bad_audio_format", e))?;
+    let audio = AudioFormat::new(
+        sample,
+        spec.sample_rate.unwrap_or(16_000),
+        spec.channels.unwrap_or(1),
+    )
+    .map_err(|e| ("bad_audio_format", e))?;
+    let output = match o.output.as_deref().unwrap_or("fmp4") {
+        "fmp4" => Output::Fmp4,
+        "jpeg" => Output::Jpeg,
+        other => {
+            return Err((
+                "bad_output",
+                format!("output {other:?}: use \"fmp4\" or \"jpeg\""),
+            ))
+        }
+    };
+    let blend = o
+        .blend
+        .as_deref()
+        .map(|b| {
+            b.parse()
+                .map_err(|e: crate::media::Error| ("bad_blend", e.to_string()))
+        })
+        .transpose()?;
+    if o.loop_ == Some(true) {
+        return Err((
+            "bad_message",
+            "`loop` applies to video avatars, which live sessions do not serve yet".into(),
+        ));
+    }
+    Ok(Opened {
+        avatar_id: o.avatar_id,
+        fps,
+        audio,
+        output,
+        blend,
+    })
+}
+
+/// Receives the next client message within the idle timeout: `Err` with the reason to stop.
+async fn next_message(
+    socket: &mut WebSocket,
+    idle: Option<Duration>,
+) -> Result<Option<Message>, &'static str> {
+    let msg = match idle {
+        Some(t) => match tokio::time::timeout(t, socket.recv()).await {
+            Ok(m) => m,
+            Err(_) => return Err("idle_timeout"),
+        },
+        None => socket.recv().await,
+    };
+    match msg {
+        Some(Ok(m)) => Ok(Some(m)),
+        _ => Ok(None), // closed or broken: the client is gone
+    }
+}
+
+async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
+    let idle = super::config::timeout(app.args.session_idle_timeout);
+    let first = loop {
+        match next_message(&mut socket, idle).await {
+            Err(kind) => {
+                return fail(&mut socket, POLICY, kind, "no opening message in time").await
+            }
+            Ok(None) => return,
+            Ok(Some(Message::Text(t))) => break t.to_string(),
+            Ok(Some(Message::Ping(_) | Message::Pong(_))) => continue,
+            Ok(Some(_)) => {
+                return fail(
+                    &mut socket,
+                    POLICY,
+                    "bad_message",
+                    "the first message must be the opening JSON text message",
+                )
+                .await
+            }
+        }
+    };
+    let opened = match parse_opening(&first) {
+        Ok(o) => o,
+        Err((kind, msg)) => return fail(&mut socket, POLICY, kind, &msg).await,
+    };
+    let avatar = match avatars::lookup(&app, &opened.avatar_id) {
+        Ok(a) => a,
+        Err(e) => return fail(&mut socket, UNKNOWN_AVATAR, e.kind, &e.message).await,
+    };
+    if avatar.clip.is_some() {
+        let msg = "live sessions serve photo avatars; video avatars are not served here yet";
+        return fail(&mut socket, POLICY, "unsupported_avatar", msg).await;
+    }
+    let avatar = match opened.blend {
+        Some(b) if b != avatar.blend => Arc::new(avatar.with_blend(b)),
+        _ => avatar,
+    };
+    let engine = match app.ready_engine() {
+        Ok(e) => e,
+        Err(e) => return fail(&mut socket, TRY_LATER, e.kind, &e.message).await,
+    };
+    let capacity = capacity_fps(engine).unwrap_or(f64::INFINITY);
+    if !slot.claim(opened.fps.value(), capacity) {
+        let msg = format!(
+            "the engine cannot draw another {} fps beside the open sessions",
+            opened.fps
+        );
+        return fail(&mut socket, TRY_LATER, "overloaded", &msg).await;
+    }
+    if opened.output == Output::Fmp4 {
+        return fail(
+            &mut socket,
+            POLICY,
+            "bad_output",
+            "output \"fmp4\" is not available yet: use \"jpeg\"",
+        )
+        .await;
+    }
+
+    let (in_tx, in_rx) = std::sync::mpsc::channel::<Input>();
+    let (out_tx, mut out_rx) = mpsc::channel::<Out>(OUT_QUEUE);
+    let cfg = SessionConfig {
+        fps: opened.fps,
+        audio: opened.audio,
+        utterance_gap: Duration::from_millis(app.args.utterance_gap_ms),
+        lag: session_lag(engine, opened.fps),
+        max_undrawn_seconds: app.args.media.max_audio_seconds,
+    };
+    let thread_app = app.clone();
+    let span = tracing::Span::current();
+    let spawned = std::thread::Builder::new()
+        .name("lipsync-session".into())
+        .spawn(move || {
+            let _enter = span.enter();
+            session_thread(&thread_app, avatar, cfg, opened.output, in_rx, out_tx);
+        });
+    if let Err(e) = spawned {
+        tracing::error!("cannot start a session thread: {e}");
+        return fail(
+            &mut socket,
+            INTERNAL,
+            "internal",
+            "the server failed to start the session",
+        )
+        .await;
+    }
+
+    let mut ending = false;
+    loop {
+        tokio::select! {
+            out = out_rx.recv() => match out {
+                Some(Out::Text(t)) => {
+                    if socket.send(Message::Text(t.into())).await.is_err() { return; }
+                }
+                Some(Out::Binary(b)) => {
+                    if socket.send(Message::Binary(b.into())).await.is_err() { return; }
+                }
+                Some(Out::Close(code, reason)) => {
+                    close(&mut socket, code, &reason).await;
+                    return;
+                }
+                None => return,
+            },
+            msg = next_message(&mut socket, if ending { None } else { idle }) => match msg {
+                Err(kind) => {
+                    let msg = format!("no message for {} s", app.args.session_idle_timeout);
+                    return fail(&mut socket, POLICY, kind, &msg).await;
+                }
+                Ok(None) => return, // the client left: dropping in_tx stops the session
+                Ok(Some(Message::Binary(b))) => {
+                    let _ = in_tx.send(Input::Audio(b.to_vec(), Instant::now()));
+                }
+                Ok(Some(Message::Text(t))) => {
+                    let kind = serde_json::from_str::<serde_json::Value>(&t)
+                        .ok()
+                        .and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_string));
+                    match kind.as_deref() {
+                        Some("clear") => { let _ = in_tx.send(Input::Clear); }
+                        Some("end") => { ending = true; let _ = in_tx.send(Input::End); }
+                        _ => {
+                            let msg = "text messages are {\"type\": \"clear\"} or {\"type\": \"end\"}";
+                            return fail(&mut socket, POLICY, "bad_message", msg).await;
+                        }
+                    }
+                }
+                Ok(Some(Message::Close(_))) => return,
+                Ok(Some(_)) => {}
+            },
+        }
+    }
+}
+
+/// How far behind the audio the video runs: the 212.5 ms the model needs, one frame, and one
+/// batch at the warm-up's measured cost.
+fn session_lag(engine: &Engine, fps: Fps) -> Duration {
+    let batch = engine.status().batch_cost().map_or(0.05, |c| {
+        c.fixed + c.per_frame * engine.scheduler().limits().first_batch as f64
+    });
+    session::AUDIO_LOOKAHEAD + Duration::from_secs_f64(1.0 / fps.value() + batch)
+}
+
+/// The session's OS thread: the idle face, `ready`, then frames until `end` or the client
+/// leaves.
+fn session_thread(
+    app: &App,
+    avatar: Arc<Avatar>,
+    cfg: SessionConfig,
+    output: Output,
+    inputs: std::sync::mpsc::Receiver<Input>,
+    out: mpsc::Sender<Out>,
+) {
+    let send_error = |e: &engine::Error| {
+        let (code, kind, msg) = match e {
+            engine::Error::Cancelled => return,
+            engine::Error::Stream(m) => (POLICY, "bad_stream", m.clone()),
+            other => {
+                tracing::error!("live session failed: {other}");
+                (INTERNAL, "internal", "the session failed".to_string())
+            }
+        };
+        let _ = out.blocking_send(Out::Text(error_json(&msg, kind)));
+        let _ = out.blocking_send(Out::Close(code, kind.to_string()));
+    };
+    let Some(engine) = app.engine.get() else {
+        return send_error(&engine::Error::Inference("no engine".into()));
+    };
+    let face = match session::idle_face(engine, &avatar, Duration::from_secs(120)) {
+        Ok(f) => f,
+        Err(e) => return send_error(&e),
+    };
+    let (w, h) = (avatar.frame.width, avatar.frame.height);
+    let mime = match output {
+        Output::Jpeg => "image/jpeg",
+        Output::Fmp4 => "video/mp4",
+    };
+    let ready = serde_json::json!({
+        "type": "ready", "width": w, "height": h, "fps": cfg.fps.value(), "mime": mime,
+    });
+    if out.blocking_send(Out::Text(ready.to_string())).is_err() {
+        return;
+    }
+    let start = Instant::now();
+    let session = Session::new(engine, avatar, &face, cfg, start);
+    let mut sink = JpegSink {
+        out: out.clone(),
+        idle_jpeg: None,
+    };
+    match session.run(&inputs, &mut sink) {
+        Ok(stats) => {
+            let end = serde_json::json!({ "type": "end", "stats": stats });
+            let _ = out.blocking_send(Out::Text(end.to_string()));
+            let code = if app.shutting_down.load(Ordering::SeqCst) {
+                GOING_AWAY
+            } else {
+                NORMAL
+            };
+            let _ = out.blocking_send(Out::Close(code, "end".into()));
+        }
+        Err(e) => send_error(&e),
+    }
+}
+
+/// `jpeg` output: per frame one binary message: u32 LE index, f64 LE pts (s), u32 LE length
+/// N, N bytes of JPEG, then the frame's audio as s16le mono 16 kHz.
+struct JpegSink {
+    out: mpsc::Sender<Out>,
+    idle_jpeg: Option<Vec<u8>>,
+}
+
+fn encode_jpeg(frame: &crate::media::image::Frame) -> Result<Vec<u8>, engine::Error> {
+    let mut buf = Vec::new();
+    image::codecs::jpeg::JpegEncoder::new_with_quality(&mut buf, JPEG_QUALITY)
+        .encode(
+            &frame.rgb,
+            frame.width,
+            frame.height,
+            image::ExtendedColorType::Rgb8,
+        )
+        .map_err(|e| engine::Error::Inference(format!("JPEG encoding failed: {e}")))?;
+    Ok(buf)
+}
+
+impl JpegSink {
+    fn send(&self, msg: Out) -> Result<(), engine::Error> {
+        self.out
+            .blocking_send(msg)
+            .map_err(|_| engine::Error::Cancelled)
+    }
+}
+
+impl Sink for JpegSink {
+    fn event(&mut self, activity: Activity, frame: u64, pts: f64) -> Result<(), engine::Error> {
+        let e = serde_json::json!({ "type": activity.as_str(), "frame": frame, "pts": pts });
+        self.send(Out::Text(e.to_string()))
+    }
+
+    fn frame(&mut self, f: OutFrame<'_>) -> Result<(), engine::Error> {
+        let fresh;
+        let jpeg: &[u8] = if f.idle {
+            if self.idle_jpeg.is_none() {
+                self.idle_jpeg = Some(encode_jpeg(f.image)?);
+            }
+            self.idle_jpeg.as_deref().unwrap_or_default()
+        } else {
+            fresh = encode_jpeg(f.image)?;
+            &fresh
+        };
+        let mut msg = Vec::with_capacity(16 + jpeg.len() + f.audio.len() * 2);
+        msg.extend_from_slice(&(f.index as u32).to_le_bytes());
+        msg.extend_from_slice(&f.pts.to_le_bytes());
+        msg.extend_from_slice(&(jpeg.len() as u32).to_le_bytes());
+        msg.extend_from_slice(jpeg);
+        for s in f.audio {
+            let v = (s.clamp(-1.0, 1.0) * 32_767.0).round() as i16;
+            msg.extend_from_slice(&v.to_le_bytes());
+        }
+        self.send(Out::Binary(msg))
+    }
+}

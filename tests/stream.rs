@@ -1,0 +1,533 @@
+//! Live sessions (`GET /v1/stream`) over a real loopback WebSocket: auth and Origin before the
+//! upgrade, 426 without one, the opening message and its refusals, idle frames before speech,
+//! speech, interrupt, end, session admission and a client that vanishes; and, on the engine
+//! directly, that a session draws exactly the frames of the file path for the same audio.
+
+mod common;
+
+use common::media;
+use common::server::Server;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::{SinkExt, StreamExt};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::{self, Message};
+
+type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// Every wait in these tests is bounded by this.
+const LIMIT: Duration = Duration::from_secs(120);
+
+fn ws_url(s: &Server, query: &str) -> String {
+    s.url(&format!("/v1/stream{query}"))
+        .replacen("http://", "ws://", 1)
+}
+
+async fn connect_with(
+    s: &Server,
+    query: &str,
+    headers: &[(&str, &str)],
+) -> Result<Ws, tungstenite::Error> {
+    let mut req = ws_url(s, query).into_client_request().unwrap();
+    for (k, v) in headers {
+        req.headers_mut().insert(
+            tungstenite::http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+            v.parse().unwrap(),
+        );
+    }
+    tokio::time::timeout(LIMIT, tokio_tungstenite::connect_async(req))
+        .await
+        .expect("connect timed out")
+        .map(|(ws, _)| ws)
+}
+
+fn refused_status(r: Result<Ws, tungstenite::Error>) -> u16 {
+    match r {
+        Err(tungstenite::Error::Http(res)) => res.status().as_u16(),
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("the upgrade was accepted"),
+    }
+}
+
+async fn upload_avatar(s: &Server) -> String {
+    let form = reqwest::multipart::Form::new().part(
+        "image",
+        reqwest::multipart::Part::bytes(media("astronaut.png")).file_name("a.png"),
+    );
+    let r = reqwest::Client::new()
+        .post(s.url("/v1/avatars"))
+        .multipart(form)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    let v: serde_json::Value = r.json().await.unwrap();
+    v["id"].as_str().unwrap().to_string()
+}
+
+/// 16 kHz mono s16le of the one-second ARCTIC clip.
+fn speech_pcm() -> (Vec<f32>, Vec<u8>) {
+    let samples = lipsync::media::audio::load(&media("arctic_a0007_1s.wav"), 60.0)
+        .unwrap()
+        .samples;
+    let pcm = samples
+        .iter()
+        .flat_map(|s| ((s * 32_768.0).round().clamp(-32_768.0, 32_767.0) as i16).to_le_bytes())
+        .collect();
+    (samples, pcm)
+}
+
+/// What a session sent, in order.
+#[derive(Debug, Default)]
+struct Received {
+    texts: Vec<serde_json::Value>,
+    /// (index, pts, jpeg length, audio bytes)
+    frames: Vec<(u32, f64, usize, usize)>,
+    close: Option<(u16, String)>,
+}
+
+impl Received {
+    fn events(&self, kind: &str) -> Vec<u64> {
+        self.texts
+            .iter()
+            .filter(|t| t["type"] == kind)
+            .map(|t| t["frame"].as_u64().unwrap())
+            .collect()
+    }
+}
+
+/// Reads messages until `stop` says so, the socket closes, or `LIMIT`.
+async fn read_until(ws: &mut Ws, got: &mut Received, stop: impl Fn(&Received) -> bool) {
+    let deadline = Instant::now() + LIMIT;
+    while !stop(got) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let msg = match tokio::time::timeout(left, ws.next()).await {
+            Err(_) => panic!("timed out; so far: {:?}", got.texts),
+            Ok(None) | Ok(Some(Err(_))) => return,
+            Ok(Some(Ok(m))) => m,
+        };
+        match msg {
+            Message::Text(t) => got.texts.push(serde_json::from_str(&t).unwrap()),
+            Message::Binary(b) => {
+                let index = u32::from_le_bytes(b[0..4].try_into().unwrap());
+                let pts = f64::from_le_bytes(b[4..12].try_into().unwrap());
+                let n = u32::from_le_bytes(b[12..16].try_into().unwrap()) as usize;
+                let jpeg = &b[16..16 + n];
+                assert_eq!(&jpeg[..2], &[0xff, 0xd8], "frame {index} is not a JPEG");
+                got.frames.push((index, pts, n, b.len() - 16 - n));
+            }
+            Message::Close(c) => {
+                got.close = c.map(|c| (u16::from(c.code), c.reason.to_string()));
+                return;
+            }
+            _ => {}
+        }
+    }
+}
+
+fn opening(avatar: &str, output: &str) -> Message {
+    Message::Text(
+        serde_json::json!({
+            "avatar_id": avatar, "fps": 25,
+            "audio": {"format": "s16le", "sample_rate": 16000, "channels": 1},
+            "output": output,
+        })
+        .to_string()
+        .into(),
+    )
+}
+
+async fn open_session(s: &Server, avatar: &str) -> (Ws, Received) {
+    let mut ws = connect_with(s, "", &[]).await.unwrap();
+    ws.send(opening(avatar, "jpeg")).await.unwrap();
+    let mut got = Received::default();
+    read_until(&mut ws, &mut got, |g| !g.texts.is_empty()).await;
+    assert_eq!(got.texts[0]["type"], "ready", "{:?}", got.texts);
+    (ws, got)
+}
+
+/// Sends `pcm` in 40 ms messages, paced in real time, split at odd byte offsets (samples cut
+/// across messages).
+async fn send_paced(ws: &mut Ws, pcm: &[u8]) {
+    let t0 = Instant::now();
+    for (i, chunk) in pcm.chunks(1281).enumerate() {
+        ws.send(Message::Binary(chunk.to_vec().into()))
+            .await
+            .unwrap();
+        let due = t0 + Duration::from_secs_f64((i + 1) as f64 * 1281.0 / 32_000.0);
+        tokio::time::sleep_until(due.into()).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn auth_origin_and_upgrade_are_checked_before_the_session() {
+    let s = Server::start(&[
+        "--max-sessions",
+        "20",
+        "--api-key",
+        "sekret",
+        "--cors-origins",
+        "https://app.example",
+    ]);
+    s.wait_ready().await;
+    // A plain GET: 426 with the JSON error shape (with the key, so auth passes).
+    let r = reqwest::Client::new()
+        .get(s.url("/v1/stream"))
+        .bearer_auth("sekret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 426);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["error_type"], "upgrade_required");
+    // No key, a wrong key: 401.
+    assert_eq!(refused_status(connect_with(&s, "", &[]).await), 401);
+    assert_eq!(
+        refused_status(connect_with(&s, "?api_key=nope", &[]).await),
+        401
+    );
+    // The key as a header or in the query.
+    connect_with(&s, "", &[("authorization", "Bearer sekret")])
+        .await
+        .unwrap();
+    connect_with(&s, "?api_key=sekret", &[]).await.unwrap();
+    // Origins: a listed one and the server's own host pass, another site does not.
+    let host = s.base.trim_start_matches("http://").to_string();
+    let own = format!("http://{host}");
+    for (origin, ok) in [
+        ("https://app.example", true),
+        (own.as_str(), true),
+        ("https://evil.example", false),
+    ] {
+        let r = connect_with(&s, "?api_key=sekret", &[("origin", origin)]).await;
+        if ok {
+            r.unwrap_or_else(|e| panic!("{origin}: {e}"));
+        } else {
+            assert_eq!(refused_status(r), 403, "{origin}");
+        }
+    }
+    // The key in a query string never reaches the log.
+    assert!(s.log().iter().all(|l| !l.contains("sekret")));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_openings_get_an_error_and_a_close_code() {
+    let s = Server::start(&["--max-sessions", "20"]);
+    s.wait_ready().await;
+    let avatar = upload_avatar(&s).await;
+    let cases: Vec<(Message, u16, &str)> = vec![
+        (Message::Text("hello".into()), 1008, "bad_message"),
+        (Message::Binary(vec![0u8; 64].into()), 1008, "bad_message"),
+        (
+            Message::Text(
+                serde_json::json!({"avatar_id": avatar, "audio": {"format": "s16le", "sample_rate": 16000, "channels": 3}})
+                    .to_string()
+                    .into(),
+            ),
+            1008,
+            "bad_audio_format",
+        ),
+        (
+            Message::Text(
+                serde_json::json!({"avatar_id": avatar, "audio": {"format": "mp3"}})
+                    .to_string()
+                    .into(),
+            ),
+            1008,
+            "bad_audio_format",
+        ),
+        (
+            Message::Text(serde_json::json!({"avatar_id": avatar, "fps": 0}).to_string().into()),
+            1008,
+            "bad_fps",
+        ),
+        (opening("0123456789abcdef", "jpeg"), 4404, "avatar_not_found"),
+    ];
+    for (first, code, kind) in cases {
+        let mut ws = connect_with(&s, "", &[]).await.unwrap();
+        ws.send(first).await.unwrap();
+        let mut got = Received::default();
+        read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
+        assert_eq!(got.texts.len(), 1, "{kind}: {:?}", got.texts);
+        assert_eq!(got.texts[0]["type"], "error");
+        assert_eq!(got.texts[0]["error_type"], kind, "{:?}", got.texts[0]);
+        assert!(got.texts[0]["error"].as_str().unwrap().len() > 5);
+        assert_eq!(got.close.as_ref().map(|c| c.0), Some(code), "{kind}");
+    }
+    // The server is fine afterwards.
+    assert_eq!(reqwest::get(s.url("/health")).await.unwrap().status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_idles_speaks_the_file_plan_and_ends() {
+    let s = Server::start(&["--utterance-gap-ms", "2000"]);
+    s.wait_ready().await;
+    let avatar = upload_avatar(&s).await;
+    let (mut ws, mut got) = open_session(&s, &avatar).await;
+    let ready = &got.texts[0];
+    assert_eq!(ready["mime"], "image/jpeg");
+    assert_eq!(ready["fps"], 25.0);
+    assert!(ready["width"].as_u64().unwrap() > 0);
+    // Idle frames come before any speech.
+    read_until(&mut ws, &mut got, |g| g.frames.len() >= 5).await;
+    assert_eq!(got.events("idle"), vec![0]);
+    let (_, pcm) = speech_pcm();
+    send_paced(&mut ws, &pcm).await;
+    ws.send(Message::Text(r#"{"type":"end"}"#.into()))
+        .await
+        .unwrap();
+    read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
+
+    // Frame numbers and timestamps without gaps; every frame carries 40 ms of audio.
+    for (i, f) in got.frames.iter().enumerate() {
+        assert_eq!(f.0 as usize, i);
+        assert!((f.1 - i as f64 / 25.0).abs() < 1e-9);
+        assert_eq!(f.3, 640 * 2);
+    }
+    let speaking = got.events("speaking");
+    let idle = got.events("idle");
+    assert_eq!(speaking.len(), 1, "{:?}", got.texts);
+    assert_eq!(idle.len(), 2, "{:?}", got.texts);
+    // The utterance draws exactly the frames of the file rule for this audio.
+    let (samples, _) = speech_pcm();
+    let mel = lipsync::media::audio::mel_spectrogram(&samples);
+    let plan = lipsync::media::audio::FramePlan::new(mel.frames(), "25".parse().unwrap()).unwrap();
+    assert_eq!(idle[1] - speaking[0], plan.len() as u64, "{:?}", got.texts);
+    let end = got
+        .texts
+        .iter()
+        .find(|t| t["type"] == "end")
+        .expect("end message");
+    assert_eq!(end["stats"]["speaking_frames"], plan.len() as u64);
+    assert_eq!(end["stats"]["utterances"], 1);
+    assert!(end["stats"]["latency_ms_p50"].as_f64().unwrap() > 212.0);
+    assert_eq!(got.close.as_ref().map(|c| c.0), Some(1000));
+    // Events precede their frames: `end` is the last text.
+    assert_eq!(got.texts.last().unwrap()["type"], "end");
+    let metrics = s.metrics().await;
+    assert!(
+        metrics.contains("lipsync_stream_latency_seconds_bucket{le=\"0.3\"}"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("lipsync_stream_late_frames_total"));
+    assert_eq!(s.metric("lipsync_stream_sessions").await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn clear_interrupts_speech_at_once() {
+    let s = Server::start(&["--utterance-gap-ms", "5000"]);
+    s.wait_ready().await;
+    let avatar = upload_avatar(&s).await;
+    let (mut ws, mut got) = open_session(&s, &avatar).await;
+    // Ten seconds of speech at once, then an interrupt once speech has begun.
+    let (_, pcm) = speech_pcm();
+    let long: Vec<u8> = pcm.iter().copied().cycle().take(pcm.len() * 10).collect();
+    ws.send(Message::Binary(long.into())).await.unwrap();
+    read_until(&mut ws, &mut got, |g| !g.events("speaking").is_empty()).await;
+    let t = Instant::now();
+    ws.send(Message::Text(r#"{"type":"clear"}"#.into()))
+        .await
+        .unwrap();
+    read_until(&mut ws, &mut got, |g| g.events("idle").len() >= 2).await;
+    let back_to_idle = t.elapsed();
+    let idle = got.events("idle");
+    let speaking = got.events("speaking");
+    assert!(idle[1] > speaking[0]);
+    assert!(
+        idle[1] - speaking[0] < 250,
+        "speech was not cut: {:?}",
+        got.texts
+    );
+    assert!(back_to_idle < Duration::from_secs(20), "{back_to_idle:?}");
+    ws.send(Message::Text(r#"{"type":"end"}"#.into()))
+        .await
+        .unwrap();
+    read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
+    let end = got.texts.iter().find(|t| t["type"] == "end").expect("end");
+    assert_eq!(end["stats"]["interrupted"], 1);
+    // The interrupted frames left the queue.
+    assert_eq!(s.metric("lipsync_queue_frames").await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sessions_are_bounded_and_a_vanished_client_frees_its_slot() {
+    let s = Server::start(&["--max-sessions", "1"]);
+    s.wait_ready().await;
+    let avatar = upload_avatar(&s).await;
+    let (mut ws, _) = open_session(&s, &avatar).await;
+    let (_, pcm) = speech_pcm();
+    ws.send(Message::Binary(pcm.into())).await.unwrap();
+    // A second session: 429 with Retry-After at the upgrade.
+    let mut req = ws_url(&s, "").into_client_request().unwrap();
+    req.headers_mut().insert("x-test", "1".parse().unwrap());
+    match tokio_tungstenite::connect_async(req).await {
+        Err(tungstenite::Error::Http(res)) => {
+            assert_eq!(res.status(), 429);
+            assert!(res.headers().contains_key("retry-after"));
+        }
+        other => panic!("second session not refused: {:?}", other.map(|_| ())),
+    }
+    // The first client vanishes mid-speech (no close frame).
+    drop(ws);
+    let deadline = Instant::now() + LIMIT;
+    while s.metric("lipsync_stream_sessions").await != 0.0 {
+        assert!(Instant::now() < deadline, "the session never closed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    while s.metric("lipsync_queue_frames").await != 0.0 {
+        assert!(Instant::now() < deadline, "its frames stayed queued");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Its slot is free again.
+    let (mut ws, _) = open_session(&s, &avatar).await;
+    ws.send(Message::Close(Some(tungstenite::protocol::CloseFrame {
+        code: CloseCode::Normal,
+        reason: "".into(),
+    })))
+    .await
+    .unwrap();
+}
+
+/// The engine directly: a session fed the clip in small pieces draws, for its utterance, the
+/// same faces as the file path's plan on the same 16 kHz audio (compared composited, pixel
+/// for pixel).
+#[test]
+fn a_session_draws_the_file_paths_frames() {
+    use clap::Parser;
+    use lipsync::engine::session::{
+        self, Activity, AudioFormat, Input, OutFrame, SampleFormat, Session, SessionConfig, Sink,
+    };
+
+    #[derive(Parser)]
+    struct Args {
+        #[command(flatten)]
+        engine: lipsync::config::EngineArgs,
+        #[command(flatten)]
+        media: lipsync::config::MediaArgs,
+    }
+    let args = Args::parse_from([
+        "t",
+        "--checkpoint",
+        common::checkpoint("zip_bare.pt").to_str().unwrap(),
+        "--max-batch",
+        "8",
+        "--first-batch",
+        "2",
+    ]);
+    let cfg = args.engine.resolve(&args.media);
+    let (engine, _) = args.engine.start_engine(&cfg, false).unwrap();
+    engine.wait_ready().unwrap();
+    let avatar = Arc::new(
+        lipsync::engine::Avatar::prepare(
+            &media("astronaut.png"),
+            &args.media.image_limits(),
+            None,
+            Default::default(),
+            Default::default(),
+        )
+        .unwrap(),
+    );
+    let (samples, pcm) = speech_pcm();
+    let fps = "25".parse().unwrap();
+
+    // The file path: plan, submit, composite.
+    let speech = lipsync::media::audio::load(&media("arctic_a0007_1s.wav"), 60.0).unwrap();
+    assert_eq!(speech.samples, samples);
+    let planned = lipsync::engine::plan(&speech, fps, &|_| Arc::new(avatar.input.clone())).unwrap();
+    // The session's model inputs are the file plan's, exactly: each window computed from
+    // the audio that had arrived when it became final.
+    let step = 80.0 / 25.0;
+    for (j, f) in planned.frames.iter().enumerate() {
+        let first = (j as f64 * step) as usize;
+        let prefix = if first + 16 <= (samples.len() - 400) / 200 + 1 {
+            (first + 15) * 200 + 400
+        } else {
+            samples.len()
+        };
+        let plan_start = if prefix == samples.len() {
+            lipsync::media::audio::FramePlan::new(1 + samples.len() / 200, fps)
+                .unwrap()
+                .start(j)
+        } else {
+            first
+        };
+        assert_eq!(
+            session::mel_window(&samples[..prefix], plan_start),
+            f.mel,
+            "frame {j}'s mel window"
+        );
+    }
+    let mut sub = engine.submit(planned.frames).unwrap();
+    let mut want = Vec::new();
+    while want.len() < sub.total() {
+        if let Some(face) = sub.next_face(Duration::from_millis(100)).unwrap() {
+            let mut f = avatar.frame.clone();
+            lipsync::media::face::paste(&mut f, &avatar.face, &face, &avatar.mask);
+            want.push(f.rgb);
+        }
+    }
+
+    // The session: the same audio in 333-byte pieces, then `end`.
+    struct Collect(Vec<(u64, Vec<u8>, bool)>, Vec<(Activity, u64)>);
+    impl Sink for Collect {
+        fn event(&mut self, a: Activity, frame: u64, _: f64) -> Result<(), lipsync::engine::Error> {
+            self.1.push((a, frame));
+            Ok(())
+        }
+        fn frame(&mut self, f: OutFrame<'_>) -> Result<(), lipsync::engine::Error> {
+            self.0.push((f.index, f.image.rgb.clone(), f.idle));
+            Ok(())
+        }
+    }
+    let face = session::idle_face(&engine, &avatar, Duration::from_secs(60)).unwrap();
+    let scfg = SessionConfig {
+        fps,
+        audio: AudioFormat::new(SampleFormat::S16le, 16_000, 1).unwrap(),
+        utterance_gap: Duration::from_secs(30),
+        lag: Duration::from_millis(300),
+        max_undrawn_seconds: 60.0,
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    for piece in pcm.chunks(333) {
+        tx.send(Input::Audio(piece.to_vec(), Instant::now()))
+            .unwrap();
+    }
+    tx.send(Input::End).unwrap();
+    let mut sink = Collect(Vec::new(), Vec::new());
+    // The session began a second ago: speech starts after 25 idle frames.
+    let start = Instant::now() - Duration::from_secs(1);
+    let stats = Session::new(&engine, avatar.clone(), &face, scfg, start)
+        .run(&rx, &mut sink)
+        .unwrap();
+    let drawn: Vec<&Vec<u8>> = sink.0.iter().filter(|f| !f.2).map(|f| &f.1).collect();
+    assert_eq!(stats.speaking_frames as usize, want.len());
+    assert_eq!(drawn.len(), want.len());
+    for (j, (got, want)) in drawn.iter().zip(&want).enumerate() {
+        // The model inputs are equal (checked above); batches of other sizes may round a
+        // value of the CPU pass to the other side of a u8 step, never more.
+        let n = got.iter().zip(want.iter()).filter(|(a, b)| a != b).count();
+        let most = got
+            .iter()
+            .zip(want.iter())
+            .map(|(a, b)| a.abs_diff(*b))
+            .max();
+        assert!(
+            most <= Some(1) && n * 10_000 <= got.len(),
+            "speaking frame {j} differs from the file path's: {n} values, by up to {most:?}"
+        );
+    }
+    // Idle, speaking, idle.
+    let kinds: Vec<Activity> = sink.1.iter().map(|e| e.0).collect();
+    assert_eq!(
+        kinds,
+        vec![Activity::Idle, Activity::Speaking, Activity::Idle]
+    );
+    // The idle frame is the silent face, not the photo.
+    let idle = sink.0.iter().find(|f| f.2).unwrap();
+    assert_ne!(idle.1, avatar.frame.rgb);
+    engine.shutdown();
+}
