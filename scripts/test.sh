@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Runs lipsync's test suite: `cargo test` (after a release build, which the load suite
-# tests/load.rs runs), then the OpenAPI contract test (schemathesis against a running server).
+# tests/load.rs and the browser tests run), then the OpenAPI contract test (schemathesis
+# against a running server), then the browser tests (the page at / in headless Chromium).
 # Installs what the tests need when it is missing (ffmpeg with libx264 and ffprobe,
-# python3-venv, apache2-utils for ab, from Debian/Ubuntu packages; schemathesis from PyPI into
-# target/), so a fresh machine needs only this command and a Rust toolchain.
+# python3-venv, apache2-utils for ab, chromium, from Debian/Ubuntu packages; schemathesis and
+# Playwright from PyPI into target/), so a fresh machine needs only this command and a Rust
+# toolchain.
 #
 #   ./scripts/test.sh [extra cargo test args]
 set -euo pipefail
@@ -20,6 +22,9 @@ if ! command -v python3 >/dev/null; then missing+=(python3); fi
 # ApacheBench (ab), the load generator of the load suite (tests/load.rs).
 if ! command -v ab >/dev/null; then missing+=(apache2-utils); fi
 if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then missing+=(python3-venv); fi
+# Headless Chromium for the browser tests (tests/browser/run.sh), Debian's build: it plays
+# H.264/AAC through Media Source Extensions.
+if [ ! -x "${LIPSYNC_CHROMIUM:-/usr/bin/chromium}" ]; then missing+=(chromium); fi
 if [ ${#missing[@]} -gt 0 ]; then
   echo "test.sh: installing ${missing[*]}" >&2
   sudo=""
@@ -34,3 +39,5 @@ cargo build --release --locked
 # tensor code is far too slow unoptimised.
 cargo test --locked "$@"
 tests/contract/schemathesis.sh
+# The page at / in headless Chromium against the release server (built above).
+tests/browser/run.sh

@@ -1,0 +1,887 @@
+// The try-it page: choose a face (photo or clip) and speech (a file or the microphone), then
+// watch POST /v1/lipsync play through Media Source Extensions while the server is still making
+// it. Plain JavaScript, no dependencies; every request goes to this server.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const AVATARS_KEY = "lipsync.avatars";
+const KEY_KEY = "lipsync.apiKey";
+
+const state = {
+  info: null,
+  // What the face comes from: {kind: "image"|"video", file, width, height, detected}
+  // or {kind: "avatar", avatar}.
+  face: null,
+  audio: null, // {blob, name}
+  busy: false,
+  recorder: null,
+  run: null, // the current render (for stats and cancelling)
+};
+
+// ---------------------------------------------------------------- requests and errors
+
+function authHeaders() {
+  const key = $("api-key").value.trim();
+  return key ? { Authorization: "Bearer " + key } : {};
+}
+
+// The API's message for a failed response: `error` from its JSON body, else the status line.
+async function apiError(res) {
+  let text = "";
+  try {
+    text = await res.text();
+    const body = JSON.parse(text);
+    if (body && typeof body.error === "string") return body.error;
+  } catch (_) {
+    // not JSON: fall through
+  }
+  return `${res.status} ${res.statusText}${text ? ": " + text.slice(0, 200) : ""}`;
+}
+
+async function api(method, path, body) {
+  const res = await fetch(path, { method, body, headers: authHeaders() });
+  if (!res.ok) throw new Error(await apiError(res));
+  return res.status === 204 ? null : res.json();
+}
+
+function showError(message) {
+  const el = $("error");
+  el.textContent = message;
+  el.hidden = !message;
+}
+
+function setStatus(id, message, bad = false) {
+  const el = $(id);
+  el.textContent = message;
+  el.classList.toggle("bad", bad);
+}
+
+// ---------------------------------------------------------------- server info and key
+
+async function loadInfo() {
+  try {
+    const res = await fetch("/info");
+    if (!res.ok) throw new Error(await apiError(res));
+    const info = await res.json();
+    state.info = info;
+    const parts = [`lipsync ${info.version}`, `${info.device} ${info.dtype}`];
+    if (info.random_weights) parts.push("random weights: the mouth will be noise");
+    $("server-info").textContent = parts.join(" · ");
+    if (info.auth) {
+      $("key-row").hidden = false;
+      $("api-key").value = sessionStorage.getItem(KEY_KEY) || "";
+    }
+  } catch (e) {
+    $("server-info").textContent = "cannot read /info: " + e.message;
+  }
+}
+
+// ---------------------------------------------------------------- face preview and box
+
+const canvas = () => $("face-canvas");
+
+function parseBox(text) {
+  const m = /^\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*$/.exec(text);
+  if (!m) return null;
+  const b = m.slice(1).map(Number);
+  return b[2] > b[0] && b[3] > b[1] ? b : null;
+}
+
+// Draws the preview picture (kept in state.face.picture) and the box, scaled to the canvas.
+function drawPreview() {
+  const face = state.face;
+  const c = canvas();
+  const ctx = c.getContext("2d");
+  if (!face || !face.picture) return;
+  ctx.drawImage(face.picture, 0, 0, c.width, c.height);
+  const box = parseBox($("box").value) || (face.kind === "avatar" ? face.avatar.box : null);
+  if (!box) return;
+  const sx = c.width / face.width;
+  const sy = c.height / face.height;
+  ctx.lineWidth = Math.max(2, c.width / 200);
+  ctx.strokeStyle = "#22c55e";
+  ctx.strokeRect(box[0] * sx, box[1] * sy, (box[2] - box[0]) * sx, (box[3] - box[1]) * sy);
+}
+
+// Sizes the canvas to the picture (at most 640 wide) and shows it.
+function showPicture(picture, width, height) {
+  const c = canvas();
+  const scale = Math.min(1, 640 / width);
+  c.width = Math.max(1, Math.round(width * scale));
+  c.height = Math.max(1, Math.round(height * scale));
+  state.face.picture = picture;
+  state.face.width = width;
+  state.face.height = height;
+  $("preview").hidden = false;
+  drawPreview();
+}
+
+function loadImage(url) {
+  return new Promise((resolve, reject) => {
+    const img = new Image();
+    img.onload = () => resolve(img);
+    img.onerror = () => reject(new Error("the browser cannot show this picture"));
+    img.src = url;
+  });
+}
+
+// The first frame of a clip, as a canvas.
+function firstFrame(url) {
+  return new Promise((resolve, reject) => {
+    const v = document.createElement("video");
+    v.muted = true;
+    v.preload = "auto";
+    v.onloadeddata = () => {
+      const c = document.createElement("canvas");
+      c.width = v.videoWidth;
+      c.height = v.videoHeight;
+      c.getContext("2d").drawImage(v, 0, 0);
+      resolve(c);
+    };
+    v.onerror = () => reject(new Error("the browser cannot show this clip"));
+    v.src = url;
+  });
+}
+
+async function chooseFace(file) {
+  showError("");
+  setStatus("face-status", "");
+  $("keep-avatar").hidden = true;
+  if (!file) return;
+  const url = URL.createObjectURL(file);
+  $("box").value = "";
+  markCurrentAvatar(null);
+  if (file.type.startsWith("video/")) {
+    state.face = { kind: "video", file };
+    setStatus("face-status", `clip ${file.name}: sent as \`video\`; type a box or let the server find the face`);
+    try {
+      const frame = await firstFrame(url);
+      showPicture(frame, frame.width, frame.height);
+    } catch (e) {
+      $("preview").hidden = true;
+      setStatus("face-status", e.message, true);
+    }
+    return;
+  }
+  state.face = { kind: "image", file };
+  let img;
+  try {
+    img = await loadImage(url);
+    showPicture(img, img.naturalWidth, img.naturalHeight);
+  } catch (e) {
+    // The server may still read it (it decides); no preview.
+    $("preview").hidden = true;
+  }
+  // Finding the face is creating an avatar: the server keeps it, and the page reuses its id.
+  setStatus("face-status", "finding the face…");
+  const form = new FormData();
+  form.append("image", file, file.name);
+  try {
+    const avatar = await api("POST", "/v1/avatars", form);
+    if (state.face.file !== file) return; // another file was chosen meanwhile
+    state.face.detected = avatar;
+    $("box").value = avatar.box.join(",");
+    drawPreview();
+    setStatus("face-status", `face at ${avatar.box.join(",")} in ${avatar.width}×${avatar.height}; kept as avatar ${avatar.id.slice(0, 12)}`);
+    rememberAvatar(avatar, img ? thumbnail(img, img.naturalWidth, img.naturalHeight) : "", file.name);
+    markCurrentAvatar(avatar.id);
+  } catch (e) {
+    if (state.face.file !== file) return;
+    setStatus("face-status", e.message, true);
+  }
+}
+
+function boxChanged() {
+  drawPreview();
+  const face = state.face;
+  const box = parseBox($("box").value);
+  const detected = face && face.kind === "image" && face.detected;
+  const same = detected && box && box.join(",") === detected.box.join(",");
+  $("keep-avatar").hidden = !(face && face.kind === "image" && box && !same);
+  if (face && face.kind === "image") markCurrentAvatar(same || (!box && detected) ? detected.id : null);
+}
+
+function setupBoxDrawing() {
+  const c = canvas();
+  let start = null;
+  const at = (ev) => {
+    const r = c.getBoundingClientRect();
+    const f = state.face;
+    const x = ((ev.clientX - r.left) / r.width) * f.width;
+    const y = ((ev.clientY - r.top) / r.height) * f.height;
+    return [Math.round(Math.min(Math.max(x, 0), f.width)), Math.round(Math.min(Math.max(y, 0), f.height))];
+  };
+  c.addEventListener("pointerdown", (ev) => {
+    if (!state.face || state.face.kind === "avatar" || state.busy) return;
+    start = at(ev);
+    c.setPointerCapture(ev.pointerId);
+  });
+  c.addEventListener("pointermove", (ev) => {
+    if (!start) return;
+    const p = at(ev);
+    const b = [Math.min(start[0], p[0]), Math.min(start[1], p[1]), Math.max(start[0], p[0]), Math.max(start[1], p[1])];
+    if (b[2] - b[0] >= 4 && b[3] - b[1] >= 4) {
+      $("box").value = b.join(",");
+      boxChanged();
+    }
+  });
+  const end = () => { start = null; };
+  c.addEventListener("pointerup", end);
+  c.addEventListener("pointercancel", end);
+  $("box").addEventListener("input", boxChanged);
+}
+
+// ---------------------------------------------------------------- avatars kept in the browser
+
+function storedAvatars() {
+  try {
+    const list = JSON.parse(localStorage.getItem(AVATARS_KEY) || "[]");
+    return Array.isArray(list) ? list : [];
+  } catch (_) {
+    return [];
+  }
+}
+
+function storeAvatars(list) {
+  localStorage.setItem(AVATARS_KEY, JSON.stringify(list));
+}
+
+function thumbnail(picture, width, height) {
+  const scale = Math.min(1, 240 / Math.max(width, height));
+  const c = document.createElement("canvas");
+  c.width = Math.max(1, Math.round(width * scale));
+  c.height = Math.max(1, Math.round(height * scale));
+  c.getContext("2d").drawImage(picture, 0, 0, c.width, c.height);
+  return c.toDataURL("image/jpeg", 0.85);
+}
+
+function rememberAvatar(avatar, thumb, name) {
+  const list = storedAvatars().filter((a) => a.id !== avatar.id);
+  list.unshift({ id: avatar.id, box: avatar.box, width: avatar.width, height: avatar.height, thumb, name });
+  storeAvatars(list);
+  renderAvatars();
+}
+
+function markCurrentAvatar(id) {
+  for (const li of $("avatars").children) li.classList.toggle("current", li.dataset.id === id);
+}
+
+function renderAvatars() {
+  const list = storedAvatars();
+  const ul = $("avatars");
+  const current = state.face && (state.face.kind === "avatar" ? state.face.avatar.id : state.face.detected && state.face.detected.id);
+  ul.replaceChildren();
+  $("avatars-empty").hidden = list.length > 0;
+  for (const a of list) {
+    const li = document.createElement("li");
+    li.dataset.id = a.id;
+    li.classList.toggle("current", a.id === current);
+    if (a.thumb) {
+      const img = document.createElement("img");
+      img.src = a.thumb;
+      img.alt = a.name || "avatar";
+      li.append(img);
+    }
+    const label = document.createElement("code");
+    label.textContent = `${a.id.slice(0, 12)} · ${a.box.join(",")}`;
+    label.title = `${a.name || ""} ${a.id}`;
+    const actions = document.createElement("div");
+    actions.className = "actions";
+    const use = document.createElement("button");
+    use.type = "button";
+    use.textContent = "Use";
+    use.className = "use";
+    use.addEventListener("click", () => useAvatar(a));
+    const del = document.createElement("button");
+    del.type = "button";
+    del.textContent = "Delete";
+    del.className = "delete secondary";
+    del.addEventListener("click", () => deleteAvatar(a));
+    actions.append(use, del);
+    li.append(label, actions);
+    ul.append(li);
+  }
+}
+
+async function useAvatar(a) {
+  showError("");
+  try {
+    await api("GET", "/v1/avatars/" + encodeURIComponent(a.id));
+  } catch (e) {
+    setStatus("face-status", e.message, true);
+    const li = [...$("avatars").children].find((x) => x.dataset.id === a.id);
+    if (li) li.classList.add("gone");
+    return;
+  }
+  $("face-file").value = "";
+  $("box").value = "";
+  $("keep-avatar").hidden = true;
+  state.face = { kind: "avatar", avatar: a };
+  setStatus("face-status", `avatar ${a.id.slice(0, 12)} (${a.name || "photo"}), face at ${a.box.join(",")}`);
+  if (a.thumb) {
+    try {
+      const img = await loadImage(a.thumb);
+      showPicture(img, a.width, a.height);
+    } catch (_) {
+      $("preview").hidden = true;
+    }
+  } else {
+    $("preview").hidden = true;
+  }
+  markCurrentAvatar(a.id);
+}
+
+async function deleteAvatar(a) {
+  showError("");
+  try {
+    await api("DELETE", "/v1/avatars/" + encodeURIComponent(a.id));
+  } catch (e) {
+    // Already gone from the server (evicted, deleted, restarted): forget it here too.
+    setStatus("face-status", e.message, true);
+  }
+  storeAvatars(storedAvatars().filter((x) => x.id !== a.id));
+  if (state.face && state.face.kind === "avatar" && state.face.avatar.id === a.id) {
+    state.face = null;
+    $("preview").hidden = true;
+  }
+  if (state.face && state.face.detected && state.face.detected.id === a.id) state.face.detected = null;
+  renderAvatars();
+}
+
+async function keepAvatar() {
+  const face = state.face;
+  const box = parseBox($("box").value);
+  if (!face || face.kind !== "image" || !box) return;
+  const form = new FormData();
+  form.append("image", face.file, face.file.name);
+  form.append("box", box.join(","));
+  try {
+    const avatar = await api("POST", "/v1/avatars", form);
+    face.detected = avatar;
+    rememberAvatar(avatar, thumbnail(face.picture, face.width, face.height), face.file.name);
+    boxChanged();
+    setStatus("face-status", `kept as avatar ${avatar.id.slice(0, 12)} with the box ${avatar.box.join(",")}`);
+  } catch (e) {
+    setStatus("face-status", e.message, true);
+  }
+}
+
+// ---------------------------------------------------------------- speech: file or microphone
+
+function chooseAudio(blob, name) {
+  state.audio = blob ? { blob, name } : null;
+  const player = $("audio-preview");
+  if (player.src) URL.revokeObjectURL(player.src);
+  if (blob) {
+    player.src = URL.createObjectURL(blob);
+    player.hidden = false;
+  } else {
+    player.removeAttribute("src");
+    player.hidden = true;
+  }
+}
+
+// Collects the microphone's samples on the audio thread and posts them to the page.
+const CAPTURE_WORKLET = `
+registerProcessor("pcm-capture", class extends AudioWorkletProcessor {
+  process(inputs) {
+    const input = inputs[0];
+    if (input && input[0]) this.port.postMessage(input[0].slice(0));
+    return true;
+  }
+});`;
+
+// 16-bit PCM WAV, mono.
+function encodeWav(chunks, rate) {
+  const n = chunks.reduce((s, c) => s + c.length, 0);
+  const buf = new ArrayBuffer(44 + n * 2);
+  const v = new DataView(buf);
+  const text = (at, s) => { for (let i = 0; i < s.length; i++) v.setUint8(at + i, s.charCodeAt(i)); };
+  text(0, "RIFF");
+  v.setUint32(4, 36 + n * 2, true);
+  text(8, "WAVE");
+  text(12, "fmt ");
+  v.setUint32(16, 16, true);
+  v.setUint16(20, 1, true); // PCM
+  v.setUint16(22, 1, true); // mono
+  v.setUint32(24, rate, true);
+  v.setUint32(28, rate * 2, true);
+  v.setUint16(32, 2, true);
+  v.setUint16(34, 16, true);
+  text(36, "data");
+  v.setUint32(40, n * 2, true);
+  let at = 44;
+  for (const c of chunks) {
+    for (let i = 0; i < c.length; i++, at += 2) {
+      const s = Math.max(-1, Math.min(1, c[i]));
+      v.setInt16(at, s < 0 ? s * 0x8000 : s * 0x7fff, true);
+    }
+  }
+  return new Blob([buf], { type: "audio/wav" });
+}
+
+async function startRecording() {
+  showError("");
+  let stream;
+  try {
+    stream = await navigator.mediaDevices.getUserMedia({
+      audio: { channelCount: 1, echoCancellation: false, noiseSuppression: false, autoGainControl: false },
+    });
+  } catch (e) {
+    setStatus("audio-status", "no microphone: " + e.message, true);
+    return;
+  }
+  const ctx = new AudioContext();
+  const workletUrl = URL.createObjectURL(new Blob([CAPTURE_WORKLET], { type: "text/javascript" }));
+  try {
+    await ctx.audioWorklet.addModule(workletUrl);
+  } finally {
+    URL.revokeObjectURL(workletUrl);
+  }
+  const source = ctx.createMediaStreamSource(stream);
+  const node = new AudioWorkletNode(ctx, "pcm-capture", { channelCount: 1, channelCountMode: "explicit" });
+  const chunks = [];
+  node.port.onmessage = (ev) => chunks.push(ev.data);
+  source.connect(node);
+  const limit = (state.info && state.info.limits && state.info.limits.max_audio_seconds) || 60;
+  const started = performance.now();
+  const rec = { ctx, stream, node, source, chunks, rate: ctx.sampleRate, started };
+  rec.timer = setInterval(() => {
+    const s = (performance.now() - started) / 1000;
+    setStatus("audio-status", `recording… ${s.toFixed(1)} s (up to ${limit} s)`);
+    if (s >= limit) stopRecording();
+  }, 100);
+  state.recorder = rec;
+  $("record").textContent = "Stop";
+  $("record").classList.add("recording");
+}
+
+async function stopRecording() {
+  const rec = state.recorder;
+  if (!rec) return;
+  state.recorder = null;
+  clearInterval(rec.timer);
+  rec.source.disconnect();
+  rec.node.port.onmessage = null;
+  rec.stream.getTracks().forEach((t) => t.stop());
+  await rec.ctx.close();
+  $("record").textContent = "Record";
+  $("record").classList.remove("recording");
+  const samples = rec.chunks.reduce((s, c) => s + c.length, 0);
+  if (samples === 0) {
+    setStatus("audio-status", "the microphone gave no sound", true);
+    return;
+  }
+  $("audio-file").value = "";
+  chooseAudio(encodeWav(rec.chunks, rec.rate), "recording.wav");
+  setStatus("audio-status", `recorded ${(samples / rec.rate).toFixed(1)} s at ${rec.rate} Hz (16-bit WAV)`);
+}
+
+// ---------------------------------------------------------------- fragmented MP4 reading
+
+// Walks the boxes of `bytes[start, end)`, calling fn(type, contentStart, boxEnd).
+function boxes(bytes, start, end, fn) {
+  const v = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  let at = start;
+  while (at + 8 <= end) {
+    let size = v.getUint32(at);
+    const type = String.fromCharCode(bytes[at + 4], bytes[at + 5], bytes[at + 6], bytes[at + 7]);
+    let header = 8;
+    if (size === 1) {
+      if (at + 16 > end) return;
+      size = Number(v.getBigUint64(at + 8));
+      header = 16;
+    } else if (size === 0) {
+      size = end - at;
+    }
+    if (size < header || at + size > end) return;
+    fn(type, at + header, at + size, v);
+    at += size;
+  }
+}
+
+// One box's children: {type: [contentStart, end]} (first of each type).
+function children(bytes, start, end) {
+  const out = {};
+  boxes(bytes, start, end, (type, s, e) => { if (!out[type]) out[type] = [s, e]; });
+  return out;
+}
+
+const hex2 = (n) => n.toString(16).padStart(2, "0");
+
+// Length of an MPEG-4 descriptor size field, and the size.
+function descriptorSize(bytes, at) {
+  let size = 0;
+  for (let i = 0; i < 4; i++) {
+    const b = bytes[at + i];
+    size = (size << 7) | (b & 0x7f);
+    if (!(b & 0x80)) return [i + 1, size];
+  }
+  return [4, size];
+}
+
+// The AAC object type from an esds box's content, e.g. 2 for AAC LC.
+function aacObjectType(bytes, start, end) {
+  let at = start + 4; // version and flags
+  while (at < end) {
+    const tag = bytes[at];
+    const [n] = descriptorSize(bytes, at + 1);
+    at += 1 + n;
+    if (tag === 3) {
+      const flags = bytes[at + 2];
+      at += 3;
+      if (flags & 0x80) at += 2;
+      if (flags & 0x40) at += 1 + bytes[at];
+      if (flags & 0x20) at += 2;
+    } else if (tag === 4) {
+      at += 13;
+    } else if (tag === 5) {
+      return bytes[at] >> 3;
+    } else {
+      return null;
+    }
+  }
+  return null;
+}
+
+// From the init segment: the tracks (id → {kind, timescale, codec, defaultDuration}).
+function readInit(bytes, moovStart, moovEnd) {
+  const tracks = {};
+  const defaults = {};
+  boxes(bytes, moovStart, moovEnd, (type, s, e, v) => {
+    if (type === "mvex") {
+      boxes(bytes, s, e, (t, ts, te) => {
+        if (t === "trex") defaults[v.getUint32(ts + 4)] = v.getUint32(ts + 12);
+      });
+    }
+    if (type !== "trak") return;
+    const trak = children(bytes, s, e);
+    if (!trak.tkhd || !trak.mdia) return;
+    const tkhd = trak.tkhd[0];
+    const id = v.getUint32(tkhd + (bytes[tkhd] === 1 ? 20 : 12));
+    const mdia = children(bytes, ...trak.mdia);
+    if (!mdia.mdhd || !mdia.hdlr || !mdia.minf) return;
+    const mdhd = mdia.mdhd[0];
+    const timescale = v.getUint32(mdhd + (bytes[mdhd] === 1 ? 20 : 12));
+    const handler = String.fromCharCode(...bytes.subarray(mdia.hdlr[0] + 8, mdia.hdlr[0] + 12));
+    const minf = children(bytes, ...mdia.minf);
+    const stbl = minf.stbl && children(bytes, ...minf.stbl);
+    let codec = null;
+    if (stbl && stbl.stsd) {
+      boxes(bytes, stbl.stsd[0] + 8, stbl.stsd[1], (entry, es, ee) => {
+        if (codec) return;
+        if (entry === "avc1" || entry === "avc3") {
+          const c = children(bytes, es + 78, ee);
+          if (c.avcC) {
+            const a = c.avcC[0];
+            codec = entry + "." + hex2(bytes[a + 1]) + hex2(bytes[a + 2]) + hex2(bytes[a + 3]);
+          }
+        } else if (entry === "mp4a") {
+          const c = children(bytes, es + 28, ee);
+          const aot = c.esds ? aacObjectType(bytes, ...c.esds) : null;
+          codec = "mp4a.40." + (aot || 2);
+        } else {
+          codec = entry;
+        }
+      });
+    }
+    tracks[id] = { kind: handler === "vide" ? "video" : handler === "soun" ? "audio" : handler, timescale, codec };
+  });
+  for (const id in tracks) tracks[id].defaultDuration = defaults[id] || 0;
+  return tracks;
+}
+
+// From a moof: the video samples and their total duration in seconds.
+function readFragment(bytes, start, end, tracks) {
+  let frames = 0;
+  let seconds = 0;
+  boxes(bytes, start, end, (type, s, e, v) => {
+    if (type !== "traf") return;
+    const traf = children(bytes, s, e);
+    if (!traf.tfhd) return;
+    const tf = traf.tfhd[0];
+    const tfFlags = v.getUint32(tf) & 0xffffff;
+    const track = tracks[v.getUint32(tf + 4)];
+    if (!track || track.kind !== "video") return;
+    let at = tf + 8;
+    if (tfFlags & 0x01) at += 8;
+    if (tfFlags & 0x02) at += 4;
+    let duration = track.defaultDuration;
+    if (tfFlags & 0x08) duration = v.getUint32(at);
+    boxes(bytes, s, e, (t, rs) => {
+      if (t !== "trun") return;
+      const flags = v.getUint32(rs) & 0xffffff;
+      const count = v.getUint32(rs + 4);
+      let p = rs + 8;
+      if (flags & 0x01) p += 4;
+      if (flags & 0x04) p += 4;
+      const per = ((flags & 0x100) ? 4 : 0) + ((flags & 0x200) ? 4 : 0) + ((flags & 0x400) ? 4 : 0) + ((flags & 0x800) ? 4 : 0);
+      let ticks = 0;
+      for (let i = 0; i < count; i++) ticks += (flags & 0x100) ? v.getUint32(p + i * per) : duration;
+      frames += count;
+      if (track.timescale) seconds += ticks / track.timescale;
+    });
+  });
+  return { frames, seconds };
+}
+
+// Splits a growing byte stream into whole top-level boxes.
+class BoxSplitter {
+  constructor() {
+    this.pending = new Uint8Array(0);
+  }
+  push(chunk) {
+    const all = new Uint8Array(this.pending.length + chunk.length);
+    all.set(this.pending);
+    all.set(chunk, this.pending.length);
+    const out = [];
+    let at = 0;
+    const v = new DataView(all.buffer);
+    while (at + 8 <= all.length) {
+      let size = v.getUint32(at);
+      if (size === 1) {
+        if (at + 16 > all.length) break;
+        size = Number(v.getBigUint64(at + 8));
+      }
+      if (size < 8) throw new Error("the stream is not an MP4");
+      if (at + size > all.length) break;
+      const type = String.fromCharCode(all[at + 4], all[at + 5], all[at + 6], all[at + 7]);
+      out.push({ type, bytes: all.subarray(at, at + size) });
+      at += size;
+    }
+    this.pending = all.slice(at);
+    return out;
+  }
+}
+
+// ---------------------------------------------------------------- playing the stream
+
+// Appends to a SourceBuffer one piece at a time.
+class Appender {
+  constructor(sourceBuffer) {
+    this.sb = sourceBuffer;
+    this.queue = [];
+    this.failed = null;
+    this.idle = [];
+    sourceBuffer.addEventListener("updateend", () => this.next());
+    sourceBuffer.addEventListener("error", () => { this.failed = new Error("the browser could not decode the video"); });
+  }
+  push(bytes) {
+    this.queue.push(bytes);
+    this.next();
+  }
+  next() {
+    if (this.sb.updating) return;
+    if (this.failed) return this.finish();
+    const bytes = this.queue.shift();
+    if (!bytes) return this.finish();
+    try {
+      this.sb.appendBuffer(bytes);
+    } catch (e) {
+      this.failed = e;
+      this.finish();
+    }
+  }
+  finish() {
+    if (this.sb.updating || (this.queue.length && !this.failed)) return;
+    const waiting = this.idle;
+    this.idle = [];
+    waiting.forEach((f) => f());
+  }
+  // Resolves when everything pushed so far is appended.
+  drained() {
+    return new Promise((resolve, reject) => {
+      const done = () => (this.failed ? reject(this.failed) : resolve());
+      if (!this.sb.updating && !this.queue.length) return done();
+      this.idle.push(done);
+    });
+  }
+}
+
+function setBusy(busy) {
+  state.busy = busy;
+  $("generate").disabled = busy;
+  document.body.dataset.state = busy ? "streaming" : document.body.dataset.state;
+}
+
+function updateStats(run) {
+  const now = performance.now();
+  $("ttff").textContent = run.firstFrameAt ? `${((run.firstFrameAt - run.started) / 1000).toFixed(2)} s` : "–";
+  $("frames").textContent = String(run.frames);
+  if (run.firstFrameAt && run.frames > 0) {
+    const wall = ((run.doneAt || now) - run.started) / 1000;
+    const fps = run.frames / wall;
+    const realtime = run.seconds / wall;
+    $("speed").textContent = `${fps.toFixed(1)} frames/s (${realtime.toFixed(2)}× real time)`;
+  }
+}
+
+function requestForm() {
+  const face = state.face;
+  if (!face) throw new Error("choose a photo or clip, or one of your avatars");
+  if (!state.audio) throw new Error("choose an audio file or record some speech");
+  const form = new FormData();
+  form.append("audio", state.audio.blob, state.audio.name);
+  const box = parseBox($("box").value);
+  if ($("box").value.trim() && !box) throw new Error("the face box is x1,y1,x2,y2 in pixels, x2 > x1 and y2 > y1");
+  if (face.kind === "avatar") {
+    form.append("avatar_id", face.avatar.id);
+  } else if (face.kind === "image" && face.detected && (!box || box.join(",") === face.detected.box.join(","))) {
+    // The photo's prepared avatar: no second face detection.
+    form.append("avatar_id", face.detected.id);
+  } else {
+    form.append(face.kind === "video" ? "video" : "image", face.file, face.file.name);
+    if (box) form.append("box", box.join(","));
+  }
+  return form;
+}
+
+async function generate() {
+  if (state.busy) return;
+  showError("");
+  let form;
+  try {
+    form = requestForm();
+  } catch (e) {
+    showError(e.message);
+    return;
+  }
+  if (state.recorder) await stopRecording();
+  const video = $("output");
+  const download = $("download");
+  if (download.href.startsWith("blob:")) URL.revokeObjectURL(download.href);
+  download.hidden = true;
+  if (video.src) URL.revokeObjectURL(video.src);
+  const run = { started: performance.now(), firstFrameAt: 0, doneAt: 0, frames: 0, seconds: 0, parts: [] };
+  state.run = run;
+  window.lipsyncRun = run; // for the browser tests and the curious
+  updateStats(run);
+  $("stats").hidden = true;
+  setBusy(true);
+  try {
+    const res = await fetch("/v1/lipsync", { method: "POST", body: form, headers: authHeaders() });
+    if (!res.ok) throw new Error(await apiError(res));
+    $("stats").hidden = false;
+    await play(res, run, video);
+    run.doneAt = performance.now();
+    updateStats(run);
+    download.href = URL.createObjectURL(new Blob(run.parts, { type: "video/mp4" }));
+    download.hidden = false;
+    document.body.dataset.state = "done";
+  } catch (e) {
+    showError(e.message);
+    document.body.dataset.state = "error";
+  } finally {
+    setBusy(false);
+  }
+}
+
+// Feeds the response into the video element through MSE while it arrives.
+async function play(res, run, video) {
+  const type = (res.headers.get("content-type") || "").split(";")[0].trim();
+  if (type !== "video/mp4") throw new Error(`the server answered ${type || "no content type"}, not video/mp4`);
+  const ms = new MediaSource();
+  video.src = URL.createObjectURL(ms);
+  video.hidden = false;
+  await new Promise((resolve) => ms.addEventListener("sourceopen", resolve, { once: true }));
+  const reader = res.body.getReader();
+  const splitter = new BoxSplitter();
+  let appender = null;
+  let init = [];
+  let tracks = null;
+  let started = false;
+  for (;;) {
+    let chunk;
+    try {
+      chunk = await reader.read();
+    } catch (e) {
+      // The server aborts the connection when the video cannot be completed.
+      throw new Error(`the stream was cut off after ${run.frames} frames: the server could not finish the video (${e.message})`);
+    }
+    if (chunk.done) break;
+    run.parts.push(chunk.value);
+    for (const box of splitter.push(chunk.value)) {
+      if (!appender) {
+        init.push(box.bytes);
+        if (box.type !== "moov") continue;
+        tracks = readInit(box.bytes, 8, box.bytes.length);
+        const codecs = Object.values(tracks).map((t) => t.codec).filter(Boolean);
+        const mime = `video/mp4; codecs="${codecs.join(",")}"`;
+        if (!MediaSource.isTypeSupported(mime)) throw new Error(`this browser cannot play ${mime}`);
+        appender = new Appender(ms.addSourceBuffer(mime));
+        init.forEach((b) => appender.push(b));
+        init = null;
+        continue;
+      }
+      if (box.type === "moof") {
+        const f = readFragment(box.bytes, 8, box.bytes.length, tracks);
+        run.pendingFrames = f;
+      }
+      appender.push(box.bytes);
+      if (box.type === "mdat" && run.pendingFrames) {
+        // A whole fragment (moof + mdat) is here.
+        run.frames += run.pendingFrames.frames;
+        run.seconds += run.pendingFrames.seconds;
+        if (run.pendingFrames.frames && !run.firstFrameAt) run.firstFrameAt = performance.now();
+        run.pendingFrames = null;
+        updateStats(run);
+        if (!started && run.frames) {
+          started = true;
+          video.play().catch(() => {}); // a browser that wants a click shows the controls
+        }
+      }
+    }
+  }
+  if (!appender) throw new Error("the stream ended before the video started");
+  if (splitter.pending.length) throw new Error("the stream ended inside an MP4 box");
+  await appender.drained();
+  if (ms.readyState === "open") ms.endOfStream();
+}
+
+// ---------------------------------------------------------------- wiring
+
+function dropInto(fieldset, input) {
+  fieldset.addEventListener("dragover", (ev) => {
+    ev.preventDefault();
+    fieldset.classList.add("dragging");
+  });
+  fieldset.addEventListener("dragleave", () => fieldset.classList.remove("dragging"));
+  fieldset.addEventListener("drop", (ev) => {
+    ev.preventDefault();
+    fieldset.classList.remove("dragging");
+    if (!ev.dataTransfer.files.length) return;
+    input.files = ev.dataTransfer.files;
+    input.dispatchEvent(new Event("change"));
+  });
+}
+
+function main() {
+  const form = $("form");
+  form.noValidate = true;
+  form.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    generate();
+  });
+  $("face-file").addEventListener("change", () => chooseFace($("face-file").files[0]));
+  $("audio-file").addEventListener("change", () => {
+    const f = $("audio-file").files[0];
+    chooseAudio(f || null, f ? f.name : "");
+    setStatus("audio-status", f ? `${f.name}, ${(f.size / 1024).toFixed(0)} KiB` : "");
+  });
+  $("keep-avatar").addEventListener("click", keepAvatar);
+  $("api-key").addEventListener("change", () => sessionStorage.setItem(KEY_KEY, $("api-key").value.trim()));
+  dropInto($("face-drop"), $("face-file"));
+  dropInto($("audio-drop"), $("audio-file"));
+  setupBoxDrawing();
+  if (navigator.mediaDevices && window.AudioWorkletNode) {
+    $("record").hidden = false;
+    $("record").addEventListener("click", () => (state.recorder ? stopRecording() : startRecording()));
+  }
+  renderAvatars();
+  loadInfo();
+  // Files the browser kept across a reload.
+  if ($("face-file").files[0]) chooseFace($("face-file").files[0]);
+  if ($("audio-file").files[0]) chooseAudio($("audio-file").files[0], $("audio-file").files[0].name);
+}
+
+main();
