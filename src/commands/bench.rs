@@ -26,8 +26,8 @@ use super::{read_file, CliError};
 pub struct BenchArgs {
     /// Wav2Lip checkpoint (any form; `lipsync init-weights` output is fine: speed does not
     /// depend on the values).
-    #[arg(long, env = "LIPSYNC_CHECKPOINT")]
-    pub checkpoint: PathBuf,
+    #[arg(long, env = "LIPSYNC_CHECKPOINT", required_unless_present = "video")]
+    pub checkpoint: Option<PathBuf>,
     /// Where the model runs [default: cuda when built with CUDA and a GPU is present, else cpu].
     #[arg(long, value_parser = choice::<DeviceKind>(DeviceKind::NAMES))]
     pub device: Option<DeviceKind>,
@@ -64,6 +64,10 @@ pub struct BenchArgs {
     /// Avatar for the encoder and end-to-end runs.
     #[arg(long, default_value = "tests/media/astronaut.png")]
     pub image: PathBuf,
+    /// Measure a clip avatar instead of the model: its preparation and size, and compositing
+    /// plus encoding on it vs on a photo vs x264 alone (no model, no checkpoint needed).
+    #[arg(long)]
+    pub video: Option<PathBuf>,
     /// Also write the results as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -171,6 +175,14 @@ fn forward_sync(model: &Wav2Lip, mel: &Tensor, face: &Tensor) -> Result<(), CliE
 }
 
 pub fn bench(a: BenchArgs) -> Result<(), CliError> {
+    if let Some(clip) = &a.video {
+        let results = super::bench_clip::bench_clip(&a, clip)?;
+        if let Some(path) = &a.json {
+            write_json(path, &results)?;
+        }
+        return Ok(());
+    }
+    let checkpoint = a.checkpoint.clone().expect("clap requires --checkpoint");
     a.conv.apply();
     let device = a.device.unwrap_or_else(DeviceKind::default_for_host);
     let cuda = device == DeviceKind::Cuda;
@@ -203,7 +215,7 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
     } else {
         a.e2e.clone()
     };
-    let (weights, _) = GeneratorWeights::from_file(&a.checkpoint)?;
+    let (weights, _) = GeneratorWeights::from_file(&checkpoint)?;
     let weights = Arc::new(weights.fold()?);
     let mut results = serde_json::json!({
         "device": device, "host_cpus": std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -454,16 +466,18 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
     engine.shutdown();
     results["end_to_end"] = serde_json::Value::Array(e2e_rows);
     if let Some(path) = &a.json {
-        std::fs::write(
-            path,
-            serde_json::to_vec_pretty(&results).unwrap_or_default(),
-        )
-        .map_err(|source| CliError::Read {
-            path: path.clone(),
-            source,
-        })?;
+        write_json(path, &results)?;
     }
     Ok(())
+}
+
+fn write_json(path: &std::path::Path, results: &serde_json::Value) -> Result<(), CliError> {
+    std::fs::write(path, serde_json::to_vec_pretty(results).unwrap_or_default()).map_err(|source| {
+        CliError::Read {
+            path: path.to_path_buf(),
+            source,
+        }
+    })
 }
 
 /// `n` different frames of the avatar, as lip sync makes them: the picture stays, the face

@@ -3,6 +3,7 @@
 
 pub mod audio;
 pub mod bench;
+pub mod bench_clip;
 pub mod checkpoint;
 pub mod render;
 

@@ -12,7 +12,8 @@ use std::cell::RefCell;
 use std::io::Cursor;
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
 
 use crate::media::audio::Fps;
 use crate::media::face::{self, Blend, Detection, FaceBox, Pads, SMOOTH_WINDOW};
@@ -183,6 +184,62 @@ fn decode_jpeg(bytes: &[u8]) -> Result<Frame, Error> {
     image::decode_jpeg(Cursor::new(bytes))
 }
 
+/// Decodes every frame of `clip` and runs `work` on each, on as many threads as there are
+/// cores (up to 8) while decoding goes on; the results in frame order. The first error stops
+/// decoding and is returned.
+fn per_frame<T: Send>(
+    clip: &ClipFile,
+    work: impl Fn(usize, Frame) -> Result<T, Error> + Sync,
+) -> Result<Vec<T>, Error> {
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+    let failed = AtomicBool::new(false);
+    let (tx, rx) = mpsc::sync_channel::<(usize, Frame)>(workers * 2);
+    let rx = Mutex::new(rx);
+    let (done_tx, done_rx) = mpsc::channel::<(usize, Result<T, Error>)>();
+    let decoded = std::thread::scope(|scope| {
+        for _ in 0..workers {
+            let done_tx = done_tx.clone();
+            let (rx, work, failed) = (&rx, &work, &failed);
+            scope.spawn(move || loop {
+                let next = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                let Ok((i, frame)) = next else { break };
+                let r = work(i, frame);
+                if r.is_err() {
+                    failed.store(true, Ordering::SeqCst);
+                }
+                if done_tx.send((i, r)).is_err() {
+                    break;
+                }
+            });
+        }
+        drop(done_tx);
+        let decoded = clip.decode(&mut |i, frame| {
+            if failed.load(Ordering::SeqCst) {
+                // The worker's error is reported below.
+                return Err(Error::Internal("stopped".into()));
+            }
+            tx.send((i, frame))
+                .map_err(|_| Error::Internal("clip workers stopped".into()))
+        });
+        drop(tx);
+        decoded
+    });
+    let mut results: Vec<(usize, Result<T, Error>)> = done_rx.into_iter().collect();
+    results.sort_by_key(|(i, _)| *i);
+    let mut out = Vec::with_capacity(results.len());
+    for (_, r) in results {
+        out.push(r?);
+    }
+    let n = decoded?;
+    if out.len() != n {
+        return Err(Error::Internal(format!(
+            "{} of {n} clip frames were prepared",
+            out.len()
+        )));
+    }
+    Ok(out)
+}
+
 /// The detected (padded, smoothed) boxes of every frame, in the clip's own pixels, and the
 /// first frame's detection.
 fn detect_boxes(
@@ -190,22 +247,13 @@ fn detect_boxes(
     pads: Pads,
     smooth: bool,
 ) -> Result<(Vec<FaceBox>, Option<Detection>), Error> {
-    let mut found: Vec<Option<FaceBox>> = Vec::new();
-    let mut first = None;
-    clip.decode(&mut |i, frame| {
-        let b = match face::detect(&frame) {
-            Ok(d) => {
-                if i == 0 {
-                    first = Some(d);
-                }
-                Some(pads.apply(d.face, frame.width, frame.height)?)
-            }
-            Err(Error::NoFace(_)) => None,
-            Err(e) => return Err(e),
-        };
-        found.push(b);
-        Ok(())
+    let found = per_frame(clip, |_, frame| match face::detect(&frame) {
+        Ok(d) => Ok(Some((pads.apply(d.face, frame.width, frame.height)?, d))),
+        Err(Error::NoFace(_)) => Ok(None),
+        Err(e) => Err(e),
     })?;
+    let first = found[0].map(|(_, d)| d);
+    let found: Vec<Option<FaceBox>> = found.iter().map(|f| f.map(|(b, _)| b)).collect();
     let mut boxes = face::fill_missing(&found).ok_or_else(|| {
         Error::NoFace(format!(
             "no face was found in any of the clip's {} frames; give the face box (`box`)",
@@ -231,24 +279,17 @@ pub fn prepare(
     let file = ClipFile::open(bytes, &options.ffmpeg, options.limits.clone())?;
     let (source_boxes, detection) = match explicit {
         Some(_) => (Vec::new(), None),
-        None => {
-            let (b, d) = detect_boxes(&file, pads, options.smooth)?;
-            (b, d)
-        }
+        None => detect_boxes(&file, pads, options.smooth)?,
     };
-    let mut frames = Vec::with_capacity(source_boxes.len());
-    let mut first: Option<(Frame, FaceBox, (u32, u32))> = None;
-    let mut size: Option<(u32, u32, u32, u32)> = None;
-    file.decode(&mut |i, source| {
+    let source_size = OnceLock::new();
+    let first = Mutex::new(None);
+    let frames = per_frame(&file, |i, source| {
         let (sw, sh) = (source.width, source.height);
-        match size {
-            None => size = Some((sw, sh, 0, 0)),
-            Some((w, h, _, _)) if (w, h) != (sw, sh) => {
-                return Err(Error::DamagedVideo(format!(
-                    "frame {i} is {sw}x{sh}, the first frame {w}x{h}; the size must not change"
-                )))
-            }
-            Some(_) => {}
+        let &(w, h) = source_size.get_or_init(|| (sw, sh));
+        if (w, h) != (sw, sh) {
+            return Err(Error::DamagedVideo(format!(
+                "frame {i} is {sw}x{sh}, another frame {w}x{h}; the size must not change"
+            )));
         }
         let source_face = match explicit {
             Some(b) => {
@@ -264,14 +305,13 @@ pub fn prepare(
         let crop_bgr = Arc::new(face::crop_bgr(&frame, &face));
         let jpeg = encode_jpeg(&frame)?;
         if i == 0 {
-            first = Some((frame, source_face, (sw, sh)));
+            *first.lock().unwrap_or_else(|p| p.into_inner()) = Some((frame, source_face));
         }
-        frames.push(ClipFrame {
+        Ok(ClipFrame {
             face,
             crop_bgr,
             jpeg,
-        });
-        Ok(())
+        })
     })?;
     if explicit.is_none() && frames.len() != source_boxes.len() {
         return Err(Error::DamagedVideo(format!(
@@ -280,7 +320,11 @@ pub fn prepare(
             frames.len()
         )));
     }
-    let (frame, source_face, source_size) = first.expect("decode returns at least one frame");
+    let (frame, source_face) = first
+        .into_inner()
+        .unwrap_or_else(|p| p.into_inner())
+        .expect("decode returns at least one frame");
+    let source_size = *source_size.get().expect("at least one frame");
     let fps = file.info.fps;
     let clip = Clip {
         fps,

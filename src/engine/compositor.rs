@@ -5,17 +5,23 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use super::clip::Loop;
+use super::clip::{Clip, Loop};
 use super::{Avatar, Error};
 use crate::media::face::{self, BlendMask, FACE_SIZE};
 use crate::media::image::Frame;
 use crate::media::video::VideoEncoder;
 
+/// Clip frames decoded ahead of the compositor.
+const PREFETCH: usize = 4;
+
 pub struct Compositor<'a> {
     avatar: &'a Avatar,
     mode: Loop,
+    /// A clip's frames, decoded ahead on their own thread in the order they are shown.
+    prefetched: Option<mpsc::Receiver<Result<Frame, crate::media::Error>>>,
     /// Blend masks of clip boxes whose size differs from the first frame's.
     masks: HashMap<(u32, u32), BlendMask>,
     encoder: &'a mut dyn VideoEncoder,
@@ -42,6 +48,7 @@ impl<'a> Compositor<'a> {
         Ok(Compositor {
             avatar,
             mode,
+            prefetched: avatar.clip.clone().and_then(|clip| prefetch(clip, mode)),
             masks: HashMap::new(),
             encoder,
             faces_dir: faces_dir.map(Path::to_path_buf),
@@ -60,7 +67,13 @@ impl<'a> Compositor<'a> {
         }
         let a = self.avatar;
         let i = a.select(self.frames, self.mode);
-        let mut frame = a.background(i)?.into_owned();
+        let mut frame = match &self.prefetched {
+            Some(rx) => match rx.recv() {
+                Ok(f) => f?,
+                Err(_) => a.background(i)?.into_owned(),
+            },
+            None => a.background(i)?.into_owned(),
+        };
         let b = a.face_at(i);
         let mask = if (b.width(), b.height()) == (a.face.width(), a.face.height()) {
             &a.mask
@@ -91,6 +104,26 @@ impl<'a> Compositor<'a> {
         self.encode_time += t.elapsed();
         Ok(())
     }
+}
+
+/// Clip frames decoded ahead, in display order, a few at a time (the thread stops when the
+/// receiver is dropped). `None` if no thread can be started: frames are then decoded inline.
+fn prefetch(
+    clip: Arc<Clip>,
+    mode: Loop,
+) -> Option<mpsc::Receiver<Result<Frame, crate::media::Error>>> {
+    let (tx, rx) = mpsc::sync_channel(PREFETCH);
+    std::thread::Builder::new()
+        .name("clip-frames".into())
+        .spawn(move || {
+            for k in 0.. {
+                if tx.send(clip.frame(mode.select(k, clip.len()))).is_err() {
+                    break;
+                }
+            }
+        })
+        .ok()?;
+    Some(rx)
 }
 
 fn save_face(dir: &Path, index: usize, bgr: &[u8]) -> Result<(), Error> {
