@@ -88,6 +88,9 @@ struct Received {
     /// (index, pts, jpeg length, audio bytes)
     frames: Vec<(u32, f64, usize, usize)>,
     close: Option<(u16, String)>,
+    /// `fmp4` output: the binary messages as they came.
+    fmp4: bool,
+    raw: Vec<Vec<u8>>,
 }
 
 impl Received {
@@ -112,6 +115,7 @@ async fn read_until(ws: &mut Ws, got: &mut Received, stop: impl Fn(&Received) ->
         };
         match msg {
             Message::Text(t) => got.texts.push(serde_json::from_str(&t).unwrap()),
+            Message::Binary(b) if got.fmp4 => got.raw.push(b.to_vec()),
             Message::Binary(b) => {
                 let index = u32::from_le_bytes(b[0..4].try_into().unwrap());
                 let pts = f64::from_le_bytes(b[4..12].try_into().unwrap());
@@ -530,4 +534,96 @@ fn a_session_draws_the_file_paths_frames() {
     let idle = sink.0.iter().find(|f| f.2).unwrap();
     assert_ne!(idle.1, avatar.frame.rgb);
     engine.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fmp4_output_is_an_init_segment_then_playable_fragments() {
+    let s = Server::start(&["--utterance-gap-ms", "2000"]);
+    s.wait_ready().await;
+    let avatar = upload_avatar(&s).await;
+    let mut ws = connect_with(&s, "", &[]).await.unwrap();
+    ws.send(opening(&avatar, "fmp4")).await.unwrap();
+    let mut got = Received {
+        fmp4: true,
+        ..Default::default()
+    };
+    read_until(&mut ws, &mut got, |g| !g.texts.is_empty()).await;
+    assert_eq!(got.texts[0]["type"], "ready", "{:?}", got.texts);
+    let mime = got.texts[0]["mime"].as_str().unwrap().to_string();
+    assert!(
+        mime.starts_with("video/mp4; codecs=\"avc1.") && mime.ends_with(", mp4a.40.2\""),
+        "{mime}"
+    );
+    read_until(&mut ws, &mut got, |g| g.raw.len() >= 3).await;
+    let (_, pcm) = speech_pcm();
+    send_paced(&mut ws, &pcm).await;
+    ws.send(Message::Text(r#"{"type":"end"}"#.into()))
+        .await
+        .unwrap();
+    read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
+    assert_eq!(
+        got.close.as_ref().map(|c| c.0),
+        Some(1000),
+        "{:?}",
+        got.texts
+    );
+    // The init segment first, then moof+mdat fragments, one per message.
+    assert_eq!(&got.raw[0][4..8], b"ftyp");
+    assert!(got.raw[0].windows(4).any(|w| w == b"moov"));
+    for (i, m) in got.raw[1..].iter().enumerate() {
+        assert!(
+            m.windows(4).any(|w| w == b"moof"),
+            "message {i} has no moof"
+        );
+        assert!(
+            m.windows(4).any(|w| w == b"mdat"),
+            "message {i} has no mdat"
+        );
+    }
+    // Together a playable video with every frame sent (idle frames that were due while late
+    // speech was drawn come at once, so the count is the session's), and an audio track.
+    let video: Vec<u8> = got.raw.concat();
+    let end = got.texts.iter().find(|t| t["type"] == "end").expect("end");
+    let f = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(f.path(), &video).unwrap();
+    let probe = std::process::Command::new("ffprobe")
+        .args(["-v", "error", "-count_packets", "-select_streams", "v"])
+        .args(["-show_entries", "stream=nb_read_packets", "-of", "csv=p=0"])
+        .arg(f.path())
+        .output()
+        .unwrap();
+    let frames: u64 = String::from_utf8_lossy(&probe.stdout)
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(
+        frames,
+        end["stats"]["frames"].as_u64().unwrap(),
+        "{:?}",
+        got.texts
+    );
+    // (ffprobe decodes all but the first one or two: the stream is cut into fragments as it
+    // is encoded, and its decoder starts on them late, as a player joining it does)
+    assert!(common::server::decoded_frames(&video) + 3 > frames);
+    let probe = std::process::Command::new("ffprobe")
+        .args([
+            "-v",
+            "error",
+            "-show_entries",
+            "stream=codec_name",
+            "-of",
+            "csv=p=0",
+        ])
+        .arg(f.path())
+        .output()
+        .unwrap();
+    let codecs = String::from_utf8_lossy(&probe.stdout);
+    assert!(
+        codecs.contains("h264") && codecs.contains("aac"),
+        "{codecs}"
+    );
+    assert!(
+        end["stats"]["latency_ms_p50"].as_f64().unwrap() > 212.0,
+        "{end}"
+    );
 }

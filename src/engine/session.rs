@@ -165,6 +165,13 @@ pub trait Sink {
     fn flush(&mut self) -> Result<(), Error> {
         Ok(())
     }
+    /// Frame `frame`, the first drawn one of an audio chunk that arrived at `arrived`, has
+    /// been handed over (and flushed). Returns the chunk's latency in seconds when the frame
+    /// has gone out now; a sink that sends later (after encoding) measures it itself, records
+    /// [`m::STREAM_LATENCY`], and returns `None`.
+    fn drawn(&mut self, _frame: u64, arrived: Instant) -> Option<f64> {
+        Some(arrived.elapsed().as_secs_f64())
+    }
 }
 
 /// What a session did.
@@ -196,7 +203,8 @@ fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
 }
 
 impl SessionStats {
-    fn finish(&mut self) {
+    /// Fills the percentiles from `latencies`.
+    pub fn finish(&mut self) {
         let mut l = self.latencies.clone();
         l.sort_by(f64::total_cmp);
         self.latency_ms_p50 = percentile(&l, 0.5).map(|s| s * 1e3);
@@ -801,11 +809,11 @@ impl<'a> Session<'a> {
         }
         if sent_any {
             sink.flush()?;
-            let now = Instant::now();
-            for (_, at) in sent_speaking {
-                let l = now.saturating_duration_since(at).as_secs_f64();
-                self.stats.latencies.push(l);
-                metrics::histogram!(m::STREAM_LATENCY).record(l);
+            for (k, at) in sent_speaking {
+                if let Some(l) = sink.drawn(k, at) {
+                    self.stats.latencies.push(l);
+                    metrics::histogram!(m::STREAM_LATENCY).record(l);
+                }
             }
         }
         Ok(())

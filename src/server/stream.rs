@@ -26,6 +26,7 @@ use crate::engine::session::{
 };
 use crate::engine::{self, Avatar, Engine};
 use crate::media::audio::Fps;
+use crate::media::video::live;
 
 /// Close codes.
 const NORMAL: u16 = 1000;
@@ -440,15 +441,6 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
         );
         return fail(&mut socket, TRY_LATER, "overloaded", &msg).await;
     }
-    if opened.output == Output::Fmp4 {
-        return fail(
-            &mut socket,
-            POLICY,
-            "bad_output",
-            "output \"fmp4\" is not available yet: use \"jpeg\"",
-        )
-        .await;
-    }
 
     let (in_tx, in_rx) = std::sync::mpsc::channel::<Input>();
     let (out_tx, mut out_rx) = mpsc::channel::<Out>(OUT_QUEUE);
@@ -562,9 +554,13 @@ fn session_thread(
         Err(e) => return send_error(&e),
     };
     let (w, h) = (avatar.frame.width, avatar.frame.height);
-    let mime = match output {
-        Output::Jpeg => "image/jpeg",
-        Output::Fmp4 => "video/mp4",
+    let settings = app.args.media.encoder(w, h, cfg.fps, 1);
+    let (mime, mut fmp4) = match output {
+        Output::Jpeg => ("image/jpeg".to_string(), None),
+        Output::Fmp4 => match Fmp4Sink::start(settings, out.clone()) {
+            Ok(x) => x,
+            Err(e) => return send_error(&e),
+        },
     };
     let ready = serde_json::json!({
         "type": "ready", "width": w, "height": h, "fps": cfg.fps.value(), "mime": mime,
@@ -574,11 +570,22 @@ fn session_thread(
     }
     let start = Instant::now();
     let session = Session::new(engine, avatar, &face, cfg, start);
-    let mut sink = JpegSink {
+    let mut jpeg = JpegSink {
         out: out.clone(),
         idle_jpeg: None,
     };
-    match session.run(&inputs, &mut sink) {
+    let sink: &mut dyn Sink = match &mut fmp4 {
+        Some(f) => f,
+        None => &mut jpeg,
+    };
+    let result = session.run(&inputs, sink).and_then(|mut stats| {
+        if let Some(f) = fmp4.take() {
+            stats.latencies = f.finish()?;
+            stats.finish();
+        }
+        Ok(stats)
+    });
+    match result {
         Ok(stats) => {
             let end = serde_json::json!({ "type": "end", "stats": stats });
             let _ = out.blocking_send(Out::Text(end.to_string()));
@@ -613,6 +620,18 @@ fn encode_jpeg(frame: &crate::media::image::Frame) -> Result<Vec<u8>, engine::Er
     Ok(buf)
 }
 
+/// `{"type": "idle" | "speaking", "frame", "pts"}`
+fn send_event(
+    out: &mpsc::Sender<Out>,
+    activity: Activity,
+    frame: u64,
+    pts: f64,
+) -> Result<(), engine::Error> {
+    let e = serde_json::json!({ "type": activity.as_str(), "frame": frame, "pts": pts });
+    out.blocking_send(Out::Text(e.to_string()))
+        .map_err(|_| engine::Error::Cancelled)
+}
+
 impl JpegSink {
     fn send(&self, msg: Out) -> Result<(), engine::Error> {
         self.out
@@ -623,8 +642,7 @@ impl JpegSink {
 
 impl Sink for JpegSink {
     fn event(&mut self, activity: Activity, frame: u64, pts: f64) -> Result<(), engine::Error> {
-        let e = serde_json::json!({ "type": activity.as_str(), "frame": frame, "pts": pts });
-        self.send(Out::Text(e.to_string()))
+        send_event(&self.out, activity, frame, pts)
     }
 
     fn frame(&mut self, f: OutFrame<'_>) -> Result<(), engine::Error> {
@@ -648,5 +666,146 @@ impl Sink for JpegSink {
             msg.extend_from_slice(&v.to_le_bytes());
         }
         self.send(Out::Binary(msg))
+    }
+}
+
+/// `fmp4` output: the init segment, then one `moof`+`mdat` fragment per message, from one
+/// zero-latency x264 process per session ([`live::LiveEncoder`]). Latency is measured when
+/// the fragment holding a chunk's first drawn frame goes out.
+struct Fmp4Sink {
+    out: mpsc::Sender<Out>,
+    encoder: Option<live::LiveEncoder>,
+    /// `(frame, arrival)` of chunks whose first drawn frame is still in the encoder.
+    waiting: Arc<Mutex<std::collections::VecDeque<(u64, Instant)>>>,
+    measured: Arc<Mutex<Vec<f64>>>,
+}
+
+/// The MSE type of the encoder's output for these settings (from a one-frame encode, kept
+/// per frame size and settings).
+fn probe_mime(settings: &crate::media::video::EncoderSettings) -> Result<String, engine::Error> {
+    static SEEN: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
+    let key = format!(
+        "{}x{}@{}:{}:{}",
+        settings.width, settings.height, settings.fps, settings.preset, settings.crf
+    );
+    let mut seen = SEEN.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, m)) = seen.iter().find(|(k, _)| *k == key) {
+        return Ok(m.clone());
+    }
+    let init = Arc::new(Mutex::new(None::<String>));
+    let found = init.clone();
+    let mut cut = live::Fragments::default();
+    let probe = live::LiveEncoder::spawn(
+        settings.clone(),
+        Box::new(move |data| {
+            for piece in cut.push(data.unwrap_or_default()) {
+                if let live::Piece::Init(b) = piece {
+                    *found.lock().unwrap_or_else(|p| p.into_inner()) = Some(live::mime_type(&b));
+                }
+            }
+        }),
+    )?;
+    let (w, h) = (settings.width, settings.height);
+    let black = crate::media::image::Frame::new(w, h, vec![0; w as usize * h as usize * 3]);
+    let mut probe = probe;
+    probe.write(&black, vec![0; 1280])?;
+    probe.finish()?;
+    let mime = init
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take()
+        .ok_or_else(|| engine::Error::Inference("the encoder wrote no init segment".into()))?;
+    seen.push((key, mime.clone()));
+    Ok(mime)
+}
+
+impl Fmp4Sink {
+    fn start(
+        settings: crate::media::video::EncoderSettings,
+        out: mpsc::Sender<Out>,
+    ) -> Result<(String, Option<Fmp4Sink>), engine::Error> {
+        let mime = probe_mime(&settings)?;
+        let waiting = Arc::new(Mutex::new(
+            std::collections::VecDeque::<(u64, Instant)>::new(),
+        ));
+        let measured = Arc::new(Mutex::new(Vec::new()));
+        let (w2, m2) = (waiting.clone(), measured.clone());
+        let events = out.clone();
+        let mut cut = live::Fragments::default();
+        let mut frames_out = 0u64;
+        let mut gone = false;
+        let encoder = live::LiveEncoder::spawn(
+            settings,
+            Box::new(move |data| {
+                let Some(data) = data else { return };
+                for piece in cut.push(data) {
+                    let (bytes, n) = match piece {
+                        live::Piece::Init(b) => (b, 0),
+                        live::Piece::Fragment(b, n) => (b, n),
+                    };
+                    if !gone && out.blocking_send(Out::Binary(bytes)).is_err() {
+                        gone = true; // keep draining ffmpeg; the session sees the client leave
+                    }
+                    frames_out += u64::from(n);
+                    let now = Instant::now();
+                    let mut w = w2.lock().unwrap_or_else(|p| p.into_inner());
+                    while w.front().is_some_and(|(k, _)| *k < frames_out) {
+                        let (_, at) = w.pop_front().expect("checked");
+                        let l = now.saturating_duration_since(at).as_secs_f64();
+                        metrics::histogram!(m::STREAM_LATENCY).record(l);
+                        m2.lock().unwrap_or_else(|p| p.into_inner()).push(l);
+                    }
+                }
+            }),
+        )?;
+        Ok((
+            mime,
+            Some(Fmp4Sink {
+                out: events,
+                encoder: Some(encoder),
+                waiting,
+                measured,
+            }),
+        ))
+    }
+
+    /// Encodes the rest; returns every latency measured.
+    fn finish(mut self) -> Result<Vec<f64>, engine::Error> {
+        if let Some(e) = self.encoder.take() {
+            e.finish()?;
+        }
+        let measured = self
+            .measured
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        Ok(measured)
+    }
+}
+
+impl Sink for Fmp4Sink {
+    fn event(&mut self, activity: Activity, frame: u64, pts: f64) -> Result<(), engine::Error> {
+        send_event(&self.out, activity, frame, pts)
+    }
+
+    fn frame(&mut self, f: OutFrame<'_>) -> Result<(), engine::Error> {
+        let audio: Vec<u8> = f
+            .audio
+            .iter()
+            .flat_map(|s| ((s.clamp(-1.0, 1.0) * 32_767.0).round() as i16).to_le_bytes())
+            .collect();
+        let enc = self
+            .encoder
+            .as_mut()
+            .ok_or_else(|| engine::Error::Inference("the encoder is closed".into()))?;
+        Ok(enc.write(f.image, audio)?)
+    }
+
+    fn drawn(&mut self, frame: u64, arrived: Instant) -> Option<f64> {
+        self.waiting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back((frame, arrived));
+        None
     }
 }

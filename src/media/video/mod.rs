@@ -17,6 +17,7 @@
 //! so ffmpeg can never block on a full pipe; unfinished processes are killed and reaped.
 
 pub mod clip;
+pub mod live;
 mod process;
 mod segmented;
 mod single;
