@@ -26,7 +26,7 @@ fn ffmpeg(args: &[&str]) {
     assert!(o.status.success(), "ffmpeg {args:?}: {}", text(&o.stderr));
 }
 
-fn s(p: &Path) -> &str {
+fn path_str(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
@@ -34,9 +34,9 @@ fn s(p: &Path) -> &str {
 fn variant(dir: &Path, name: &str, options: &[&str]) -> PathBuf {
     let out = dir.join(name);
     let src = media_path("clip_rgb_25fps.mp4");
-    let mut args = vec!["-i", s(&src)];
+    let mut args = vec!["-i", path_str(&src)];
     args.extend_from_slice(options);
-    args.push(s(&out));
+    args.push(path_str(&out));
     ffmpeg(&args);
     out
 }
@@ -328,12 +328,12 @@ fn rotated_webm_mkv_and_mov_clips_are_read() {
     let wide_rotated = d.join("wide_rotated.mp4");
     ffmpeg(&[
         "-i",
-        s(&wide),
+        path_str(&wide),
         "-c",
         "copy",
         "-metadata:s:v:0",
         "rotate=90",
-        s(&wide_rotated),
+        path_str(&wide_rotated),
     ]);
     // (file, expected output size, expected rate)
     let cases = [
@@ -541,6 +541,59 @@ async fn the_service_takes_clips_directly_and_as_avatars() {
         let body = r.bytes().await.unwrap();
         assert_eq!(decoded_frames(&body), 30, "{mode}");
     }
+    // Frames without a face take the nearest detected box: five gray frames, then the pan.
+    let dir = tempfile::tempdir().unwrap();
+    let mixed = dir.path().join("mixed.mp4");
+    let pan = media_path("clip_rgb_25fps.mp4");
+    ffmpeg(&[
+        "-f",
+        "lavfi",
+        "-i",
+        "color=gray:s=160x160:r=25:d=0.2",
+        "-i",
+        path_str(&pan),
+        "-filter_complex",
+        "[0:v]format=yuv420p[a];[1:v]format=yuv420p[b];[a][b]concat=n=2:v=1[v]",
+        "-map",
+        "[v]",
+        "-c:v",
+        "libx264",
+        "-crf",
+        "12",
+        path_str(&mixed),
+    ]);
+    let describe = |bytes: Vec<u8>, smooth: &'static str| {
+        let client = client.clone();
+        let url = s.url("/v1/avatars");
+        async move {
+            let r = client
+                .post(url)
+                .multipart(
+                    Form::new()
+                        .part("video", part("v.mp4", bytes))
+                        .text("smooth", smooth),
+                )
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 201);
+            r.json::<serde_json::Value>().await.unwrap()
+        }
+    };
+    let m = describe(std::fs::read(&mixed).unwrap(), "false").await;
+    assert_eq!(m["frames"], 17);
+    let pan_alone = describe(media("clip_rgb_25fps.mp4"), "false").await;
+    let (got, want) = (&m["box"], &pan_alone["box"]);
+    let near = (0..4).all(|i| got[i].as_i64().unwrap().abs_diff(want[i].as_i64().unwrap()) <= 3);
+    assert!(near, "gray frame 0 took {got}, the first face is at {want}");
+    let info: serde_json::Value = reqwest::get(s.url("/info"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info["limits"]["max_avatar_seconds"], 60.0);
+
     // `smooth` belongs to the avatar.
     let r = client
         .post(s.url("/v1/lipsync"))
@@ -573,7 +626,7 @@ async fn bad_clips_get_clear_errors() {
         "color=gray:s=160x160:r=25:d=1",
         "-c:v",
         "libx264",
-        s(&gray),
+        path_str(&gray),
     ]);
     let whole = media("carphone.mp4");
     let mut truncated = whole[..whole.len() / 3].to_vec();
@@ -679,7 +732,7 @@ async fn a_ten_second_720p_clip_fits_the_cache_budget() {
         "-loop",
         "1",
         "-i",
-        s(&astronaut),
+        path_str(&astronaut),
         "-vf",
         "scale=1280:1280,crop=1280:720:0:'200+100*sin(t)',noise=alls=6:allf=t,format=yuv420p",
         "-t",
@@ -692,7 +745,7 @@ async fn a_ten_second_720p_clip_fits_the_cache_budget() {
         "ultrafast",
         "-crf",
         "18",
-        s(&clip),
+        path_str(&clip),
     ]);
     let s = Server::start(&[]);
     s.wait_ready().await;
