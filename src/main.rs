@@ -44,6 +44,9 @@ enum Command {
     /// Decode an audio file the way rendering will: what it is, its duration, the mel
     /// spectrogram size and how many video frames it drives.
     Audio(commands::audio::AudioArgs),
+    /// Stream speech to a running server's live session (`GET /v1/stream`) in real time and
+    /// write the video that comes back; prints latency and late frames.
+    Stream(Box<commands::stream::StreamArgs>),
 }
 
 fn main() -> ExitCode {
@@ -101,5 +104,6 @@ fn run(command: Command) -> Result<(), CliError> {
         Command::InitWeights(a) => commands::checkpoint::init_weights(a),
         Command::Audio(a) => commands::audio::audio_info(a),
         Command::Bench(a) => commands::bench::bench(*a),
+        Command::Stream(a) => commands::stream::stream(*a),
     }
 }

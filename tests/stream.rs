@@ -627,3 +627,57 @@ async fn fmp4_output_is_an_init_segment_then_playable_fragments() {
         "{end}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_reference_client_streams_a_file_and_reports_latency() {
+    let s = Server::start(&[]);
+    s.wait_ready().await;
+    let out = tempfile::tempdir().unwrap();
+    let mp4 = out.path().join("live.mp4");
+    let base = s.base.clone();
+    let mp4_arg = mp4.clone();
+    let run = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_lipsync"))
+            .arg("stream")
+            .arg(&base)
+            .args(["--audio", media_path("arctic_a0007_1s.wav").as_str()])
+            .args(["--image", media_path("astronaut.png").as_str()])
+            .arg("--out")
+            .arg(&mp4_arg)
+            .args(["--no-pace", "--lead-in", "0.2", "--json"])
+            .output()
+            .unwrap()
+    });
+    let done = tokio::time::timeout(LIMIT, run)
+        .await
+        .expect("client timed out")
+        .unwrap();
+    assert!(
+        done.status.success(),
+        "{}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&done.stdout).unwrap();
+    assert_eq!(v["close"], 1000);
+    assert_eq!(v["speaking_frames"], 22, "{v}");
+    assert!(v["latency_ms"]["p50"].as_f64().unwrap() > 0.0, "{v}");
+    let bytes = std::fs::read(&mp4).unwrap();
+    assert_eq!(&bytes[4..8], b"ftyp");
+    assert!(common::server::decoded_frames(&bytes) > 20);
+    // A refused session is a clear error, not a hang: an unknown avatar.
+    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_lipsync"))
+        .arg("stream")
+        .arg(&s.base)
+        .args(["--audio", media_path("arctic_a0007_1s.wav").as_str()])
+        .args(["--avatar-id", "0123456789abcdef", "--no-pace"])
+        .arg("--out")
+        .arg(out.path().join("bad.mp4"))
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("avatar_not_found"));
+}
+
+fn media_path(name: &str) -> String {
+    format!("{}/tests/media/{name}", env!("CARGO_MANIFEST_DIR"))
+}

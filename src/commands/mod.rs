@@ -6,6 +6,7 @@ pub mod bench;
 pub mod bench_clip;
 pub mod checkpoint;
 pub mod render;
+pub mod stream;
 
 use std::path::{Path, PathBuf};
 
