@@ -6,6 +6,7 @@ the 512×512 photo (random weights on the CPU: a few seconds each).
 
 import base64
 import re
+import subprocess
 import wave
 
 from conftest import MEDIA, SPEECH, Page, Server
@@ -219,6 +220,29 @@ def test_avatars_are_listed_reused_and_deleted(page: Page, server: Server):
     assert server.get(f"/v1/avatars/{avatar}")[0] == 404
     assert page.page.evaluate("localStorage.getItem('lipsync.avatars')") == "[]"
     page.shot("08-avatar-deleted")
+    assert page.errors == []
+
+
+def test_a_clip_becomes_a_video_avatar_and_plays(page: Page, tmp_path):
+    # One second of the photo as a 25 fps H.264 clip (ffmpeg, which the server needs anyway).
+    clip = tmp_path / "clip.mp4"
+    subprocess.run(
+        ["ffmpeg", "-v", "error", "-loop", "1", "-i", str(PHOTO), "-t", "1", "-r", "25",
+         "-vf", "scale=256:256", "-c:v", "libx264", "-pix_fmt", "yuv420p", "-y", str(clip)],
+        check=True, timeout=60,
+    )
+    page.open()
+    choose_photo(page, clip)
+    assert "a clip of 25 frames at 25 fps" in page.text("#face-status"), page.text("#face-status")
+    [label] = page.page.eval_on_selector_all("#avatars li code", "els => els.map(e => e.textContent)")
+    assert label.startswith("clip "), label
+    page.shot("12-clip")
+    record_forms(page)
+    page.page.set_input_files("#audio-file", str(SPEECH))
+    assert_played_whole(render(page), page)
+    page.shot("13-clip-played")
+    [form] = sent_forms(page, "/v1/lipsync")
+    assert "avatar_id" in form and "video" not in form, form.keys()
     assert page.errors == []
 
 

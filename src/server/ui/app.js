@@ -149,41 +149,32 @@ async function chooseFace(file) {
   $("keep-avatar").hidden = true;
   if (!file) return;
   const url = URL.createObjectURL(file);
+  const kind = file.type.startsWith("video/") ? "video" : "image";
   $("box").value = "";
   markCurrentAvatar(null);
-  if (file.type.startsWith("video/")) {
-    state.face = { kind: "video", file };
-    setStatus("face-status", `clip ${file.name}: sent as \`video\`; type a box or let the server find the face`);
-    try {
-      const frame = await firstFrame(url);
-      showPicture(frame, frame.width, frame.height);
-    } catch (e) {
-      $("preview").hidden = true;
-      setStatus("face-status", e.message, true);
-    }
-    return;
-  }
-  state.face = { kind: "image", file };
-  let img;
+  state.face = { kind, file };
+  let picture = null;
   try {
-    img = await loadImage(url);
-    showPicture(img, img.naturalWidth, img.naturalHeight);
+    picture = kind === "video" ? await firstFrame(url) : await loadImage(url);
+    showPicture(picture, picture.naturalWidth || picture.width, picture.naturalHeight || picture.height);
   } catch (e) {
     // The server may still read it (it decides); no preview.
     $("preview").hidden = true;
   }
-  // Finding the face is creating an avatar: the server keeps it, and the page reuses its id.
-  setStatus("face-status", "finding the face…");
+  // Finding the face is creating an avatar: the server keeps it (a clip's every frame), and
+  // the page reuses its id.
+  setStatus("face-status", kind === "video" ? "finding the face in every frame…" : "finding the face…");
   const form = new FormData();
-  form.append("image", file, file.name);
+  form.append(kind, file, file.name);
   try {
     const avatar = await api("POST", "/v1/avatars", form);
     if (state.face.file !== file) return; // another file was chosen meanwhile
     state.face.detected = avatar;
     $("box").value = avatar.box.join(",");
     drawPreview();
-    setStatus("face-status", `face at ${avatar.box.join(",")} in ${avatar.width}×${avatar.height}; kept as avatar ${avatar.id.slice(0, 12)}`);
-    rememberAvatar(avatar, img ? thumbnail(img, img.naturalWidth, img.naturalHeight) : "", file.name);
+    const clip = avatar.kind === "video" ? `, a clip of ${avatar.frames} frames at ${+avatar.fps.toFixed(3)} fps` : "";
+    setStatus("face-status", `face at ${avatar.box.join(",")} in ${avatar.width}×${avatar.height}${clip}; kept as avatar ${avatar.id.slice(0, 12)}`);
+    rememberAvatar(avatar, picture ? thumbnail(picture, state.face.width, state.face.height) : "", file.name);
     markCurrentAvatar(avatar.id);
   } catch (e) {
     if (state.face.file !== file) return;
@@ -195,10 +186,11 @@ function boxChanged() {
   drawPreview();
   const face = state.face;
   const box = parseBox($("box").value);
-  const detected = face && face.kind === "image" && face.detected;
+  const isFile = face && face.kind !== "avatar";
+  const detected = isFile && face.detected;
   const same = detected && box && box.join(",") === detected.box.join(",");
-  $("keep-avatar").hidden = !(face && face.kind === "image" && box && !same);
-  if (face && face.kind === "image") markCurrentAvatar(same || (!box && detected) ? detected.id : null);
+  $("keep-avatar").hidden = !(isFile && box && !same);
+  if (isFile) markCurrentAvatar(same || (!box && detected) ? detected.id : null);
 }
 
 function setupBoxDrawing() {
@@ -257,7 +249,7 @@ function thumbnail(picture, width, height) {
 
 function rememberAvatar(avatar, thumb, name) {
   const list = storedAvatars().filter((a) => a.id !== avatar.id);
-  list.unshift({ id: avatar.id, box: avatar.box, width: avatar.width, height: avatar.height, thumb, name });
+  list.unshift({ id: avatar.id, kind: avatar.kind || "image", box: avatar.box, width: avatar.width, height: avatar.height, thumb, name });
   storeAvatars(list);
   renderAvatars();
 }
@@ -283,7 +275,7 @@ function renderAvatars() {
       li.append(img);
     }
     const label = document.createElement("code");
-    label.textContent = `${a.id.slice(0, 12)} · ${a.box.join(",")}`;
+    label.textContent = `${a.kind === "video" ? "clip" : "photo"} ${a.id.slice(0, 12)} · ${a.box.join(",")}`;
     label.title = `${a.name || ""} ${a.id}`;
     const actions = document.createElement("div");
     actions.className = "actions";
@@ -317,7 +309,7 @@ async function useAvatar(a) {
   $("box").value = "";
   $("keep-avatar").hidden = true;
   state.face = { kind: "avatar", avatar: a };
-  setStatus("face-status", `avatar ${a.id.slice(0, 12)} (${a.name || "photo"}), face at ${a.box.join(",")}`);
+  setStatus("face-status", `avatar ${a.id.slice(0, 12)} (${a.name || a.kind || "photo"}), face at ${a.box.join(",")}`);
   if (a.thumb) {
     try {
       const img = await loadImage(a.thumb);
@@ -351,9 +343,9 @@ async function deleteAvatar(a) {
 async function keepAvatar() {
   const face = state.face;
   const box = parseBox($("box").value);
-  if (!face || face.kind !== "image" || !box) return;
+  if (!face || face.kind === "avatar" || !box) return;
   const form = new FormData();
-  form.append("image", face.file, face.file.name);
+  form.append(face.kind, face.file, face.file.name);
   form.append("box", box.join(","));
   try {
     const avatar = await api("POST", "/v1/avatars", form);
@@ -726,11 +718,11 @@ function requestForm() {
   if ($("box").value.trim() && !box) throw new Error("the face box is x1,y1,x2,y2 in pixels, x2 > x1 and y2 > y1");
   if (face.kind === "avatar") {
     form.append("avatar_id", face.avatar.id);
-  } else if (face.kind === "image" && face.detected && (!box || box.join(",") === face.detected.box.join(","))) {
-    // The photo's prepared avatar: no second face detection.
+  } else if (face.detected && (!box || box.join(",") === face.detected.box.join(","))) {
+    // The file's prepared avatar: no second face detection.
     form.append("avatar_id", face.detected.id);
   } else {
-    form.append(face.kind === "video" ? "video" : "image", face.file, face.file.name);
+    form.append(face.kind, face.file, face.file.name);
     if (box) form.append("box", box.join(","));
   }
   return form;
