@@ -165,6 +165,43 @@ def test_a_typed_box_is_drawn_and_sent_with_the_photo(page: Page, server: Server
     assert page.errors == []
 
 
+def test_files_can_be_dropped_and_the_box_drawn_by_dragging(page: Page):
+    page.open()
+    # Drop the photo and the speech on their sections, as a file manager would.
+    for section, path, mime in [("#face-drop", PHOTO, "image/png"), ("#audio-drop", SPEECH, "audio/wav")]:
+        page.page.evaluate(
+            """([section, name, mime, b64]) => {
+                const bytes = Uint8Array.from(atob(b64), c => c.charCodeAt(0));
+                const dt = new DataTransfer();
+                dt.items.add(new File([bytes], name, {type: mime}));
+                const target = document.querySelector(section);
+                target.dispatchEvent(new DragEvent('dragover', {dataTransfer: dt, bubbles: true, cancelable: true}));
+                target.dispatchEvent(new DragEvent('drop', {dataTransfer: dt, bubbles: true, cancelable: true}));
+            }""",
+            [section, path.name, mime, base64.b64encode(path.read_bytes()).decode()],
+        )
+    page.wait("() => /face at/.test(document.getElementById('face-status').textContent)")
+    assert page.page.evaluate("document.getElementById('face-file').files[0].name") == PHOTO.name
+    assert page.text("#audio-status").startswith(SPEECH.name)
+    # Drag a box on the picture: the field follows, in the photo's pixels.
+    r = page.page.locator("#face-canvas").bounding_box()
+    scale = 512 / r["width"]
+    page.page.mouse.move(r["x"] + 100 / scale, r["y"] + 50 / scale)
+    page.page.mouse.down()
+    page.page.mouse.move(r["x"] + 200 / scale, r["y"] + 150 / scale, steps=5)
+    page.page.mouse.move(r["x"] + 300 / scale, r["y"] + 250 / scale, steps=5)
+    page.page.mouse.up()
+    box = [int(v) for v in page.page.input_value("#box").split(",")]
+    assert all(abs(a - b) <= 2 for a, b in zip(box, [100, 50, 300, 250])), box
+    assert page.page.is_visible("#keep-avatar")
+    page.shot("14-dragged-box")
+    # Kept as an avatar with that box: a second entry in the list.
+    page.page.click("#keep-avatar")
+    page.wait("() => document.querySelectorAll('#avatars li').length === 2")
+    assert page.text("#face-status").endswith("with the box " + ",".join(map(str, box)))
+    assert page.errors == []
+
+
 def test_a_bad_file_shows_the_apis_error(page: Page, server: Server):
     bad = b"this is not a picture of anyone\n" * 4
     expected = server.error_of(server.post_form("/v1/avatars", {"image": ("bad.png", bad)}))
