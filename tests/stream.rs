@@ -681,3 +681,57 @@ async fn the_reference_client_streams_a_file_and_reports_latency() {
 fn media_path(name: &str) -> String {
     format!("{}/tests/media/{name}", env!("CARGO_MANIFEST_DIR"))
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_beyond_the_engines_capacity_is_refused_but_one_is_always_admitted() {
+    // The CPU draws a few frames per second: one 25 fps session is admitted anyway (its
+    // frames will be late), a second is over the capacity left.
+    let s = Server::start(&["--max-sessions", "5"]);
+    s.wait_ready().await;
+    let avatar = upload_avatar(&s).await;
+    let (_first, _) = open_session(&s, &avatar).await;
+    let mut ws = connect_with(&s, "", &[]).await.unwrap();
+    ws.send(opening(&avatar, "jpeg")).await.unwrap();
+    let mut got = Received::default();
+    read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
+    assert_eq!(got.texts[0]["error_type"], "overloaded", "{:?}", got.texts);
+    assert_eq!(got.close.map(|c| c.0), Some(1013));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_lets_a_session_finish_its_utterance_then_closes_1001() {
+    let s = Server::start(&["--utterance-gap-ms", "5000"]);
+    s.wait_ready().await;
+    let avatar = upload_avatar(&s).await;
+    let (mut ws, mut got) = open_session(&s, &avatar).await;
+    let (_, pcm) = speech_pcm();
+    ws.send(Message::Binary(pcm.into())).await.unwrap();
+    read_until(&mut ws, &mut got, |g| !g.events("speaking").is_empty()).await;
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &s.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
+    assert_eq!(
+        got.close.as_ref().map(|c| c.0),
+        Some(1001),
+        "{:?}",
+        got.texts
+    );
+    let end = got.texts.iter().find(|t| t["type"] == "end").expect("end");
+    assert_eq!(
+        end["stats"]["speaking_frames"], 22,
+        "the utterance was cut: {end}"
+    );
+    let mut s = s;
+    let deadline = Instant::now() + LIMIT;
+    loop {
+        if let Some(status) = s.child.try_wait().unwrap() {
+            assert!(status.success(), "{status}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "no exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -492,6 +492,8 @@ impl<'a> Session<'a> {
                     if !self.ending {
                         return Err(Error::Cancelled);
                     }
+                    // Nothing more will come: only the clock and the faces matter.
+                    std::thread::sleep(wait);
                 }
             }
             self.close_quiet_utterances();

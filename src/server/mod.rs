@@ -564,6 +564,7 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
             Ok(())
         }
     };
+    stream::wait_closed(&app.sessions, timeout).await;
     if let Some(engine) = app.engine.get() {
         engine.shutdown();
     }

@@ -471,8 +471,26 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
     }
 
     let mut ending = false;
+    let mut stopping: Option<Instant> = None;
+    let shutdown_timeout = Duration::from_secs(app.args.shutdown_timeout);
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
     loop {
         tokio::select! {
+            _ = tick.tick() => {
+                // SIGTERM: finish the current utterance (then close 1001), or close 1001 at
+                // the shutdown timeout.
+                if app.shutting_down.load(Ordering::SeqCst) {
+                    let since = *stopping.get_or_insert_with(Instant::now);
+                    if !ending {
+                        ending = true;
+                        let _ = in_tx.send(Input::End);
+                    }
+                    if since.elapsed() >= shutdown_timeout {
+                        let msg = "the server is shutting down";
+                        return fail(&mut socket, GOING_AWAY, "shutting_down", msg).await;
+                    }
+                }
+            }
             out = out_rx.recv() => match out {
                 Some(Out::Text(t)) => {
                     if socket.send(Message::Text(t.into())).await.is_err() { return; }
@@ -807,5 +825,15 @@ impl Sink for Fmp4Sink {
             .unwrap_or_else(|p| p.into_inner())
             .push_back((frame, arrived));
         None
+    }
+}
+
+/// Waits (at most `limit`, plus a second for the last close frames) until every live session
+/// has closed: they are upgraded connections, which the HTTP server's graceful shutdown no
+/// longer tracks.
+pub async fn wait_closed(sessions: &Sessions, limit: Duration) {
+    let until = Instant::now() + limit + Duration::from_secs(1);
+    while sessions.count() > 0 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
