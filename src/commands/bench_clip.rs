@@ -142,7 +142,7 @@ pub fn bench_clip(a: &BenchArgs, path: &std::path::Path) -> Result<serde_json::V
     }
     Ok(serde_json::json!({
         "clip": path.display().to_string(), "frames": n, "width": w, "height": h,
-        "fps": c.fps.value(), "prepare_detect_s": prepare_detect, "prepare_box_s": prepare_box,
+        "fps": c.fps.value(), "box": detected.source_face.to_array(), "prepare_detect_s": prepare_detect, "prepare_box_s": prepare_box,
         "bytes": size, "jpeg_bytes": c.jpeg_bytes(), "request_frames": frames,
         "jpeg_decode_ms": decode_ms, "runs": runs,
     }))

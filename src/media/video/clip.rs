@@ -89,13 +89,14 @@ fn still_image(bytes: &[u8]) -> Option<&'static str> {
     }
 }
 
-/// `ffprobe` beside `ffmpeg` (same directory, same naming).
+/// `ffprobe` beside `ffmpeg` (same directory, same naming), else `ffprobe` on the PATH.
 pub fn ffprobe_for(ffmpeg: &Path) -> PathBuf {
-    let name = ffmpeg
-        .file_name()
-        .map(|n| n.to_string_lossy().replacen("ffmpeg", "ffprobe", 1))
-        .unwrap_or_else(|| "ffprobe".into());
-    ffmpeg.with_file_name(name)
+    match ffmpeg.file_name().map(|n| n.to_string_lossy()) {
+        Some(n) if n.contains("ffmpeg") => {
+            ffmpeg.with_file_name(n.replacen("ffmpeg", "ffprobe", 1))
+        }
+        _ => PathBuf::from("ffprobe"),
+    }
 }
 
 /// The tail of a tool's error output, for messages.
@@ -452,6 +453,10 @@ mod tests {
         assert_eq!(
             ffprobe_for(Path::new("/opt/ff/bin/ffmpeg")),
             PathBuf::from("/opt/ff/bin/ffprobe")
+        );
+        assert_eq!(
+            ffprobe_for(Path::new("/usr/local/bin/my-encoder")),
+            PathBuf::from("ffprobe")
         );
     }
 }
