@@ -68,7 +68,7 @@ class Server:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, "LIPSYNC_LOG": "info"},
+            env={**os.environ, "LIPSYNC_LOG": "info", "NO_COLOR": "1"},
         )
         listening = threading.Event()
         self.port = None
@@ -200,3 +200,23 @@ def page(browser, server):
     p = Page(browser, server.url)
     yield p
     p.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test leaves a screenshot (target/browser/failed-NAME.png) and shows the server's
+    last log lines and the page's console errors."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    p = item.funcargs.get("page")
+    if isinstance(p, Page):
+        try:
+            p.shot(f"failed-{item.name}")
+        except Exception as e:  # the page itself may be what failed
+            report.sections.append(("screenshot", f"none: {e}"))
+        report.sections.append(("page console errors", "\n".join(p.errors) or "none"))
+    s = item.funcargs.get("server")
+    if isinstance(s, Server):
+        report.sections.append(("lipsync serve log (last 40 lines)", "\n".join(s.log[-40:])))
