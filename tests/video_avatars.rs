@@ -628,12 +628,22 @@ async fn bad_clips_get_clear_errors() {
         "libx264",
         path_str(&gray),
     ]);
+    let big = d.join("big.mp4");
+    ffmpeg(&[
+        "-f",
+        "lavfi",
+        "-i",
+        "color=gray:s=200x160:r=25:d=1",
+        "-c:v",
+        "libx264",
+        path_str(&big),
+    ]);
     let whole = media("carphone.mp4");
     let mut truncated = whole[..whole.len() / 3].to_vec();
     // Keep the ftyp box, lose the rest: a known container that cannot be read.
     truncated.truncate(truncated.len().min(40_000));
 
-    let s = Server::start(&["--max-avatar-seconds", "2"]);
+    let s = Server::start(&["--max-avatar-seconds", "2", "--max-pixels", "30000"]);
     s.wait_ready().await;
     let client = reqwest::Client::new();
     let cases: Vec<(&str, Form, (u16, &str))> = vec![

@@ -207,6 +207,18 @@ impl ClipFile {
             .ok_or_else(|| {
                 Error::NotVideo(format!("the {container} file holds no video stream"))
             })?;
+        // A decode bomb (a tiny file declaring huge frames) is refused before decoding.
+        let (w, h) = (
+            stream["width"].as_u64().unwrap_or(0),
+            stream["height"].as_u64().unwrap_or(0),
+        );
+        if w * h > limits.max_pixels {
+            return Err(Error::TooManyPixels {
+                width: w.min(u64::from(u32::MAX)) as u32,
+                height: h.min(u64::from(u32::MAX)) as u32,
+                max_pixels: limits.max_pixels,
+            });
+        }
         let fps = clip_fps(
             stream["avg_frame_rate"].as_str(),
             stream["r_frame_rate"].as_str(),
