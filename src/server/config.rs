@@ -41,6 +41,18 @@ pub struct ServeArgs {
     /// Seconds to let in-flight streams finish after SIGTERM/SIGINT before exiting.
     #[arg(long, env = "LIPSYNC_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
+    /// Live sessions (`GET /v1/stream`): an utterance ends after this many milliseconds
+    /// without audio.
+    #[arg(long, env = "LIPSYNC_UTTERANCE_GAP_MS", default_value_t = 300)]
+    pub utterance_gap_ms: u64,
+    /// Seconds a live session may go without a message from its client; then it is closed.
+    /// Decimals allowed; 0 turns it off.
+    #[arg(long, env = "LIPSYNC_SESSION_IDLE_TIMEOUT", default_value_t = 60.0, value_parser = parse_seconds)]
+    pub session_idle_timeout: f64,
+    /// Live sessions open at once; more are refused with 429 [default: the 25 fps sessions
+    /// the warm-up's measured batch times sustain, at least 1].
+    #[arg(long, env = "LIPSYNC_MAX_SESSIONS")]
+    pub max_sessions: Option<usize>,
     /// Require `Authorization: Bearer <key>` on every /v1/ route.
     #[arg(long, env = "LIPSYNC_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,

@@ -12,6 +12,7 @@ pub mod conn;
 pub mod error;
 pub mod form;
 pub mod lipsync;
+pub mod stream;
 pub mod ui;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -69,6 +70,7 @@ pub struct App {
     avatars: Mutex<AvatarCache>,
     prometheus: PrometheusHandle,
     requests: Arc<Semaphore>,
+    sessions: Arc<stream::Sessions>,
     shutting_down: AtomicBool,
     started: Instant,
 }
@@ -342,6 +344,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route_layer(middleware::from_fn_with_state(app.clone(), require_key));
     let mut router = Router::new()
         .merge(v1)
+        // Checks its key itself: browsers cannot set headers on a WebSocket.
+        .route("/v1/stream", get(stream::stream))
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/info", get(info))
@@ -406,6 +410,11 @@ fn install_metrics() -> Result<PrometheusHandle, ServeError> {
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &seconds)
         .map_err(err)?
+        .set_buckets_for_metric(
+            Matcher::Full(m::STREAM_LATENCY.into()),
+            &m::stream_latency_buckets(),
+        )
+        .map_err(err)?
         .set_buckets_for_metric(Matcher::Full(m::BATCH_FRAMES.into()), &frames)
         .map_err(err)?
         .set_buckets_for_metric(Matcher::Full(m::BATCH_REQUESTS.into()), &requests)
@@ -432,9 +441,12 @@ fn install_metrics() -> Result<PrometheusHandle, ServeError> {
         m::TIME_TO_FIRST_BYTE,
         m::BATCH_FRAMES,
         m::BATCH_REQUESTS,
+        m::STREAM_LATENCY,
     ] {
         let _ = metrics::histogram!(name);
     }
+    metrics::gauge!(m::STREAM_SESSIONS).set(0.0);
+    metrics::counter!(m::STREAM_LATE_FRAMES).absolute(0);
     metrics::counter!(m::FRAMES_TOTAL).absolute(0);
     metrics::counter!(m::OOM_SPLITS).absolute(0);
     metrics::counter!(m::INSTANCE_RESTARTS).absolute(0);
@@ -496,6 +508,7 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
             args.avatar_cache_bytes,
         )),
         requests: Arc::new(Semaphore::new(args.max_requests.max(1))),
+        sessions: Arc::default(),
         args,
         cfg,
         engine: OnceLock::new(),
