@@ -177,6 +177,15 @@ impl<T> Batcher<T> {
         id
     }
 
+    /// Whether every item that could be taken now is a real-time one.
+    pub fn realtime_only(&self) -> bool {
+        let ahead = self.limits.max_ahead;
+        self.lanes
+            .iter()
+            .filter(|l| l.eligible(ahead))
+            .all(|l| l.realtime)
+    }
+
     /// The earliest deadline of a real-time item that could be taken now.
     pub fn earliest_deadline(&self) -> Option<u64> {
         let ahead = self.limits.max_ahead;

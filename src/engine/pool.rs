@@ -390,6 +390,7 @@ fn run_instance(
             *status.cost.lock().unwrap_or_else(|p| p.into_inner()) = Some(cost);
             let fill = fill_batch(&cost, cfg.fill_latency, &cfg.limits, cfg.pad_batches);
             scheduler.set_fill_batch(fill);
+            scheduler.set_batch_cost(cost);
             tracing::info!(
                 "instance {i}: a batch costs {:.1} ms + {:.2} ms per frame; batches fill to {fill} \
                  frames while a new request waits ({} ms target)",

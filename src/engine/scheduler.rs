@@ -43,6 +43,9 @@ struct State {
     batcher: Batcher<FrameWork>,
     /// Where real-time deadlines are counted from (microseconds).
     epoch: Instant,
+    /// The instances' measured batch cost, once known: real-time batches wait for more
+    /// frames as long as their earliest deadline allows.
+    cost: Option<super::pool::BatchCost>,
     lanes: HashMap<RequestId, Lane>,
     shutdown: bool,
 }
@@ -61,6 +64,7 @@ impl Scheduler {
             state: Mutex::new(State {
                 batcher: Batcher::new(limits),
                 epoch: Instant::now(),
+                cost: None,
                 lanes: HashMap::new(),
                 shutdown: false,
             }),
@@ -87,6 +91,11 @@ impl Scheduler {
     /// Requests admitted and not yet finished or cancelled.
     pub fn requests(&self) -> usize {
         self.lock().lanes.len()
+    }
+
+    /// The measured cost of a batch (from the warm-up).
+    pub fn set_batch_cost(&self, cost: super::pool::BatchCost) {
+        self.lock().cost = Some(cost);
     }
 
     /// Sets the largest batch formed while a new request waits for its first frames.
@@ -152,6 +161,16 @@ impl Scheduler {
 
     /// [`Scheduler::next_batch`] with at most `limit` frames.
     pub fn next_batch_within(&self, limit: usize) -> Option<Vec<BatchItem>> {
+        loop {
+            // Another instance may have taken the frames this one waited for.
+            match self.try_batch_within(limit) {
+                Some(batch) if batch.is_empty() => continue,
+                other => return other,
+            }
+        }
+    }
+
+    fn try_batch_within(&self, limit: usize) -> Option<Vec<BatchItem>> {
         let mut s = self.lock();
         loop {
             if s.shutdown {
@@ -170,6 +189,26 @@ impl Scheduler {
             if left.is_zero() {
                 break;
             }
+            s = self
+                .work
+                .wait_timeout(s, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        // Only real-time frames waiting: let the batch grow until its earliest deadline
+        // leaves just the time to run it (a bigger batch costs less per frame), so many
+        // sessions share batches instead of each frame running nearly alone.
+        while !s.shutdown && !full(&s) && s.batcher.realtime_only() {
+            let (Some(cost), Some(due)) = (s.cost, s.batcher.earliest_deadline()) else {
+                break;
+            };
+            let n = s.batcher.ready_items().max(1) as f64;
+            let run = Duration::from_secs_f64((cost.fixed + cost.per_frame * n) * 1.25);
+            let due = s.epoch + Duration::from_micros(due);
+            let start_by = due.checked_sub(run + Duration::from_millis(5));
+            let Some(left) = start_by.and_then(|t| t.checked_duration_since(Instant::now())) else {
+                break;
+            };
             s = self
                 .work
                 .wait_timeout(s, left)
@@ -288,5 +327,35 @@ mod tests {
         // Replies for frames already taken go nowhere once the receiver is gone.
         drop(ra);
         assert!(batch[0].reply.send(Ok((0, vec![]))).is_err());
+    }
+
+    #[test]
+    fn real_time_batches_grow_while_their_deadline_allows() {
+        let s = Arc::new(Scheduler::new(limits(), Duration::ZERO));
+        s.set_batch_cost(crate::engine::pool::BatchCost {
+            fixed: 0.01,
+            per_frame: 0.001,
+        });
+        let face = Arc::new(vec![0f32; 1]);
+        let frame = |index| FrameWork {
+            index,
+            mel: vec![],
+            face: face.clone(),
+        };
+        let due = Instant::now() + Duration::from_millis(400);
+        let (_a, _ra) = s.admit_realtime(vec![(frame(0), due)]);
+        let s2 = s.clone();
+        let t = Instant::now();
+        let waiter = std::thread::spawn(move || s2.next_batch().unwrap().len());
+        std::thread::sleep(Duration::from_millis(100));
+        let (_b, _rb) = s.admit_realtime(vec![(frame(0), due)]);
+        // Both frames in one batch, taken before the deadline leaves only the run time.
+        assert_eq!(waiter.join().unwrap(), 2);
+        assert!(t.elapsed() < Duration::from_millis(400));
+        // A frame already at its deadline runs at once.
+        let (_c, _rc) = s.admit_realtime(vec![(frame(0), Instant::now())]);
+        let t = Instant::now();
+        assert_eq!(s.next_batch().unwrap().len(), 1);
+        assert!(t.elapsed() < Duration::from_millis(50));
     }
 }
