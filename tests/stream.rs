@@ -735,3 +735,42 @@ async fn sigterm_lets_a_session_finish_its_utterance_then_closes_1001() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn f32_stereo_48k_is_averaged_and_resampled() {
+    let s = Server::start(&["--utterance-gap-ms", "2000", "--max-sessions", "4"]);
+    s.wait_ready().await;
+    let avatar = upload_avatar(&s).await;
+    let mut ws = connect_with(&s, "", &[]).await.unwrap();
+    let open = serde_json::json!({
+        "avatar_id": avatar, "fps": "25/1", "loop": "repeat",
+        "audio": {"format": "f32le", "sample_rate": 48000, "channels": 2},
+        "output": "jpeg",
+    });
+    ws.send(Message::Text(open.to_string().into()))
+        .await
+        .unwrap();
+    let mut got = Received::default();
+    read_until(&mut ws, &mut got, |g| !g.texts.is_empty()).await;
+    assert_eq!(got.texts[0]["type"], "ready", "{:?}", got.texts);
+    // One second of a tone on the left channel only, in odd-sized pieces.
+    let mut bytes = Vec::new();
+    for i in 0..48_000 {
+        let v = (2.0 * std::f32::consts::PI * 220.0 * i as f32 / 48_000.0).sin() * 0.5;
+        bytes.extend_from_slice(&v.to_le_bytes());
+        bytes.extend_from_slice(&0f32.to_le_bytes());
+    }
+    for piece in bytes.chunks(7_777) {
+        ws.send(Message::Binary(piece.to_vec().into()))
+            .await
+            .unwrap();
+    }
+    ws.send(Message::Text(r#"{"type":"end"}"#.into()))
+        .await
+        .unwrap();
+    read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
+    let end = got.texts.iter().find(|t| t["type"] == "end").expect("end");
+    // 16000 samples at 16 kHz: 81 mel columns, the file rule's 22 frames.
+    assert_eq!(end["stats"]["speaking_frames"], 22, "{end}");
+    assert_eq!(got.close.map(|c| c.0), Some(1000));
+}

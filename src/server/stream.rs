@@ -266,8 +266,9 @@ struct Opening {
     output: Option<String>,
     #[serde(default)]
     blend: Option<String>,
+    /// `pingpong` or `repeat`: how a video avatar's frames run (photo avatars ignore it).
     #[serde(default, rename = "loop")]
-    loop_: Option<bool>,
+    loop_: Option<String>,
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -359,11 +360,9 @@ fn parse_opening(text: &str) -> Result<Opened, (&'static str, String)> {
                 .map_err(|e: crate::media::Error| ("bad_blend", e.to_string()))
         })
         .transpose()?;
-    if o.loop_ == Some(true) {
-        return Err((
-            "bad_message",
-            "`loop` applies to video avatars, which live sessions do not serve yet".into(),
-        ));
+    if let Some(l) = &o.loop_ {
+        l.parse::<crate::engine::Loop>()
+            .map_err(|e| ("bad_loop", e.to_string()))?;
     }
     Ok(Opened {
         avatar_id: o.avatar_id,
