@@ -668,7 +668,8 @@ class Appender {
     const bytes = this.queue.shift();
     if (!bytes) return this.finish();
     try {
-      this.sb.appendBuffer(bytes);
+      if (bytes.remove) this.sb.remove(...bytes.remove);
+      else this.sb.appendBuffer(bytes);
     } catch (e) {
       this.failed = e;
       this.finish();
@@ -679,6 +680,10 @@ class Appender {
     const waiting = this.idle;
     this.idle = [];
     waiting.forEach((f) => f());
+  }
+  // Drops [start, end) seconds of what is buffered, in turn with the appends.
+  remove(start, end) {
+    if (end > start) this.push({ remove: [start, end] });
   }
   // Resolves when everything pushed so far is appended.
   drained() {
@@ -830,6 +835,389 @@ async function play(res, run, video) {
   if (ms.readyState === "open") ms.endOfStream();
 }
 
+// ---------------------------------------------------------------- live mode: microphone → /v1/stream
+
+// The server ends an utterance after --utterance-gap-ms (300 by default) without audio. The
+// voice gate keeps sending for longer than that after the voice drops below it, so a pause
+// inside a phrase never splits it (or leaves the drawing waiting for audio that never comes).
+const LIVE_CHUNK_MS = 20;
+const LIVE_HANGOVER_MS = 400;
+const LIVE_PREROLL_CHUNKS = 10; // 200 ms before the gate opens: the phrase's first sound
+const LIVE_GAP_MS = 300;
+// Playback behind the newest frame catches up by playing faster (so that no speaking frame is
+// skipped), or by jumping ahead when far behind (a tab that was in the background).
+const LIVE_FAST_BEHIND_S = 0.4;
+const LIVE_JUMP_BEHIND_S = 3;
+
+// Cuts the microphone into 20 ms blocks of 16-bit PCM on the audio thread, with their level.
+const LIVE_WORKLET = `
+registerProcessor("pcm-live", class extends AudioWorkletProcessor {
+  constructor(options) {
+    super();
+    this.size = options.processorOptions.size;
+    this.buf = new Float32Array(this.size);
+    this.n = 0;
+  }
+  process(inputs) {
+    const ch = inputs[0] && inputs[0][0];
+    if (!ch) return true;
+    let i = 0;
+    while (i < ch.length) {
+      const take = Math.min(ch.length - i, this.size - this.n);
+      this.buf.set(ch.subarray(i, i + take), this.n);
+      this.n += take;
+      i += take;
+      if (this.n < this.size) break;
+      const pcm = new Int16Array(this.size);
+      let sum = 0;
+      for (let j = 0; j < this.size; j++) {
+        const s = Math.max(-1, Math.min(1, this.buf[j]));
+        sum += s * s;
+        pcm[j] = s < 0 ? s * 0x8000 : s * 0x7fff;
+      }
+      this.port.postMessage({ pcm: pcm.buffer, rms: Math.sqrt(sum / this.size) }, [pcm.buffer]);
+      this.n = 0;
+    }
+    return true;
+  }
+});`;
+
+function setLiveButtons(running) {
+  $("live-start").disabled = running;
+  $("live-clear").disabled = !running;
+  $("live-stop").disabled = !running;
+  $("live-fps").disabled = running;
+}
+
+// The avatar the session speaks with: the chosen one, the photo's own, or a new one for a box
+// typed or drawn but not kept yet.
+async function liveAvatarId() {
+  const face = state.face;
+  if (!face) throw new Error("choose a photo (step 1) or one of your avatars first");
+  if (face.kind === "avatar") return face.avatar.id;
+  const box = parseBox($("box").value);
+  if (face.detected && (!box || box.join(",") === face.detected.box.join(","))) return face.detected.id;
+  if (!box) throw new Error("no face found in this picture: draw or type the face box");
+  await keepAvatar();
+  if (!face.detected) throw new Error($("face-status").textContent || "the avatar could not be made");
+  return face.detected.id;
+}
+
+function liveUrl() {
+  const key = $("api-key").value.trim();
+  const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+  // Browsers cannot set headers on a WebSocket: the key goes in the query.
+  return `${scheme}//${location.host}/v1/stream${key ? "?api_key=" + encodeURIComponent(key) : ""}`;
+}
+
+const ms = (s) => `${Math.round(s * 1000)} ms`;
+
+function updateLive(L) {
+  const act = $("live-activity");
+  act.textContent = L.activity || "–";
+  act.classList.toggle("speaking", L.activity === "speaking");
+  // The newest utterance on screen (else the newest received).
+  const u = L.utterances.filter((x) => x.shownAt).pop() || L.utterances.filter((x) => x.receivedAt).pop();
+  if (u) {
+    const shown = u.shownAt ? `, on screen after ${ms((u.shownAt - u.sentAt) / 1000)}` : "";
+    $("live-latency").textContent = `received after ${ms((u.receivedAt - u.sentAt) / 1000)}${shown} (utterance ${L.utterances.indexOf(u) + 1})`;
+  }
+  $("live-frames").textContent = `${L.frames} received, ${L.speakingShown} speaking frames shown`;
+  $("live-late").textContent = L.endStats ? `${L.endStats.late_frames} (server), ${L.late} as received` : `${L.late} as received`;
+  $("live-behind").textContent = L.behind == null ? "–" : ms(L.behind);
+  if (L.endStats) {
+    const s = L.endStats;
+    const p = (v) => (v == null ? "–" : `${Math.round(v)} ms`);
+    $("live-server").textContent = `latency p50 ${p(s.latency_ms_p50)}, p95 ${p(s.latency_ms_p95)}; ` +
+      `${s.frames} frames (${s.speaking_frames} speaking, ${s.idle_frames} idle), ` +
+      `${s.utterances} utterances, ${s.interrupted} interrupted, most late ${p(s.max_lateness_ms)}`;
+  }
+}
+
+// The level of one 20 ms block decides whether it is sent.
+function liveChunk(L, pcm, rms) {
+  const db = rms > 0 ? 20 * Math.log10(rms) : -100;
+  L.level = db;
+  const loud = db >= Number($("live-gate").value);
+  const now = performance.now();
+  if (L.muted) {
+    // After an interrupt: nothing is sent until the voice pauses.
+    L.mutedQuiet = loud ? 0 : L.mutedQuiet + LIVE_CHUNK_MS;
+    if (L.mutedQuiet >= LIVE_HANGOVER_MS) L.muted = false;
+  }
+  if (!L.open) {
+    L.preroll.push(pcm);
+    if (L.preroll.length > LIVE_PREROLL_CHUNKS) L.preroll.shift();
+    if (!loud || L.muted || !L.ready) return;
+    L.open = true;
+    L.quiet = 0;
+    // A new utterance on the server (its gap passed, or it was cleared): time it from here.
+    if (L.fresh || now - L.lastSent > LIVE_GAP_MS) L.utterances.push({ sentAt: now });
+    L.fresh = false;
+    for (const p of L.preroll) L.ws.send(p);
+    L.preroll = [];
+    L.lastSent = now;
+    return;
+  }
+  L.ws.send(pcm);
+  L.lastSent = now;
+  L.quiet = loud ? 0 : L.quiet + LIVE_CHUNK_MS;
+  if (L.quiet >= LIVE_HANGOVER_MS) L.open = false;
+}
+
+function liveEvent(L, msg) {
+  const now = performance.now();
+  L.events.push({ ...msg, at: now });
+  if (msg.type === "ready") {
+    L.ready = msg;
+    const mime = msg.mime;
+    if (!MediaSource.isTypeSupported(mime)) throw new Error(`this browser cannot play ${mime}`);
+    L.appender = new Appender(L.ms.addSourceBuffer(mime));
+    setStatus("live-status", `live: ${msg.width}×${msg.height} at ${+msg.fps.toFixed(3)} fps; speak`);
+    $("live-stats").hidden = false;
+  } else if (msg.type === "idle" || msg.type === "speaking") {
+    L.activity = msg.type;
+    L.ranges.push({ type: msg.type, pts: msg.pts });
+    if (msg.type === "speaking") {
+      // The first utterance sent and not yet seen speaking.
+      const u = L.utterances.find((x) => x.frame == null);
+      if (u) {
+        u.frame = msg.frame;
+        u.pts = msg.pts;
+        if (L.frames > msg.frame) u.receivedAt = now;
+      }
+    }
+  } else if (msg.type === "end") {
+    L.endStats = msg.stats;
+  } else if (msg.type === "error") {
+    L.error = msg;
+    setStatus("live-status", msg.error, true);
+  }
+  updateLive(L);
+}
+
+function liveFragment(L, data) {
+  const now = performance.now();
+  for (const box of L.splitter.push(new Uint8Array(data))) {
+    if (!L.tracks) {
+      if (box.type === "moov") L.tracks = readInit(box.bytes, 8, box.bytes.length);
+      L.appender.push(box.bytes);
+      continue;
+    }
+    if (box.type === "moof") L.pending = readFragment(box.bytes, 8, box.bytes.length, L.tracks).frames;
+    L.appender.push(box.bytes);
+    if (box.type !== "mdat") continue;
+    const fps = L.ready.fps;
+    for (let i = 0; i < L.pending; i++) {
+      // Late as received: later than the earliest schedule seen by more than a frame.
+      const k = L.frames + i;
+      const offset = now - (k / fps) * 1000;
+      L.origin = L.origin == null ? offset : Math.min(L.origin, offset);
+      if (offset - L.origin > 1000 / fps) L.late++;
+    }
+    L.frames += L.pending;
+    L.pending = 0;
+    for (const u of L.utterances) if (u.frame != null && !u.receivedAt && L.frames > u.frame) u.receivedAt = now;
+    if (!L.playing && L.frames > 0) {
+      L.playing = true;
+      L.video.play().catch(() => {});
+    }
+  }
+  updateLive(L);
+}
+
+// Whether pts falls in a speaking stretch (from the events).
+function speakingAt(L, pts) {
+  let type = "idle";
+  for (const r of L.ranges) {
+    if (r.pts > pts + 1e-6) break;
+    type = r.type;
+  }
+  return type === "speaking";
+}
+
+// Each frame shown: speaking frames counted, the time on screen of an utterance's first frame.
+function watchFrames(L) {
+  const v = L.video;
+  let last = -1;
+  const seen = (mediaTime) => {
+    if (mediaTime === last) return;
+    last = mediaTime;
+    const now = performance.now();
+    if (speakingAt(L, mediaTime)) L.speakingShown++;
+    for (const u of L.utterances) if (u.pts != null && !u.shownAt && mediaTime >= u.pts - 1e-3) u.shownAt = now;
+    updateLive(L);
+  };
+  if (v.requestVideoFrameCallback) {
+    const cb = (_, meta) => {
+      if (state.live && state.live !== L) return; // a newer session owns the element
+      seen(meta.mediaTime);
+      v.requestVideoFrameCallback(cb);
+    };
+    v.requestVideoFrameCallback(cb);
+  } else {
+    v.addEventListener("timeupdate", () => seen(v.currentTime));
+  }
+  // Stay near the newest frame; keep the last few seconds buffered only.
+  L.timer = setInterval(() => {
+    const b = v.buffered;
+    if (!b.length) return;
+    const end = b.end(b.length - 1);
+    L.behind = Math.max(0, end - v.currentTime);
+    if (!L.closed && L.behind > LIVE_JUMP_BEHIND_S) v.currentTime = end - 0.1;
+    else if (!L.closed && L.behind > LIVE_FAST_BEHIND_S) v.playbackRate = 1.25;
+    else if (L.closed || L.behind < LIVE_FAST_BEHIND_S / 2) v.playbackRate = 1;
+    if (v.currentTime - b.start(0) > 20 && L.appender) L.appender.remove(b.start(0), v.currentTime - 10);
+    updateLive(L);
+  }, 250);
+}
+
+async function startLive() {
+  if (state.live) return;
+  setStatus("live-status", "");
+  let avatarId;
+  try {
+    avatarId = await liveAvatarId();
+  } catch (e) {
+    setStatus("live-status", e.message, true);
+    return;
+  }
+  const fps = Number($("live-fps").value) || 25;
+  let stream;
+  try {
+    stream = await navigator.mediaDevices.getUserMedia({
+      audio: { channelCount: 1, echoCancellation: true, noiseSuppression: false, autoGainControl: false },
+    });
+  } catch (e) {
+    setStatus("live-status", "no microphone: " + e.message, true);
+    return;
+  }
+  const L = {
+    ws: null, ctx: null, stream, node: null, source: null, ms: new MediaSource(), video: $("live-video"),
+    appender: null, splitter: new BoxSplitter(), tracks: null, pending: 0, ready: null, error: null,
+    events: [], ranges: [], utterances: [], frames: 0, late: 0, origin: null, speakingShown: 0,
+    activity: "connecting", behind: null, endStats: null, playing: false, closed: false,
+    open: false, quiet: 0, preroll: [], muted: false, mutedQuiet: 0, fresh: true, lastSent: -1e9, level: -100,
+  };
+  state.live = L;
+  window.lipsyncLive = L; // for the browser tests and the curious
+  setLiveButtons(true);
+  const video = L.video;
+  if (video.src) URL.revokeObjectURL(video.src);
+  video.muted = !$("live-sound").checked;
+  video.src = URL.createObjectURL(L.ms);
+  video.hidden = false;
+  try {
+    await new Promise((resolve) => L.ms.addEventListener("sourceopen", resolve, { once: true }));
+    L.ctx = new AudioContext();
+    const workletUrl = URL.createObjectURL(new Blob([LIVE_WORKLET], { type: "text/javascript" }));
+    try {
+      await L.ctx.audioWorklet.addModule(workletUrl);
+    } finally {
+      URL.revokeObjectURL(workletUrl);
+    }
+    L.source = L.ctx.createMediaStreamSource(stream);
+    const size = Math.round((L.ctx.sampleRate * LIVE_CHUNK_MS) / 1000);
+    L.node = new AudioWorkletNode(L.ctx, "pcm-live", {
+      numberOfOutputs: 0, channelCount: 1, channelCountMode: "explicit", processorOptions: { size },
+    });
+  } catch (e) {
+    stopLiveAudio(L);
+    setStatus("live-status", "cannot capture the microphone: " + e.message, true);
+    L.closed = true;
+    state.live = null;
+    setLiveButtons(false);
+    return;
+  }
+  updateLive(L);
+  setStatus("live-status", "connecting…");
+  const ws = new WebSocket(liveUrl());
+  ws.binaryType = "arraybuffer";
+  L.ws = ws;
+  ws.onopen = () => {
+    ws.send(JSON.stringify({
+      avatar_id: avatarId, fps,
+      audio: { format: "s16le", sample_rate: L.ctx.sampleRate, channels: 1 },
+      output: "fmp4",
+    }));
+    L.node.port.onmessage = (ev) => {
+      if (ws.readyState === WebSocket.OPEN && !L.stopping) liveChunk(L, ev.data.pcm, ev.data.rms);
+      $("live-level").value = Math.max(-80, L.level);
+    };
+    L.source.connect(L.node);
+  };
+  ws.onmessage = (ev) => {
+    try {
+      if (typeof ev.data === "string") liveEvent(L, JSON.parse(ev.data));
+      else if (L.appender) liveFragment(L, ev.data);
+    } catch (e) {
+      setStatus("live-status", e.message, true);
+      ws.close(1000);
+    }
+  };
+  ws.onclose = (ev) => finishLive(L, ev);
+  watchFrames(L);
+}
+
+function stopLiveAudio(L) {
+  if (L.source) L.source.disconnect();
+  if (L.node) L.node.port.onmessage = null;
+  L.stream.getTracks().forEach((t) => t.stop());
+  if (L.ctx && L.ctx.state !== "closed") L.ctx.close();
+}
+
+async function finishLive(L, ev) {
+  L.closed = true;
+  stopLiveAudio(L);
+  clearInterval(L.timer);
+  if (state.live === L) state.live = null;
+  setLiveButtons(false);
+  L.activity = ev.code === 1000 ? "ended" : "closed";
+  if (!L.error) {
+    if (ev.code === 1000) setStatus("live-status", "ended");
+    else if (!L.ready) setStatus("live-status", `the server refused the session (${ev.code}${ev.reason ? " " + ev.reason : ""})`, true);
+    else setStatus("live-status", `the session closed (${ev.code}${ev.reason ? " " + ev.reason : ""})`, true);
+  }
+  updateLive(L);
+  if (L.appender) {
+    try {
+      await L.appender.drained();
+      if (L.ms.readyState === "open") L.ms.endOfStream();
+    } catch (e) {
+      setStatus("live-status", e.message, true);
+    }
+  }
+}
+
+function interruptLive() {
+  const L = state.live;
+  if (!L || !L.ready || L.stopping) return;
+  L.ws.send(JSON.stringify({ type: "clear" }));
+  L.interrupts = (L.interrupts || 0) + 1;
+  // What was said is dropped; the voice that goes on is not sent until it pauses.
+  L.open = false;
+  L.preroll = [];
+  L.muted = true;
+  L.mutedQuiet = 0;
+  L.fresh = true;
+}
+
+function stopLive() {
+  const L = state.live;
+  if (!L || L.stopping) return;
+  L.stopping = true;
+  stopLiveAudio(L);
+  $("live-clear").disabled = true;
+  $("live-stop").disabled = true;
+  if (L.ws.readyState === WebSocket.OPEN) {
+    // Everything sent is drawn, then `end` with the stats, then the server closes.
+    L.ws.send(JSON.stringify({ type: "end" }));
+    setStatus("live-status", "finishing…");
+  } else {
+    L.ws.close();
+  }
+}
+
 // ---------------------------------------------------------------- wiring
 
 function dropInto(fieldset, input) {
@@ -868,6 +1256,14 @@ function main() {
   if (navigator.mediaDevices && window.AudioWorkletNode) {
     $("record").hidden = false;
     $("record").addEventListener("click", () => (state.recorder ? stopRecording() : startRecording()));
+  }
+  if (navigator.mediaDevices && window.AudioWorkletNode && window.MediaSource && window.WebSocket) {
+    $("live").hidden = false;
+    $("live-start").addEventListener("click", startLive);
+    $("live-clear").addEventListener("click", interruptLive);
+    $("live-stop").addEventListener("click", stopLive);
+    $("live-gate").addEventListener("input", () => { $("live-gate-value").textContent = `${$("live-gate").value} dBFS`; });
+    $("live-sound").addEventListener("change", () => { $("live-video").muted = !$("live-sound").checked; });
   }
   renderAvatars();
   loadInfo();
