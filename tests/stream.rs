@@ -494,6 +494,7 @@ fn a_session_draws_the_file_paths_frames() {
         utterance_gap: Duration::from_secs(30),
         lag: Duration::from_millis(300),
         max_undrawn_seconds: 60.0,
+        loop_mode: Default::default(),
     };
     let (tx, rx) = std::sync::mpsc::channel();
     for piece in pcm.chunks(333) {
@@ -773,4 +774,47 @@ async fn f32_stereo_48k_is_averaged_and_resampled() {
     // 16000 samples at 16 kHz: 81 mel columns, the file rule's 22 frames.
     assert_eq!(end["stats"]["speaking_frames"], 22, "{end}");
     assert_eq!(got.close.map(|c| c.0), Some(1000));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_video_avatar_idles_on_its_own_frames_and_speaks_on_them() {
+    let s = Server::start(&["--utterance-gap-ms", "2000", "--max-sessions", "4"]);
+    s.wait_ready().await;
+    let form = reqwest::multipart::Form::new().part(
+        "video",
+        reqwest::multipart::Part::bytes(media("carphone.mp4")).file_name("c.mp4"),
+    );
+    let r = reqwest::Client::new()
+        .post(s.url("/v1/avatars"))
+        .multipart(form)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["kind"], "video");
+    let id = v["id"].as_str().unwrap().to_string();
+    let mut ws = connect_with(&s, "", &[]).await.unwrap();
+    let open = serde_json::json!({"avatar_id": id, "fps": 25, "loop": "repeat", "output": "jpeg"});
+    ws.send(Message::Text(open.to_string().into()))
+        .await
+        .unwrap();
+    let mut got = Received::default();
+    read_until(&mut ws, &mut got, |g| g.frames.len() >= 6).await;
+    assert_eq!(got.texts[0]["type"], "ready", "{:?}", got.texts);
+    assert_eq!(got.texts[0]["width"], v["width"]);
+    // Idle frames are the clip's own frames: they change (photo idle frames are all alike).
+    let sizes: std::collections::BTreeSet<usize> = got.frames.iter().map(|f| f.2).collect();
+    assert!(sizes.len() > 1, "idle frames do not move: {sizes:?}");
+    let (_, pcm) = speech_pcm();
+    ws.send(Message::Binary(pcm.into())).await.unwrap();
+    ws.send(Message::Text(r#"{"type":"end"}"#.into()))
+        .await
+        .unwrap();
+    read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
+    let end = got.texts.iter().find(|t| t["type"] == "end").expect("end");
+    assert_eq!(end["stats"]["speaking_frames"], 22, "{end}");
+    for (i, f) in got.frames.iter().enumerate() {
+        assert_eq!(f.0 as usize, i);
+    }
 }

@@ -17,6 +17,8 @@
 //!   so the model inputs are those of `POST /v1/lipsync` on the same 16 kHz audio.
 //! - **Idle face.** A photo avatar idles on the face the model draws for a silent mel window,
 //!   computed once per session, so speech starts without a jump in the face's look.
+//!   A video avatar idles on its raw frames (session frame `k` shows clip frame
+//!   `loop_mode.select(k)`), and speech continues from the frame it has reached.
 //!
 //! Runs on its own OS thread; the server hands it client messages through a channel and
 //! receives frames and events through a [`Sink`].
@@ -115,6 +117,9 @@ pub struct SessionConfig {
     pub lag: Duration,
     /// Audio received but not yet drawn, at most (seconds).
     pub max_undrawn_seconds: f64,
+    /// How a video avatar's frames run (frame `k` of the session shows clip frame
+    /// `loop_mode.select(k)`, idle or speaking, so speech continues from the idle position).
+    pub loop_mode: super::Loop,
 }
 
 /// What the client sent.
@@ -423,10 +428,15 @@ pub struct Session<'a> {
     silence: Vec<f32>,
     scratch: Frame,
     stats: SessionStats,
+    /// A video avatar: idles on its raw frames, speaks on the frame it is at.
+    clip: bool,
+    /// Blend masks of clip boxes whose size differs from the first frame's.
+    masks: std::collections::HashMap<(u32, u32), face::BlendMask>,
 }
 
 impl<'a> Session<'a> {
-    /// A session whose frame 0 is due at `start + cfg.lag`; `idle_face` from [`idle_face`].
+    /// A session whose frame 0 is due at `start + cfg.lag`; `idle_face` from [`idle_face`]
+    /// (unused for a video avatar, which idles on its own frames).
     pub fn new(
         engine: &'a Engine,
         avatar: Arc<Avatar>,
@@ -434,9 +444,14 @@ impl<'a> Session<'a> {
         cfg: SessionConfig,
         start: Instant,
     ) -> Self {
+        let clip = avatar.clip.is_some();
         let mut idle_frame = avatar.frame.clone();
-        face::paste(&mut idle_frame, &avatar.face, idle_face, &avatar.mask);
+        if !clip {
+            face::paste(&mut idle_frame, &avatar.face, idle_face, &avatar.mask);
+        }
         Session {
+            clip,
+            masks: std::collections::HashMap::new(),
             engine,
             face_input: Arc::new(avatar.input.clone()),
             scratch: idle_frame.clone(),
@@ -676,10 +691,18 @@ impl<'a> Session<'a> {
                     Some(p) => p.start(j),
                     None => (j as f64 * step) as usize,
                 };
+                let face = if self.clip {
+                    let i = self
+                        .avatar
+                        .select((u.first + j as u64) as usize, self.cfg.loop_mode);
+                    Arc::new(face::model_input(self.avatar.crop_bgr(i)))
+                } else {
+                    self.face_input.clone()
+                };
                 let work = FrameWork {
                     index,
                     mel: mel_window(&u.samples, start),
-                    face: self.face_input.clone(),
+                    face,
                 };
                 frames.push((work, self.due(u.first + j as u64)));
             }
@@ -720,12 +743,20 @@ impl<'a> Session<'a> {
             self.shown = Some(Activity::Idle);
         }
         let audio = self.audio_of(k);
+        let raw;
+        let image = if self.clip {
+            let i = self.avatar.select(k as usize, self.cfg.loop_mode);
+            raw = self.avatar.background(i)?.into_owned();
+            &raw
+        } else {
+            &self.idle_frame
+        };
         sink.frame(OutFrame {
             index: k,
             pts: self.pts(k),
-            image: &self.idle_frame,
+            image,
             audio: &audio,
-            idle: true,
+            idle: !self.clip,
         })?;
         self.stats.frames += 1;
         self.stats.idle_frames += 1;
@@ -767,13 +798,28 @@ impl<'a> Session<'a> {
                 sink.event(Activity::Speaking, k, self.pts(k))?;
                 self.shown = Some(Activity::Speaking);
             }
-            self.scratch.rgb.copy_from_slice(&self.avatar.frame.rgb);
-            face::paste(
-                &mut self.scratch,
-                &self.avatar.face,
-                &face,
-                &self.avatar.mask,
-            );
+            if self.clip {
+                let a = self.avatar.clone();
+                let i = a.select(k as usize, self.cfg.loop_mode);
+                self.scratch = a.background(i)?.into_owned();
+                let b = a.face_at(i);
+                let mask = if (b.width(), b.height()) == (a.face.width(), a.face.height()) {
+                    &a.mask
+                } else {
+                    self.masks
+                        .entry((b.width(), b.height()))
+                        .or_insert_with(|| face::BlendMask::new(a.blend, b.width(), b.height()))
+                };
+                face::paste(&mut self.scratch, &b, &face, mask);
+            } else {
+                self.scratch.rgb.copy_from_slice(&self.avatar.frame.rgb);
+                face::paste(
+                    &mut self.scratch,
+                    &self.avatar.face,
+                    &face,
+                    &self.avatar.mask,
+                );
+            }
             let audio = self.audio_of(k);
             let image = std::mem::replace(&mut self.scratch, Frame::new(0, 0, Vec::new()));
             let r = sink.frame(OutFrame {

@@ -294,6 +294,7 @@ struct Opened {
     audio: AudioFormat,
     output: Output,
     blend: Option<crate::media::face::Blend>,
+    loop_mode: crate::engine::Loop,
 }
 
 /// A bad opening: `(error_type, message)`.
@@ -360,16 +361,19 @@ fn parse_opening(text: &str) -> Result<Opened, (&'static str, String)> {
                 .map_err(|e: crate::media::Error| ("bad_blend", e.to_string()))
         })
         .transpose()?;
-    if let Some(l) = &o.loop_ {
-        l.parse::<crate::engine::Loop>()
-            .map_err(|e| ("bad_loop", e.to_string()))?;
-    }
+    let loop_mode = match &o.loop_ {
+        Some(l) => l
+            .parse::<crate::engine::Loop>()
+            .map_err(|e| ("bad_loop", e.to_string()))?,
+        None => crate::engine::Loop::default(),
+    };
     Ok(Opened {
         avatar_id: o.avatar_id,
         fps,
         audio,
         output,
         blend,
+        loop_mode,
     })
 }
 
@@ -420,10 +424,6 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
         Ok(a) => a,
         Err(e) => return fail(&mut socket, UNKNOWN_AVATAR, e.kind, &e.message).await,
     };
-    if avatar.clip.is_some() {
-        let msg = "live sessions serve photo avatars; video avatars are not served here yet";
-        return fail(&mut socket, POLICY, "unsupported_avatar", msg).await;
-    }
     let avatar = match opened.blend {
         Some(b) if b != avatar.blend => Arc::new(avatar.with_blend(b)),
         _ => avatar,
@@ -449,6 +449,7 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
         utterance_gap: Duration::from_millis(app.args.utterance_gap_ms),
         lag: session_lag(engine, opened.fps),
         max_undrawn_seconds: app.args.media.max_audio_seconds,
+        loop_mode: opened.loop_mode,
     };
     let thread_app = app.clone();
     let span = tracing::Span::current();
@@ -566,9 +567,14 @@ fn session_thread(
     let Some(engine) = app.engine.get() else {
         return send_error(&engine::Error::Inference("no engine".into()));
     };
-    let face = match session::idle_face(engine, &avatar, Duration::from_secs(120)) {
-        Ok(f) => f,
-        Err(e) => return send_error(&e),
+    // A video avatar idles on its own frames: no idle face to draw.
+    let face = if avatar.clip.is_some() {
+        Vec::new()
+    } else {
+        match session::idle_face(engine, &avatar, Duration::from_secs(120)) {
+            Ok(f) => f,
+            Err(e) => return send_error(&e),
+        }
     };
     let (w, h) = (avatar.frame.width, avatar.frame.height);
     let settings = app.args.media.encoder(w, h, cfg.fps, 1);
