@@ -210,8 +210,8 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.when != "call" or not report.failed:
         return
-    p = item.funcargs.get("page")
-    if isinstance(p, Page):
+    p = next((v for v in item.funcargs.values() if isinstance(v, Page)), None)
+    if p is not None:
         try:
             p.shot(f"failed-{item.name}")
         except Exception as e:  # the page itself may be what failed

@@ -13,7 +13,7 @@ import wave
 import pytest
 from playwright.sync_api import sync_playwright
 
-from conftest import CHROMIUM, MEDIA, SCREENSHOTS, SPEECH, Page
+from conftest import CHROMIUM, SPEECH, Page, Server
 from test_page import choose_photo
 
 
@@ -151,4 +151,49 @@ def test_live_mode_shows_speaking_frames_from_the_microphone(live_page: Page):
     assert re.match(r"\d+ \(server\), \d+ as received", p.text("#live-late")), p.text("#live-late")
     assert p.page.is_enabled("#live-start") and p.page.is_disabled("#live-clear")
     p.shot("17-live-ended")
+    assert p.errors == []
+
+
+def test_live_mode_sends_the_api_key_in_the_query(live_browser, tmp_path):
+    server = Server("--api-key", "s3cret-key")
+    try:
+        p = Page(live_browser, server.url).open()
+        p.page.fill("#api-key", "s3cret-key")
+        choose_photo(p)
+        # A wrong key: the page shows the API's message for the refused upgrade.
+        p.page.fill("#api-key", "wrong")
+        p.page.click("#live-start")
+        p.wait("() => document.getElementById('live-status').classList.contains('bad')", 30_000)
+        assert p.text("#live-status") == server.error_of(server.get("/v1/stream?api_key=wrong"))
+        assert p.page.is_enabled("#live-start")
+        # The right one, as ?api_key= (browsers cannot set headers on a WebSocket).
+        p.page.fill("#api-key", "s3cret-key")
+        p.page.click("#live-start")
+        p.wait(f"() => {LIVE} && {LIVE}.ready && {LIVE}.frames > 0", 60_000)
+        p.page.click("#live-stop")
+        p.wait(f"() => {LIVE}.closed", 60_000)
+        assert p.text("#live-status") == "ended", p.text("#live-status")
+        assert live(p, "L.endStats.frames") == live(p, "L.frames") > 0
+        assert not any("s3cret" in line for line in server.log), "the key is never logged"
+        # Only the refused handshake and its plain GET are errors in the console.
+        [handshake, plain] = p.errors
+        assert handshake.startswith("WebSocket connection to") and "api_key=wrong" in handshake, handshake
+        assert "status of 401" in plain, plain
+        p.close()
+    finally:
+        server.stop()
+
+
+def test_a_refused_opening_shows_the_servers_message(live_page: Page):
+    p = live_page
+    p.open()
+    choose_photo(p)
+    p.page.fill("#live-fps", "1000")
+    p.page.click("#live-start")
+    p.wait("() => document.getElementById('live-status').classList.contains('bad')", 30_000)
+    # The session's error message (then close 1008), as the server words it.
+    assert live(p, "L.error.error_type") == "bad_fps"
+    assert p.text("#live-status") == live(p, "L.error.error") and "1000" in p.text("#live-status")
+    assert p.page.is_enabled("#live-start") and p.page.is_disabled("#live-stop")
+    assert live(p, "L.closed")
     assert p.errors == []

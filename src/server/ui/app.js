@@ -1159,6 +1159,19 @@ async function startLive() {
   watchFrames(L);
 }
 
+// Why an upgrade failed: a browser shows a WebSocket nothing of a refused handshake, so the
+// same request without the upgrade tells (the API's 401, 403, 429 or 503; 426 when only the
+// upgrade was missing).
+async function refusal(ev) {
+  const closed = `the server refused the session (${ev.code}${ev.reason ? " " + ev.reason : ""})`;
+  try {
+    const res = await fetch(liveUrl().replace(/^ws/, "http"));
+    return res.status === 426 ? closed : await apiError(res);
+  } catch (_) {
+    return closed;
+  }
+}
+
 function stopLiveAudio(L) {
   if (L.source) L.source.disconnect();
   if (L.node) L.node.port.onmessage = null;
@@ -1175,7 +1188,7 @@ async function finishLive(L, ev) {
   L.activity = ev.code === 1000 ? "ended" : "closed";
   if (!L.error) {
     if (ev.code === 1000) setStatus("live-status", "ended");
-    else if (!L.ready) setStatus("live-status", `the server refused the session (${ev.code}${ev.reason ? " " + ev.reason : ""})`, true);
+    else if (!L.ready) setStatus("live-status", await refusal(ev), true);
     else setStatus("live-status", `the session closed (${ev.code}${ev.reason ? " " + ev.reason : ""})`, true);
   }
   updateLive(L);
