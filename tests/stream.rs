@@ -818,3 +818,45 @@ async fn a_video_avatar_idles_on_its_own_frames_and_speaks_on_them() {
         assert_eq!(f.0 as usize, i);
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_silent_client_times_out_and_audio_far_ahead_is_refused() {
+    let s = Server::start(&[
+        "--session-idle-timeout",
+        "1.5",
+        "--max-audio-seconds",
+        "3",
+        "--max-sessions",
+        "4",
+    ]);
+    s.wait_ready().await;
+    let avatar = upload_avatar(&s).await;
+    // No message after the opening: closed after the idle timeout (frames kept coming).
+    let (mut ws, mut got) = open_session(&s, &avatar).await;
+    let t = Instant::now();
+    read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
+    assert!(t.elapsed() < Duration::from_secs(30));
+    assert!(!got.frames.is_empty());
+    let err = got
+        .texts
+        .iter()
+        .find(|t| t["type"] == "error")
+        .expect("error");
+    assert_eq!(err["error_type"], "idle_timeout");
+    assert_eq!(got.close.map(|c| c.0), Some(1008));
+    // Ten seconds of speech at once is over --max-audio-seconds of undrawn audio.
+    let (mut ws, mut got) = open_session(&s, &avatar).await;
+    let (_, pcm) = speech_pcm();
+    let long: Vec<u8> = pcm.iter().copied().cycle().take(pcm.len() * 10).collect();
+    ws.send(Message::Binary(long.into())).await.unwrap();
+    read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
+    let err = got
+        .texts
+        .iter()
+        .find(|t| t["type"] == "error")
+        .expect("error");
+    assert_eq!(err["error_type"], "bad_stream", "{err}");
+    assert!(err["error"].as_str().unwrap().contains("real time"));
+    assert_eq!(got.close.map(|c| c.0), Some(1008));
+    assert_eq!(reqwest::get(s.url("/health")).await.unwrap().status(), 200);
+}

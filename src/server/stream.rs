@@ -382,8 +382,16 @@ async fn next_message(
     socket: &mut WebSocket,
     idle: Option<Duration>,
 ) -> Result<Option<Message>, &'static str> {
-    let msg = match idle {
-        Some(t) => match tokio::time::timeout(t, socket.recv()).await {
+    next_message_by(socket, idle.map(|t| tokio::time::Instant::now() + t)).await
+}
+
+/// [`next_message`] with the idle deadline given.
+async fn next_message_by(
+    socket: &mut WebSocket,
+    until: Option<tokio::time::Instant>,
+) -> Result<Option<Message>, &'static str> {
+    let msg = match until {
+        Some(t) => match tokio::time::timeout_at(t, socket.recv()).await {
             Ok(m) => m,
             Err(_) => return Err("idle_timeout"),
         },
@@ -474,7 +482,13 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
     let mut stopping: Option<Instant> = None;
     let shutdown_timeout = Duration::from_secs(app.args.shutdown_timeout);
     let mut tick = tokio::time::interval(Duration::from_millis(100));
+    // The idle timeout counts from the client's last message (frames going out don't count).
+    let mut last_message = tokio::time::Instant::now();
     loop {
+        let until = match (ending, idle) {
+            (false, Some(t)) => Some(last_message + t),
+            _ => None,
+        };
         tokio::select! {
             _ = tick.tick() => {
                 // SIGTERM: finish the current utterance (then close 1001), or close 1001 at
@@ -504,31 +518,37 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
                 }
                 None => return,
             },
-            msg = next_message(&mut socket, if ending { None } else { idle }) => match msg {
-                Err(kind) => {
-                    let msg = format!("no message for {} s", app.args.session_idle_timeout);
-                    return fail(&mut socket, POLICY, kind, &msg).await;
-                }
-                Ok(None) => return, // the client left: dropping in_tx stops the session
-                Ok(Some(Message::Binary(b))) => {
-                    let _ = in_tx.send(Input::Audio(b.to_vec(), Instant::now()));
-                }
-                Ok(Some(Message::Text(t))) => {
-                    let kind = serde_json::from_str::<serde_json::Value>(&t)
-                        .ok()
-                        .and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_string));
-                    match kind.as_deref() {
-                        Some("clear") => { let _ = in_tx.send(Input::Clear); }
-                        Some("end") => { ending = true; let _ = in_tx.send(Input::End); }
-                        _ => {
-                            let msg = "text messages are {\"type\": \"clear\"} or {\"type\": \"end\"}";
-                            return fail(&mut socket, POLICY, "bad_message", msg).await;
+            msg = next_message_by(&mut socket, until) => {
+                let msg = match msg {
+                    Err(kind) => {
+                        let msg = format!("no message for {} s", app.args.session_idle_timeout);
+                        return fail(&mut socket, POLICY, kind, &msg).await;
+                    }
+                    Ok(None) => return, // the client left: dropping in_tx stops the session
+                    Ok(Some(m)) => m,
+                };
+                last_message = tokio::time::Instant::now();
+                match msg {
+                    Message::Binary(b) => {
+                        let _ = in_tx.send(Input::Audio(b.to_vec(), Instant::now()));
+                    }
+                    Message::Text(t) => {
+                        let kind = serde_json::from_str::<serde_json::Value>(&t)
+                            .ok()
+                            .and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_string));
+                        match kind.as_deref() {
+                            Some("clear") => { let _ = in_tx.send(Input::Clear); }
+                            Some("end") => { ending = true; let _ = in_tx.send(Input::End); }
+                            _ => {
+                                let msg = "text messages are {\"type\": \"clear\"} or {\"type\": \"end\"}";
+                                return fail(&mut socket, POLICY, "bad_message", msg).await;
+                            }
                         }
                     }
+                    Message::Close(_) => return,
+                    _ => {}
                 }
-                Ok(Some(Message::Close(_))) => return,
-                Ok(Some(_)) => {}
-            },
+            }
         }
     }
 }
