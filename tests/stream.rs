@@ -860,3 +860,46 @@ async fn a_silent_client_times_out_and_audio_far_ahead_is_refused() {
     assert_eq!(got.close.map(|c| c.0), Some(1008));
     assert_eq!(reqwest::get(s.url("/health")).await.unwrap().status(), 200);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_stops_reading_is_cut_by_the_send_timeout() {
+    let s = Server::start(&["--send-timeout", "2", "--max-sessions", "4"]);
+    s.wait_ready().await;
+    let avatar = upload_avatar(&s).await;
+    let (mut ws, _) = open_session(&s, &avatar).await;
+    // Keep sending audio (so the idle timeout never fires) but read nothing: the frames pile
+    // up in the socket buffers until the send timeout cuts the connection.
+    let (_, pcm) = speech_pcm();
+    let deadline = Instant::now() + LIMIT;
+    loop {
+        assert!(Instant::now() < deadline, "the session was never cut");
+        if s.metric("lipsync_stream_sessions").await == 0.0 {
+            break;
+        }
+        let _ = tokio::time::timeout(
+            Duration::from_millis(500),
+            ws.send(Message::Binary(pcm[..3200].to_vec().into())),
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let took = (deadline - LIMIT).elapsed();
+    assert_eq!(s.metric("lipsync_queue_frames").await, 0.0);
+    assert_eq!(reqwest::get(s.url("/health")).await.unwrap().status(), 200);
+    drop(s);
+    // The same client without a send timeout keeps its session for as long (and longer).
+    let s = Server::start(&["--send-timeout", "0", "--max-sessions", "4"]);
+    s.wait_ready().await;
+    let avatar = upload_avatar(&s).await;
+    let (mut ws, _) = open_session(&s, &avatar).await;
+    let until = Instant::now() + took.max(Duration::from_secs(10));
+    while Instant::now() < until {
+        let _ = tokio::time::timeout(
+            Duration::from_millis(500),
+            ws.send(Message::Binary(pcm[..3200].to_vec().into())),
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(s.metric("lipsync_stream_sessions").await, 1.0);
+}
