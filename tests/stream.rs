@@ -903,3 +903,119 @@ async fn a_client_that_stops_reading_is_cut_by_the_send_timeout() {
     }
     assert_eq!(s.metric("lipsync_stream_sessions").await, 1.0);
 }
+
+/// The engine directly, a video avatar: speech that starts at the session's first frame is
+/// drawn on the clip frames the file path uses (model frame k on clip frame loop(k)), with the
+/// same face inputs, so the composited frames match the file path's.
+#[test]
+fn a_video_avatar_session_draws_the_file_paths_frames() {
+    use clap::Parser;
+    use lipsync::engine::session::{
+        Activity, AudioFormat, Input, OutFrame, SampleFormat, Session, SessionConfig, Sink,
+    };
+    use lipsync::engine::{FaceInputs, Loop};
+
+    #[derive(Parser)]
+    struct Args {
+        #[command(flatten)]
+        engine: lipsync::config::EngineArgs,
+        #[command(flatten)]
+        media: lipsync::config::MediaArgs,
+    }
+    let args = Args::parse_from([
+        "t",
+        "--checkpoint",
+        common::checkpoint("zip_bare.pt").to_str().unwrap(),
+        "--max-batch",
+        "8",
+        "--first-batch",
+        "2",
+    ]);
+    let cfg = args.engine.resolve(&args.media);
+    let (engine, _) = args.engine.start_engine(&cfg, false).unwrap();
+    engine.wait_ready().unwrap();
+    let avatar = Arc::new(
+        lipsync::engine::clip::prepare(
+            &media("carphone.mp4"),
+            &args.media.clip_options(true),
+            None,
+            Default::default(),
+            Default::default(),
+        )
+        .unwrap(),
+    );
+    let (_, pcm) = speech_pcm();
+    let fps = "25".parse().unwrap();
+    let mode = Loop::Repeat;
+
+    // The file path: the clip's face inputs, composited on the frame each model frame uses.
+    let speech = lipsync::media::audio::load(&media("arctic_a0007_1s.wav"), 60.0).unwrap();
+    let inputs = FaceInputs::new(&avatar, mode);
+    let planned = lipsync::engine::plan(&speech, fps, &|k| inputs.get(k)).unwrap();
+    let mut sub = engine.submit(planned.frames).unwrap();
+    let mut want = Vec::new();
+    while want.len() < sub.total() {
+        if let Some(face) = sub.next_face(Duration::from_millis(100)).unwrap() {
+            let i = avatar.select(want.len(), mode);
+            let mut f = avatar.background(i).unwrap().into_owned();
+            let b = avatar.face_at(i);
+            let mask = lipsync::media::face::BlendMask::new(avatar.blend, b.width(), b.height());
+            lipsync::media::face::paste(&mut f, &b, &face, &mask);
+            want.push(f.rgb);
+        }
+    }
+
+    struct Collect(Vec<Vec<u8>>, Vec<Activity>);
+    impl Sink for Collect {
+        fn event(&mut self, a: Activity, _: u64, _: f64) -> Result<(), lipsync::engine::Error> {
+            self.1.push(a);
+            Ok(())
+        }
+        fn frame(&mut self, f: OutFrame<'_>) -> Result<(), lipsync::engine::Error> {
+            self.0.push(f.image.rgb.clone());
+            Ok(())
+        }
+    }
+    let scfg = SessionConfig {
+        fps,
+        audio: AudioFormat::new(SampleFormat::S16le, 16_000, 1).unwrap(),
+        utterance_gap: Duration::from_secs(30),
+        lag: Duration::from_millis(300),
+        max_undrawn_seconds: 60.0,
+        loop_mode: mode,
+    };
+    // The audio arrives at the session's start: speech from frame 0.
+    let start = Instant::now();
+    let (tx, rx) = std::sync::mpsc::channel();
+    for piece in pcm.chunks(640) {
+        tx.send(Input::Audio(piece.to_vec(), start)).unwrap();
+    }
+    tx.send(Input::End).unwrap();
+    let mut sink = Collect(Vec::new(), Vec::new());
+    let stats = Session::new(&engine, avatar.clone(), &[], scfg, start)
+        .run(&rx, &mut sink)
+        .unwrap();
+    assert_eq!(sink.1[0], Activity::Speaking, "speech starts at frame 0");
+    assert_eq!(stats.speaking_frames as usize, want.len());
+    for (j, (got, want)) in sink.0.iter().zip(&want).enumerate() {
+        // As for the photo: batches of other sizes may round a value by one u8 step.
+        let n = got.iter().zip(want.iter()).filter(|(a, b)| a != b).count();
+        let most = got
+            .iter()
+            .zip(want.iter())
+            .map(|(a, b)| a.abs_diff(*b))
+            .max();
+        assert!(
+            most <= Some(1) && n * 10_000 <= got.len(),
+            "speaking frame {j} differs from the file path's: {n} values, by up to {most:?}"
+        );
+    }
+    // After the speech the clip idles on its raw frame (the one the next frame shows).
+    let next = sink.0.len() - 1;
+    let raw = avatar
+        .background(avatar.select(next, mode))
+        .unwrap()
+        .into_owned();
+    assert_eq!(sink.0[next], raw.rgb);
+    engine.shutdown();
+}
