@@ -143,6 +143,13 @@ function firstFrame(url) {
   });
 }
 
+// `promise`, or an error after `ms`.
+function withDeadline(promise, ms, message) {
+  let timer;
+  const late = new Promise((_, reject) => { timer = setTimeout(() => reject(new Error(message)), ms); });
+  return Promise.race([promise, late]).finally(() => clearTimeout(timer));
+}
+
 async function chooseFace(file) {
   showError("");
   setStatus("face-status", "");
@@ -153,21 +160,26 @@ async function chooseFace(file) {
   $("box").value = "";
   markCurrentAvatar(null);
   state.face = { kind, file };
-  let picture = null;
-  try {
-    picture = kind === "video" ? await firstFrame(url) : await loadImage(url);
-    showPicture(picture, picture.naturalWidth || picture.width, picture.naturalHeight || picture.height);
-  } catch (e) {
-    // The server may still read it (it decides); no preview.
-    $("preview").hidden = true;
-  }
   // Finding the face is creating an avatar: the server keeps it (a clip's every frame), and
-  // the page reuses its id.
+  // the page reuses its id. It starts at once: the preview never holds it up.
   setStatus("face-status", kind === "video" ? "finding the face in every frame…" : "finding the face…");
   const form = new FormData();
   form.append(kind, file, file.name);
+  const found = api("POST", "/v1/avatars", form);
+  found.catch(() => {}); // awaited below
+  let picture = null;
   try {
-    const avatar = await api("POST", "/v1/avatars", form);
+    picture = await withDeadline(kind === "video" ? firstFrame(url) : loadImage(url), 15_000, "no preview");
+    if (state.face.file !== file) return; // another file was chosen meanwhile
+    showPicture(picture, picture.naturalWidth || picture.width, picture.naturalHeight || picture.height);
+  } catch (e) {
+    // The server may still read it (it decides); no preview.
+    if (state.face.file !== file) return;
+    picture = null;
+    $("preview").hidden = true;
+  }
+  try {
+    const avatar = await found;
     if (state.face.file !== file) return; // another file was chosen meanwhile
     state.face.detected = avatar;
     $("box").value = avatar.box.join(",");
