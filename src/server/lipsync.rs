@@ -14,7 +14,7 @@ use std::time::Instant;
 use axum::body::Body;
 use axum::extract::multipart::{Multipart, MultipartRejection};
 use axum::extract::{ConnectInfo, FromRequest, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use tokio::sync::mpsc;
@@ -254,13 +254,18 @@ pub async fn lipsync(
     Ok((
         StatusCode::OK,
         [
-            (header::CONTENT_TYPE, "video/mp4"),
-            (header::CACHE_CONTROL, "no-store"),
+            (header::CONTENT_TYPE, HeaderValue::from_static("video/mp4")),
+            (header::CACHE_CONTROL, HeaderValue::from_static("no-store")),
+            // Known before the first byte: a player can show progress ("n of N").
+            (VIDEO_FRAMES, HeaderValue::from(video_frames)),
         ],
         Body::from_stream(stream),
     )
         .into_response())
 }
+
+/// `X-Video-Frames` of a `POST /v1/lipsync` response: the frames the video will hold.
+const VIDEO_FRAMES: HeaderName = HeaderName::from_static("x-video-frames");
 
 /// Decodes the avatar (or takes the cached one) and the speech, and plans the frames.
 fn prepare(

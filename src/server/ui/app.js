@@ -716,7 +716,8 @@ function setBusy(busy) {
 function updateStats(run) {
   const now = performance.now();
   $("ttff").textContent = run.firstFrameAt ? `${((run.firstFrameAt - run.started) / 1000).toFixed(2)} s` : "–";
-  $("frames").textContent = String(run.frames);
+  // "n of N" when the server said how many frames the video holds (X-Video-Frames).
+  $("frames").textContent = run.total ? `${run.frames} of ${run.total}` : String(run.frames);
   if (run.firstFrameAt && run.frames > 0) {
     const wall = ((run.doneAt || now) - run.started) / 1000;
     const fps = run.frames / wall;
@@ -770,6 +771,7 @@ async function generate() {
   try {
     const res = await fetch("/v1/lipsync", { method: "POST", body: form, headers: authHeaders() });
     if (!res.ok) throw new Error(await apiError(res));
+    run.total = Number(res.headers.get("x-video-frames")) || 0;
     $("stats").hidden = false;
     await play(res, run, video);
     run.doneAt = performance.now();
