@@ -928,7 +928,8 @@ const ms = (s) => `${Math.round(s * 1000)} ms`;
 
 function updateLive(L) {
   const act = $("live-activity");
-  act.textContent = L.activity || "–";
+  // The server's state runs ahead of the picture by the frames buffered: both are shown.
+  act.textContent = (L.activity || "–") + (L.shownActivity ? ` (on screen: ${L.shownActivity})` : "");
   act.classList.toggle("speaking", L.activity === "speaking");
   // The newest utterance on screen (else the newest received).
   const u = L.utterances.filter((x) => x.shownAt).pop() || L.utterances.filter((x) => x.receivedAt).pop();
@@ -1058,7 +1059,9 @@ function watchFrames(L) {
     if (mediaTime === last) return;
     last = mediaTime;
     const now = performance.now();
-    if (speakingAt(L, mediaTime)) L.speakingShown++;
+    const speaking = speakingAt(L, mediaTime);
+    if (speaking) L.speakingShown++;
+    L.shownActivity = speaking ? "speaking" : "idle";
     for (const u of L.utterances) if (u.pts != null && !u.shownAt && mediaTime >= u.pts - 1e-3) u.shownAt = now;
     updateLive(L);
   };
