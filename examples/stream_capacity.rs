@@ -162,7 +162,7 @@ fn run(args: &Args, sessions: usize) -> String {
     frames.sort_by(|a, b| a.0.total_cmp(&b.0));
     let t0 = Instant::now();
     let at = |s: f64| t0 + Duration::from_secs_f64(s / args.speed);
-    let face = Arc::new(vec![0f32; 1]);
+    let face = Arc::new(vec![0u8; 1]);
     for (release, deadline) in &frames {
         if let Some(wait) = at(*release).checked_duration_since(Instant::now()) {
             std::thread::sleep(wait);

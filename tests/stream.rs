@@ -441,7 +441,7 @@ fn a_session_draws_the_file_paths_frames() {
     // The file path: plan, submit, composite.
     let speech = lipsync::media::audio::load(&media("arctic_a0007_1s.wav"), 60.0).unwrap();
     assert_eq!(speech.samples, samples);
-    let planned = lipsync::engine::plan(&speech, fps, &|_| Arc::new(avatar.input.clone())).unwrap();
+    let planned = lipsync::engine::plan(&speech, fps, &|_| avatar.crop(0)).unwrap();
     // The session's model inputs are the file plan's, exactly: each window computed from
     // the audio that had arrived when it became final.
     let step = 80.0 / 25.0;
@@ -913,7 +913,7 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
     use lipsync::engine::session::{
         Activity, AudioFormat, Input, OutFrame, SampleFormat, Session, SessionConfig, Sink,
     };
-    use lipsync::engine::{FaceInputs, Loop};
+    use lipsync::engine::Loop;
 
     #[derive(Parser)]
     struct Args {
@@ -950,8 +950,7 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
 
     // The file path: the clip's face inputs, composited on the frame each model frame uses.
     let speech = lipsync::media::audio::load(&media("arctic_a0007_1s.wav"), 60.0).unwrap();
-    let inputs = FaceInputs::new(&avatar, mode);
-    let planned = lipsync::engine::plan(&speech, fps, &|k| inputs.get(k)).unwrap();
+    let planned = lipsync::engine::plan(&speech, fps, &avatar.crops(mode)).unwrap();
     let mut sub = engine.submit(planned.frames).unwrap();
     let mut want = Vec::new();
     while want.len() < sub.total() {

@@ -430,7 +430,7 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
         let bytes = read_file(wav.path())?;
         let start = Instant::now();
         let speech = audio::load(&bytes, 3600.0)?;
-        let face = Arc::new(avatar.input.clone());
+        let face = avatar.crop(0);
         let planned = lipsync::engine::plan(&speech, Fps::DEFAULT, &|_| face.clone())?;
         let model_frames = planned.frames.len();
         let submission = engine

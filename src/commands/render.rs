@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use lipsync::config::{choice, EngineArgs, MediaArgs, Resolved as EngineConfig};
-use lipsync::engine::{self, Avatar, Engine, FaceInputs, Loop};
+use lipsync::engine::{self, Avatar, Engine, Loop};
 use lipsync::media::audio::{self, Fps};
 use lipsync::media::face::{self, Blend, FaceBox, Pads};
 use lipsync::media::image::DEFAULT_MAX_PIXELS;
@@ -294,8 +294,7 @@ fn render_one(
         )?,
     };
     let fps = avatar.fps().unwrap_or(job.fps);
-    let faces = FaceInputs::new(&avatar, job.loop_mode);
-    let planned = engine::plan(&speech, fps, &|k| faces.get(k))?;
+    let planned = engine::plan(&speech, fps, &avatar.crops(job.loop_mode))?;
     let video_frames = planned.video_frames;
     let model_frames = planned.frames.len();
     let submission = engine.submit(planned.frames).map_err(|o| {

@@ -26,7 +26,7 @@ pub struct Avatar {
     /// The detection, when the box was not given.
     pub detection: Option<Detection>,
     /// The 96×96 BGR crop the model sees.
-    pub crop_bgr: Vec<u8>,
+    pub crop_bgr: Arc<Vec<u8>>,
     /// The model's face input, `(6, 96, 96)`.
     pub input: Vec<f32>,
     pub mask: BlendMask,
@@ -129,6 +129,19 @@ impl Avatar {
         }
     }
 
+    /// Avatar frame `i`'s crop, shared (what a frame's work carries to the model).
+    pub fn crop(&self, i: usize) -> Arc<Vec<u8>> {
+        match &self.clip {
+            Some(c) => c.crop(i),
+            None => self.crop_bgr.clone(),
+        }
+    }
+
+    /// The crop of each model frame `k` of a request (the clip frame `mode` selects).
+    pub fn crops(&self, mode: Loop) -> impl Fn(usize) -> Arc<Vec<u8>> + '_ {
+        move |k| self.crop(self.select(k, mode))
+    }
+
     /// Avatar frame `i` as it appears in the video.
     pub fn background(&self, i: usize) -> Result<Cow<'_, Frame>, Error> {
         match &self.clip {
@@ -153,7 +166,7 @@ impl Avatar {
         detection: Option<Detection>,
         blend: Blend,
     ) -> Avatar {
-        let crop_bgr = face::crop_bgr(&frame, &face);
+        let crop_bgr = Arc::new(face::crop_bgr(&frame, &face));
         let input = face::model_input(&crop_bgr);
         let mask = BlendMask::new(blend, face.width(), face.height());
         Avatar {

@@ -8,7 +8,6 @@
 //! a clip with none is refused), pads and smooths the boxes (inference.py's
 //! `get_smoothened_boxes`, once over the whole clip), and a second pass makes the crops.
 
-use std::cell::RefCell;
 use std::io::Cursor;
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -145,6 +144,11 @@ impl Clip {
     /// Frame `i`'s 96×96 BGR crop.
     pub fn crop_bgr(&self, i: usize) -> &[u8] {
         &self.frames[i].crop_bgr
+    }
+
+    /// Frame `i`'s crop, shared.
+    pub fn crop(&self, i: usize) -> Arc<Vec<u8>> {
+        self.frames[i].crop_bgr.clone()
     }
 
     /// Frame `i` decoded.
@@ -341,33 +345,6 @@ pub fn prepare(
         blend,
         Arc::new(clip),
     ))
-}
-
-/// Model face inputs for a request, one per model frame `k`, made once per clip frame used
-/// (the inputs of one request share them).
-pub struct FaceInputs<'a> {
-    avatar: &'a Avatar,
-    mode: Loop,
-    made: RefCell<Vec<Option<Arc<Vec<f32>>>>>,
-}
-
-impl<'a> FaceInputs<'a> {
-    pub fn new(avatar: &'a Avatar, mode: Loop) -> Self {
-        FaceInputs {
-            avatar,
-            mode,
-            made: RefCell::new(vec![None; avatar.frame_count()]),
-        }
-    }
-
-    /// The face input of model frame `k`.
-    pub fn get(&self, k: usize) -> Arc<Vec<f32>> {
-        let i = self.avatar.select(k, self.mode);
-        let mut made = self.made.borrow_mut();
-        made[i]
-            .get_or_insert_with(|| Arc::new(face::model_input(self.avatar.crop_bgr(i))))
-            .clone()
-    }
 }
 
 #[cfg(test)]

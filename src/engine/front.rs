@@ -90,11 +90,12 @@ pub struct Planned {
 }
 
 /// The original inference's frame plan for `speech` at `fps`: one mel window per frame, each
-/// frame with the face input `face_for(k)` (the same `Arc` for a photo).
+/// frame with the face crop `face_for(k)` (the same `Arc` for a photo; see
+/// [`Avatar::crops`](super::Avatar::crops)).
 pub fn plan(
     speech: &Speech,
     fps: Fps,
-    face_for: &dyn Fn(usize) -> Arc<Vec<f32>>,
+    face_for: &dyn Fn(usize) -> Arc<Vec<u8>>,
 ) -> Result<Planned, Error> {
     let mel = speech.mel();
     let plan = FramePlan::new(mel.frames(), fps)?;

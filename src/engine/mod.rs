@@ -21,7 +21,7 @@ pub mod scheduler;
 pub mod session;
 
 pub use avatar::Avatar;
-pub use clip::{FaceInputs, Loop};
+pub use clip::Loop;
 pub use front::{plan, Engine, Planned, Submission};
 pub use job::{Job, JobStats};
 

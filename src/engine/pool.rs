@@ -598,7 +598,7 @@ impl Instance<'_> {
         let mut face = Vec::with_capacity(n * FACE_LEN);
         for i in &items {
             mel.extend_from_slice(&i.work.mel);
-            face.extend_from_slice(&i.work.face);
+            face::model_input_into(&i.work.face, &mut face);
         }
         match self.forward_raw(n, mel, face) {
             Ok(pred) => {
@@ -757,7 +757,7 @@ mod tests {
     }
 
     fn frames(n: usize) -> Vec<FrameWork> {
-        let face = Arc::new(vec![0f32; FACE_LEN]);
+        let face = Arc::new(vec![0u8; FACE_LEN / 2]);
         (0..n)
             .map(|index| FrameWork {
                 index,

@@ -223,7 +223,7 @@ pub fn idle_face(engine: &Engine, avatar: &Avatar, wait: Duration) -> Result<Vec
     let work = FrameWork {
         index: 0,
         mel: silence.window(0, WINDOW),
-        face: Arc::new(avatar.input.clone()),
+        face: avatar.crop(0),
     };
     let mut sub = engine.submit_realtime(vec![(work, Instant::now())]);
     let until = Instant::now() + wait;
@@ -415,7 +415,7 @@ impl Utterance {
 pub struct Session<'a> {
     engine: &'a Engine,
     avatar: Arc<Avatar>,
-    face_input: Arc<Vec<f32>>,
+    face_input: Arc<Vec<u8>>,
     cfg: SessionConfig,
     idle_frame: Frame,
     start: Instant,
@@ -453,7 +453,7 @@ impl<'a> Session<'a> {
             clip,
             masks: std::collections::HashMap::new(),
             engine,
-            face_input: Arc::new(avatar.input.clone()),
+            face_input: avatar.crop(0),
             scratch: idle_frame.clone(),
             idle_frame,
             avatar,
@@ -695,7 +695,7 @@ impl<'a> Session<'a> {
                     let i = self
                         .avatar
                         .select((u.first + j as u64) as usize, self.cfg.loop_mode);
-                    Arc::new(face::model_input(self.avatar.crop_bgr(i)))
+                    self.avatar.crop(i)
                 } else {
                     self.face_input.clone()
                 };

@@ -25,7 +25,7 @@ use super::error::ApiError;
 use super::{form, App};
 use crate::engine::metrics as m;
 use crate::engine::pool::panic_message;
-use crate::engine::{self, Avatar, FaceInputs, Job, Loop, Planned};
+use crate::engine::{self, Avatar, Job, Loop, Planned};
 use crate::media::audio::{self, Fps};
 use crate::media::face::Blend;
 use crate::media::video;
@@ -290,8 +290,11 @@ fn prepare(
     let speech = audio::load(&req.audio, app.args.media.max_audio_seconds)?;
     m::stage("decode", t.elapsed());
     let t = Instant::now();
-    let faces = FaceInputs::new(&avatar, req.loop_mode);
-    let planned = engine::plan(&speech, video_fps(&req, &avatar), &|k| faces.get(k))?;
+    let planned = engine::plan(
+        &speech,
+        video_fps(&req, &avatar),
+        &avatar.crops(req.loop_mode),
+    )?;
     m::stage("mel", t.elapsed());
     Ok((planned, avatar, req))
 }

@@ -254,9 +254,18 @@ pub fn swap_red_blue(pixels: &mut [u8]) {
 /// The model's face input for one frame, `(6, 96, 96)` channel-major in [0, 1]: the crop with
 /// its lower half zeroed, then the crop itself (both BGR), divided by 255.
 pub fn model_input(crop_bgr: &[u8]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(6 * FACE_SIZE * FACE_SIZE);
+    model_input_into(crop_bgr, &mut out);
+    out
+}
+
+/// [`model_input`] appended to `out` (a batch being built).
+pub fn model_input_into(crop_bgr: &[u8], batch: &mut Vec<f32>) {
     let n = FACE_SIZE * FACE_SIZE;
-    let mut out = vec![0f32; 6 * n];
-    for (i, px) in crop_bgr.chunks_exact(3).enumerate() {
+    let start = batch.len();
+    batch.resize(start + 6 * n, 0.0);
+    let out = &mut batch[start..];
+    for (i, px) in crop_bgr.chunks_exact(3).take(n).enumerate() {
         let lower = i / FACE_SIZE >= FACE_SIZE / 2;
         for c in 0..3 {
             let v = f32::from(px[c]) / 255.0;
@@ -266,7 +275,6 @@ pub fn model_input(crop_bgr: &[u8]) -> Vec<f32> {
             }
         }
     }
-    out
 }
 
 /// One predicted face `(3, 96, 96)` channel-major BGR in (0, 1) to 8-bit BGR pixels: ×255 and
