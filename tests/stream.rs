@@ -726,14 +726,140 @@ async fn sigterm_lets_a_session_finish_its_utterance_then_closes_1001() {
         "the utterance was cut: {end}"
     );
     let mut s = s;
+    let status = wait_exit(&mut s);
+    assert!(status.success(), "{status}");
+}
+
+/// Waits (bounded by `LIMIT`) for the server process to exit.
+fn wait_exit(s: &mut Server) -> std::process::ExitStatus {
     let deadline = Instant::now() + LIMIT;
     loop {
         if let Some(status) = s.child.try_wait().unwrap() {
-            assert!(status.success(), "{status}");
-            break;
+            return status;
         }
         assert!(Instant::now() < deadline, "no exit after SIGTERM");
         std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_mid_utterance_closes_1001_at_the_shutdown_timeout() {
+    let s = Server::start(&["--utterance-gap-ms", "5000", "--shutdown-timeout", "1"]);
+    s.wait_ready().await;
+    let avatar = upload_avatar(&s).await;
+    let (mut ws, mut got) = open_session(&s, &avatar).await;
+    // Ten seconds of speech: far more than the one-second shutdown timeout lets it draw.
+    let (_, pcm) = speech_pcm();
+    let long: Vec<u8> = pcm.iter().copied().cycle().take(pcm.len() * 10).collect();
+    ws.send(Message::Binary(long.into())).await.unwrap();
+    read_until(&mut ws, &mut got, |g| !g.events("speaking").is_empty()).await;
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &s.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let t = Instant::now();
+    read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
+    let closed_after = t.elapsed();
+    assert_eq!(
+        got.close.as_ref().map(|c| (c.0, c.1.as_str())),
+        Some((1001, "shutting_down")),
+        "{:?}",
+        got.texts
+    );
+    // Closed by the timeout, not by the utterance's end: no `end`, no idle after speech, and
+    // far fewer frames than ten seconds of speech.
+    let last = got.texts.last().unwrap();
+    assert_eq!(last["type"], "error", "{:?}", got.texts);
+    assert_eq!(last["error_type"], "shutting_down");
+    assert!(
+        got.texts.iter().all(|t| t["type"] != "end"),
+        "{:?}",
+        got.texts
+    );
+    assert_eq!(got.events("idle"), vec![0], "{:?}", got.texts);
+    let speaking = got.events("speaking")[0];
+    let spoken = got
+        .frames
+        .iter()
+        .filter(|f| u64::from(f.0) >= speaking)
+        .count();
+    assert!(
+        spoken < 200,
+        "{spoken} speaking frames: the utterance was not cut"
+    );
+    // At the timeout (1 s, checked every 100 ms), not at once and not much later.
+    assert!(
+        closed_after >= Duration::from_millis(900) && closed_after < Duration::from_secs(10),
+        "{closed_after:?}"
+    );
+    // The server exits cleanly once the session has closed.
+    let mut s = s;
+    let status = wait_exit(&mut s);
+    assert!(status.success(), "{status}");
+    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn silence_longer_than_the_utterance_gap_splits_utterances_and_a_short_pause_does_not() {
+    // Gap 500 ms; the pause inside the second burst is 150 ms, the silence between bursts is
+    // at least 1.5 s (the second burst waits for the first utterance's closing `idle`).
+    const GAP: Duration = Duration::from_millis(500);
+    let s = Server::start(&["--utterance-gap-ms", "500"]);
+    s.wait_ready().await;
+    let avatar = upload_avatar(&s).await;
+    let (mut ws, mut got) = open_session(&s, &avatar).await;
+    let (samples, pcm) = speech_pcm();
+
+    // First burst, then no messages: the utterance closes after the gap and the server goes
+    // back to idle on its own.
+    send_paced(&mut ws, &pcm).await;
+    let quiet = Instant::now();
+    read_until(&mut ws, &mut got, |g| g.events("idle").len() >= 2).await;
+    let back_to_idle = quiet.elapsed();
+    assert!(back_to_idle >= GAP, "idle after {back_to_idle:?}");
+    assert_eq!(got.events("speaking").len(), 1, "{:?}", got.texts);
+    let left = Duration::from_millis(1500).saturating_sub(quiet.elapsed());
+    tokio::time::sleep(left).await;
+
+    // Second burst, with a pause shorter than the gap half way (at a sample boundary).
+    let half = pcm.len() / 4 * 2;
+    send_paced(&mut ws, &pcm[..half]).await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    send_paced(&mut ws, &pcm[half..]).await;
+    // Let it close by the gap too, then end.
+    read_until(&mut ws, &mut got, |g| g.events("idle").len() >= 3).await;
+    ws.send(Message::Text(r#"{"type":"end"}"#.into()))
+        .await
+        .unwrap();
+    read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
+    assert_eq!(
+        got.close.as_ref().map(|c| c.0),
+        Some(1000),
+        "{:?}",
+        got.texts
+    );
+
+    let speaking = got.events("speaking");
+    let idle = got.events("idle");
+    assert_eq!(speaking.len(), 2, "{:?}", got.texts);
+    assert_eq!(idle.len(), 3, "{:?}", got.texts);
+    // idle, speaking, idle, speaking, idle: each utterance is the file rule's frames for its
+    // audio (the second one's two halves joined: the pause adds nothing), idle between.
+    let mel = lipsync::media::audio::mel_spectrogram(&samples);
+    let plan = lipsync::media::audio::FramePlan::new(mel.frames(), "25".parse().unwrap()).unwrap();
+    let n = plan.len() as u64;
+    assert_eq!(idle[0], 0);
+    assert_eq!(idle[1] - speaking[0], n, "{:?}", got.texts);
+    assert_eq!(idle[2] - speaking[1], n, "{:?}", got.texts);
+    // The silence shows as idle frames (at least half its 1.5 s), not as speech.
+    assert!(speaking[1] - idle[1] >= 18, "{:?}", got.texts);
+    let end = got.texts.iter().find(|t| t["type"] == "end").expect("end");
+    assert_eq!(end["stats"]["utterances"], 2, "{end}");
+    assert_eq!(end["stats"]["speaking_frames"], 2 * n, "{end}");
+    // Frame numbers stay continuous across both utterances.
+    for (i, f) in got.frames.iter().enumerate() {
+        assert_eq!(f.0 as usize, i);
     }
 }
 

@@ -40,13 +40,18 @@ impl Server {
             .arg("serve")
             .arg("--checkpoint")
             .arg(checkpoint)
-            .args(["--port", "0", "--shutdown-timeout", "60"])
-            // Small batches keep CPU warm-up short, unless the test sets its own.
+            .args(["--port", "0"])
+            // Small batches keep CPU warm-up short, and shutdown is unhurried, unless the test
+            // sets its own (clap refuses a flag given twice).
             .args(
-                [("--max-batch", "8"), ("--first-batch", "2")]
-                    .iter()
-                    .filter(|(flag, _)| !extra.contains(flag))
-                    .flat_map(|(flag, value)| [*flag, *value]),
+                [
+                    ("--max-batch", "8"),
+                    ("--first-batch", "2"),
+                    ("--shutdown-timeout", "60"),
+                ]
+                .iter()
+                .filter(|(flag, _)| !extra.contains(flag))
+                .flat_map(|(flag, value)| [*flag, *value]),
             )
             .args(extra)
             .env("LIPSYNC_LOG", "info")
