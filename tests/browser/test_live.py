@@ -125,9 +125,12 @@ def test_live_mode_shows_speaking_frames_from_the_microphone(live_page: Page):
     # speaking frames look idle: the voice gate's last 400 ms are quiet, and the model draws
     # the idle face for silence.)
     assert max(idle) < 8 and max(speaking) > 15, (max(idle), max(speaking))
-    # None is skipped: the first utterance's first frame was on screen.
+    # Playback caught up by playing faster, never by jumping over frames, and the first
+    # utterance was on screen from its start (its first half second; a busy compositor may
+    # drop a single frame, which the page does not control).
+    assert live(p, "L.jumps") == 0
     first = live(p, "L.utterances[0]")
-    assert any(f["speaking"] and abs(f["t"] - first["pts"]) < 0.02 for f in mouth), (first, mouth)
+    assert any(f["speaking"] and first["pts"] - 1e-3 <= f["t"] < first["pts"] + 0.5 for f in mouth), (first, mouth)
 
     # Interrupt while the face speaks: the server drops what it has not drawn and idles again.
     p.wait(f"() => {LIVE}.activity === 'speaking'", 60_000)

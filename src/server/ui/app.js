@@ -1081,7 +1081,10 @@ function watchFrames(L) {
     if (!b.length) return;
     const end = b.end(b.length - 1);
     L.behind = Math.max(0, end - v.currentTime);
-    if (!L.closed && L.behind > LIVE_JUMP_BEHIND_S) v.currentTime = end - 0.1;
+    if (!L.closed && L.behind > LIVE_JUMP_BEHIND_S) {
+      v.currentTime = end - 0.1;
+      L.jumps++;
+    }
     else if (!L.closed && L.behind > LIVE_FAST_BEHIND_S) v.playbackRate = 1.25;
     else if (L.closed || L.behind < LIVE_FAST_BEHIND_S / 2) v.playbackRate = 1;
     if (v.currentTime - b.start(0) > 20 && L.appender) L.appender.remove(b.start(0), v.currentTime - 10);
@@ -1113,7 +1116,7 @@ async function startLive() {
     ws: null, ctx: null, stream, node: null, source: null, ms: new MediaSource(), video: $("live-video"),
     appender: null, splitter: new BoxSplitter(), tracks: null, pending: 0, ready: null, error: null,
     events: [], ranges: [], utterances: [], frames: 0, late: 0, origin: null, speakingShown: 0,
-    activity: "connecting", behind: null, endStats: null, playing: false, closed: false,
+    activity: "connecting", behind: null, jumps: 0, endStats: null, playing: false, closed: false,
     open: false, quiet: 0, preroll: [], muted: false, mutedQuiet: 0, fresh: true, lastSent: -1e9, level: -100,
   };
   state.live = L;
