@@ -632,6 +632,21 @@ async fn api_key_and_cors() {
     );
     let r = preflight("https://evil.example").await.unwrap();
     assert!(!r.headers().contains_key("access-control-allow-origin"));
+    // A page on an allowed origin can read the request id and the video's frame count.
+    let r = client
+        .get(s.url("/health"))
+        .header("origin", "https://app.example")
+        .send()
+        .await
+        .unwrap();
+    let exposed = r.headers()["access-control-expose-headers"]
+        .to_str()
+        .unwrap()
+        .to_ascii_lowercase();
+    assert!(
+        exposed.contains("x-request-id") && exposed.contains("x-video-frames"),
+        "{exposed}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -656,6 +671,10 @@ async fn ready_info_metrics_and_openapi() {
     assert_eq!(info["dtype"], "f32");
     assert_eq!(info["format"], "zip-torch-save");
     assert_eq!(info["folded"], false);
+    assert_eq!(info["sessions"]["utterance_gap_ms"], 300);
+    assert!(info["sessions"]["max_sessions"]
+        .as_u64()
+        .is_some_and(|n| n >= 1));
     assert_eq!(
         (info["instances"].as_u64(), info["instances_ready"].as_u64()),
         (Some(1), Some(1))

@@ -265,7 +265,7 @@ pub async fn lipsync(
 }
 
 /// `X-Video-Frames` of a `POST /v1/lipsync` response: the frames the video will hold.
-const VIDEO_FRAMES: HeaderName = HeaderName::from_static("x-video-frames");
+pub(super) const VIDEO_FRAMES: HeaderName = HeaderName::from_static("x-video-frames");
 
 /// Decodes the avatar (or takes the cached one) and the speech, and plans the frames.
 fn prepare(

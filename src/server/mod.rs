@@ -250,6 +250,11 @@ async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
             "workers": app.cfg.encoder_workers,
             "threads": md.encoder_threads,
         },
+        "sessions": {
+            "max_sessions": app.engine.get().map(|e| stream::max_sessions(&app, e)),
+            "utterance_gap_ms": a.utterance_gap_ms,
+            "idle_timeout_seconds": a.session_idle_timeout,
+        },
         "auth": a.api_key.is_some(),
         "requests_in_flight": app.engine.get().map_or(0, |e| e.scheduler().requests()),
         "uptime_seconds": app.started.elapsed().as_secs_f64(),
@@ -385,7 +390,7 @@ pub fn router(app: Arc<App>) -> Router {
                     header::CONTENT_TYPE,
                     REQUEST_ID.clone(),
                 ])
-                .expose_headers([REQUEST_ID.clone()]),
+                .expose_headers([REQUEST_ID.clone(), lipsync::VIDEO_FRAMES]),
         );
     }
     if let Some(t) = config::timeout(app.args.read_timeout) {
