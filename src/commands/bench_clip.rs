@@ -18,6 +18,14 @@ use lipsync::media::video::{self, EncoderSettings};
 use super::bench::BenchArgs;
 use super::{read_file, CliError};
 
+/// Rounds of the per-frame runs (each reports its median).
+const ROUNDS: usize = 3;
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 pub fn bench_clip(a: &BenchArgs, path: &std::path::Path) -> Result<serde_json::Value, CliError> {
     let bytes = read_file(path)?;
     let options = ClipOptions {
@@ -95,13 +103,15 @@ pub fn bench_clip(a: &BenchArgs, path: &std::path::Path) -> Result<serde_json::V
             s.threads = threads;
             s
         };
-        let t = Instant::now();
-        let mut enc = video::spawn(settings(), Box::new(std::io::sink()))?;
-        for &i in &order {
-            enc.write_frame(&decoded[i])?;
-        }
-        enc.finish()?;
-        let x264 = t.elapsed().as_secs_f64();
+        let alone = || -> Result<f64, CliError> {
+            let t = Instant::now();
+            let mut enc = video::spawn(settings(), Box::new(std::io::sink()))?;
+            for &i in &order {
+                enc.write_frame(&decoded[i])?;
+            }
+            enc.finish()?;
+            Ok(t.elapsed().as_secs_f64())
+        };
         let composite = |avatar: &Avatar| -> Result<f64, CliError> {
             let t = Instant::now();
             let mut enc = video::spawn(settings(), Box::new(std::io::sink()))?;
@@ -114,11 +124,17 @@ pub fn bench_clip(a: &BenchArgs, path: &std::path::Path) -> Result<serde_json::V
             enc.finish()?;
             Ok(t.elapsed().as_secs_f64())
         };
-        let on_photo = composite(&photo)?;
-        let on_clip = composite(&boxed)?;
+        // Interleaved rounds, medians: a shared machine's load shifts between runs.
+        let (mut xs, mut ps, mut cs) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..ROUNDS {
+            xs.push(alone()?);
+            ps.push(composite(&photo)?);
+            cs.push(composite(&boxed)?);
+        }
+        let (x264, on_photo, on_clip) = (median(&mut xs), median(&mut ps), median(&mut cs));
         let label = threads.map_or("auto".to_string(), |t| t.to_string());
         println!(
-            "| {frames} frames, x264 veryfast crf 20, {label} thread(s) | seconds | frames/s | vs x264 alone |"
+            "| {frames} frames, x264 veryfast crf 20, {label} thread(s) (median of {ROUNDS}) | seconds | frames/s | vs x264 alone |"
         );
         println!("|---|---|---|---|");
         for (what, s) in [
