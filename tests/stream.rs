@@ -396,16 +396,10 @@ async fn sessions_are_bounded_and_a_vanished_client_frees_its_slot() {
     .unwrap();
 }
 
-/// The engine directly: a session fed the clip in small pieces draws, for its utterance, the
-/// same faces as the file path's plan on the same 16 kHz audio (compared composited, pixel
-/// for pixel).
-#[test]
-fn a_session_draws_the_file_paths_frames() {
+/// The engine with the test weights, as `serve` would start it (small batches), and the media
+/// settings that go with it.
+fn test_engine() -> (lipsync::engine::Engine, lipsync::config::MediaArgs) {
     use clap::Parser;
-    use lipsync::engine::session::{
-        self, Activity, AudioFormat, Input, OutFrame, SampleFormat, Session, SessionConfig, Sink,
-    };
-
     #[derive(Parser)]
     struct Args {
         #[command(flatten)]
@@ -425,10 +419,37 @@ fn a_session_draws_the_file_paths_frames() {
     let cfg = args.engine.resolve(&args.media);
     let (engine, _) = args.engine.start_engine(&cfg, false).unwrap();
     engine.wait_ready().unwrap();
+    (engine, args.media)
+}
+
+/// A session on 16 kHz s16le mono that only `end` closes (a long utterance gap).
+fn session_config(
+    fps: lipsync::media::audio::Fps,
+    loop_mode: lipsync::engine::Loop,
+) -> lipsync::engine::session::SessionConfig {
+    use lipsync::engine::session::{AudioFormat, SampleFormat, SessionConfig};
+    SessionConfig {
+        fps,
+        audio: AudioFormat::new(SampleFormat::S16le, 16_000, 1).unwrap(),
+        utterance_gap: Duration::from_secs(30),
+        lag: Duration::from_millis(300),
+        max_undrawn_seconds: 60.0,
+        loop_mode,
+    }
+}
+
+/// The engine directly: a session fed the clip in small pieces draws, for its utterance, the
+/// same faces as the file path's plan on the same 16 kHz audio (compared composited, pixel
+/// for pixel).
+#[test]
+fn a_session_draws_the_file_paths_frames() {
+    use lipsync::engine::session::{self, Activity, Input, OutFrame, Session, Sink};
+
+    let (engine, media_args) = test_engine();
     let avatar = Arc::new(
         lipsync::engine::Avatar::prepare(
             &media("astronaut.png"),
-            &args.media.image_limits(),
+            &media_args.image_limits(),
             None,
             Default::default(),
             Default::default(),
@@ -488,14 +509,7 @@ fn a_session_draws_the_file_paths_frames() {
         }
     }
     let face = session::idle_face(&engine, &avatar, Duration::from_secs(60)).unwrap();
-    let scfg = SessionConfig {
-        fps,
-        audio: AudioFormat::new(SampleFormat::S16le, 16_000, 1).unwrap(),
-        utterance_gap: Duration::from_secs(30),
-        lag: Duration::from_millis(300),
-        max_undrawn_seconds: 60.0,
-        loop_mode: Default::default(),
-    };
+    let scfg = session_config(fps, Default::default());
     let (tx, rx) = std::sync::mpsc::channel();
     for piece in pcm.chunks(333) {
         tx.send(Input::Audio(piece.to_vec(), Instant::now()))
@@ -1035,35 +1049,14 @@ async fn a_client_that_stops_reading_is_cut_by_the_send_timeout() {
 /// same face inputs, so the composited frames match the file path's.
 #[test]
 fn a_video_avatar_session_draws_the_file_paths_frames() {
-    use clap::Parser;
-    use lipsync::engine::session::{
-        Activity, AudioFormat, Input, OutFrame, SampleFormat, Session, SessionConfig, Sink,
-    };
+    use lipsync::engine::session::{Activity, Input, OutFrame, Session, Sink};
     use lipsync::engine::Loop;
 
-    #[derive(Parser)]
-    struct Args {
-        #[command(flatten)]
-        engine: lipsync::config::EngineArgs,
-        #[command(flatten)]
-        media: lipsync::config::MediaArgs,
-    }
-    let args = Args::parse_from([
-        "t",
-        "--checkpoint",
-        common::checkpoint("zip_bare.pt").to_str().unwrap(),
-        "--max-batch",
-        "8",
-        "--first-batch",
-        "2",
-    ]);
-    let cfg = args.engine.resolve(&args.media);
-    let (engine, _) = args.engine.start_engine(&cfg, false).unwrap();
-    engine.wait_ready().unwrap();
+    let (engine, media_args) = test_engine();
     let avatar = Arc::new(
         lipsync::engine::clip::prepare(
             &media("carphone.mp4"),
-            &args.media.clip_options(true),
+            &media_args.clip_options(true),
             None,
             Default::default(),
             Default::default(),
@@ -1101,14 +1094,7 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
             Ok(())
         }
     }
-    let scfg = SessionConfig {
-        fps,
-        audio: AudioFormat::new(SampleFormat::S16le, 16_000, 1).unwrap(),
-        utterance_gap: Duration::from_secs(30),
-        lag: Duration::from_millis(300),
-        max_undrawn_seconds: 60.0,
-        loop_mode: mode,
-    };
+    let scfg = session_config(fps, mode);
     // The audio arrives at the session's start: speech from frame 0.
     let start = Instant::now();
     let (tx, rx) = std::sync::mpsc::channel();

@@ -113,6 +113,13 @@ impl Scheduler {
         let (reply, results) = mpsc::channel();
         let mut s = self.lock();
         let id = s.batcher.admit(frames)?;
+        self.opened(s, id, reply);
+        Ok((id, results))
+    }
+
+    /// Registers the lane of a request just admitted (`s`: the state, still locked) and wakes
+    /// the instances.
+    fn opened(&self, mut s: MutexGuard<'_, State>, id: RequestId, reply: Sender<FrameResult>) {
         s.lanes.insert(
             id,
             Lane {
@@ -124,7 +131,6 @@ impl Scheduler {
         m::queue_frames(s.batcher.queued());
         drop(s);
         self.work.notify_all();
-        Ok((id, results))
     }
 
     /// Admits a live session's frames, each with the time it must be delivered by; they are
@@ -140,17 +146,7 @@ impl Scheduler {
             let us = due.saturating_duration_since(epoch).as_micros();
             (f, u64::try_from(us).unwrap_or(u64::MAX))
         }));
-        s.lanes.insert(
-            id,
-            Lane {
-                reply,
-                admitted: Instant::now(),
-                first_taken: false,
-            },
-        );
-        m::queue_frames(s.batcher.queued());
-        drop(s);
-        self.work.notify_all();
+        self.opened(s, id, reply);
         (id, results)
     }
 
