@@ -143,18 +143,7 @@ impl<T> Batcher<T> {
         if load > 0 && load + items.len().min(self.limits.max_ahead) > self.limits.max_queue {
             return Err(Overloaded { queued: load });
         }
-        let id = RequestId(self.next_id);
-        self.next_id += 1;
-        self.queued += items.len();
-        self.lanes.push(Lane {
-            id,
-            items,
-            outstanding: 0,
-            started: false,
-            deadlines: VecDeque::new(),
-            realtime: false,
-        });
-        Ok(id)
+        Ok(self.push_lane(items, None))
     }
 
     /// Admits a real-time request: `(item, deadline)` pairs in the order they are to be
@@ -162,17 +151,23 @@ impl<T> Batcher<T> {
     /// request, earliest deadline first.
     pub fn admit_realtime(&mut self, items: impl IntoIterator<Item = (T, u64)>) -> RequestId {
         let (items, deadlines): (VecDeque<T>, VecDeque<u64>) = items.into_iter().unzip();
+        self.push_lane(items, Some(deadlines))
+    }
+
+    /// A new lane (real-time when it has deadlines) under a new id.
+    fn push_lane(&mut self, items: VecDeque<T>, deadlines: Option<VecDeque<u64>>) -> RequestId {
         let id = RequestId(self.next_id);
         self.next_id += 1;
         self.queued += items.len();
+        let realtime = deadlines.is_some();
         self.lanes.push(Lane {
             id,
             items,
             outstanding: 0,
-            // Deadlines, not the first-batch rule, decide when it runs.
-            started: true,
-            deadlines,
-            realtime: true,
+            // A real-time lane's deadlines, not the first-batch rule, decide when it runs.
+            started: realtime,
+            deadlines: deadlines.unwrap_or_default(),
+            realtime,
         });
         id
     }
