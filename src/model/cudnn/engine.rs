@@ -8,14 +8,17 @@ use std::sync::{Arc, Mutex, OnceLock};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cudnn::sys;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
+    sys as driver_sys, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{CustomOp1, DType, Layout, Shape, Storage, Tensor};
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
-use super::plan::{pick, Candidate, Choice, CudnnError, MathType, PlanCache, PlanKey};
+use super::plan::{
+    pick, Candidate, Choice, CudnnError, FuseTiming, Fusion, MathType, PlanCache, PlanKey,
+};
 use super::{settings, CONVOLUTIONS_METRIC, FIND_WORKSPACE_BYTES};
 use crate::model::arch::{LayerKind, LayerSpec};
 use crate::model::wav2lip::ConvBlock;
@@ -329,9 +332,13 @@ pub struct LayerReport {
     /// Bytes of workspace cuDNN asked for this algorithm and math type.
     pub workspace: usize,
     /// Whether bias, residual and ReLU run inside the convolution call: false for layers
-    /// without a fused form and once cuDNN refused the fused call (the call right after a
-    /// search runs unfused for non-residual layers, whatever this says).
+    /// without a fused form, where the fused call was timed slower than the unfused sequence
+    /// (or, untimed, outside tensor-op math: [`super::fuse_decision`]), while the timing is
+    /// still to come, and once cuDNN refused the fused call.
     pub fused: bool,
+    /// The fused call and the unfused sequence as timed on this layer's kind (with or
+    /// without a residual add) with this choice: here or read from the cache file.
+    pub fuse_timing: Option<FuseTiming>,
     pub source: ChoiceSource,
 }
 
@@ -346,8 +353,10 @@ struct Plan {
     choice: Choice,
     /// What cuDNN needs for `algo` with `choice.math`, queried after setting both.
     workspace: usize,
-    /// Bias, residual and ReLU inside the convolution call (else applied afterwards).
-    fused: bool,
+    /// Bias, residual and ReLU inside the convolution call, or applied afterwards.
+    fusion: Fusion,
+    /// The timing that decided `fusion`, if any (`choice.fuse` for this kind of layer).
+    fuse_timing: Option<FuseTiming>,
     source: ChoiceSource,
 }
 
@@ -476,7 +485,8 @@ impl CudnnEngine {
                 algo: plan.choice.algo.clone(),
                 math: plan.choice.math,
                 workspace: plan.workspace,
-                fused: plan.fused,
+                fused: plan.fusion.runs_fused(),
+                fuse_timing: plan.fuse_timing,
                 source: plan.source,
             })
             .collect();
@@ -486,26 +496,156 @@ impl CudnnEngine {
 
     /// One layer: convolution (or transposed convolution) + bias (+ residual) (+ ReLU), as
     /// [`ConvBlock::forward`] computes it. A failed cuDNN call comes back as
-    /// [`Error::Cudnn`].
+    /// [`Error::Cudnn`]. During warm-up, a plan's first run is followed by the timing of its
+    /// fused call against the unfused sequence ([`Self::time_fusion`]).
     pub fn forward(&self, block: &ConvBlock, x: &Tensor) -> Result<Tensor> {
         let x = x.contiguous()?;
+        let ran = self.layer(block, &x, Mode::Planned)?;
+        if ran.to_time {
+            self.time_fusion(block, &x);
+        }
+        Ok(ran.y)
+    }
+
+    /// One run of a layer in `mode`, with bias, residual and ReLU applied after the
+    /// convolution call when it did not apply them itself.
+    fn layer(&self, block: &ConvBlock, x: &Tensor, mode: Mode) -> Result<Ran> {
         let op = LayerOp {
             engine: self,
             block,
+            mode,
             fused: std::cell::Cell::new(false),
+            to_time: std::cell::Cell::new(false),
         };
         let y = x.apply_op1_no_bwd(&op).map_err(lift)?;
-        if op.fused.get() {
-            return Ok(y);
+        let fused = op.fused.get();
+        let y = if fused {
+            y
+        } else {
+            let s = block.spec();
+            let y = y.broadcast_add(&block.bias().reshape((1, s.cout, 1, 1))?)?;
+            block.activate(y, x)?
+        };
+        Ok(Ran {
+            y,
+            fused,
+            to_time: op.to_time.get(),
+        })
+    }
+
+    /// Times the fused call against the unfused sequence on the layer's own buffers, keeps
+    /// the faster for the plan ([`Fusion::decided`]) and records the timing with the
+    /// process's choice, so the cache file carries it and a restart does not time again. A
+    /// fused call cuDNN refuses leaves the plan unfused (nothing recorded); a timing that
+    /// fails otherwise falls back to the untimed rule, with a warning (the layer's result is
+    /// already computed: the request does not fail for it).
+    fn time_fusion(&self, block: &ConvBlock, x: &Tensor) {
+        let Ok(key) = plan_key(block, x.dims()) else {
+            return;
+        };
+        let residual = block.spec().residual;
+        let measured = self.measure_fusion(block, x);
+        let mut inner = self.inner.lock().unwrap();
+        let Some(plan) = inner.plans.get_mut(&key) else {
+            return;
+        };
+        if plan.fusion != Fusion::ToTime {
+            // Refused by cuDNN while timing: already unfused.
+            return;
         }
-        let s = block.spec();
-        let y = y.broadcast_add(&block.bias().reshape((1, s.cout, 1, 1))?)?;
-        block.activate(y, &x)
+        let timing = match measured {
+            Ok(Some(t)) => t,
+            Ok(None) => {
+                plan.fusion.refused();
+                return;
+            }
+            Err(e) => {
+                plan.fusion = Fusion::decided(None, plan.choice.math);
+                tracing::warn!(
+                    "{} {:?}: timing the fused convolution failed ({e}); {}",
+                    block.path(),
+                    key.input,
+                    if plan.fusion.runs_fused() {
+                        "fusing (tensor-op math)"
+                    } else {
+                        "running it unfused"
+                    }
+                );
+                return;
+            }
+        };
+        plan.fusion = Fusion::decided(Some(timing), plan.choice.math);
+        plan.fuse_timing = Some(timing);
+        plan.choice.fuse.set(residual, timing);
+        let (algo, math, fused) = (
+            plan.choice.algo.clone(),
+            plan.choice.math,
+            plan.fusion.runs_fused(),
+        );
+        drop(inner);
+        tracing::debug!(
+            "{} {:?} ({algo}, {math:?}): fused {:.3} ms, unfused {:.3} ms; fused: {fused}",
+            block.path(),
+            key.input,
+            timing.fused_ms,
+            timing.unfused_ms
+        );
+        let mut tune = Autotune::get(&self.device_name).lock().unwrap();
+        if let Some(c) = tune.algos.get_mut(&key.tune_key(self.dtype)) {
+            // Only for the choice the plan runs (another instance may have replaced it).
+            if c.algo == algo && c.math.to_run(self.dtype) == math {
+                c.fuse.set(residual, timing);
+                tune.dirty = true;
+            }
+        }
+    }
+
+    /// The least time of [`FUSE_TIMING_RUNS`] runs of the fused call and of the unfused
+    /// sequence (convolution, then bias, residual and ReLU as [`Self::layer`] applies them),
+    /// interleaved, after one untimed run of each; CUDA events on the instance's stream.
+    /// `None` when cuDNN refuses the fused call.
+    fn measure_fusion(&self, block: &ConvBlock, x: &Tensor) -> Result<Option<FuseTiming>> {
+        if !self.layer(block, x, Mode::Fused)?.fused {
+            return Ok(None);
+        }
+        self.layer(block, x, Mode::Unfused)?;
+        let event = || -> Result<CudaEvent> {
+            Ok(self
+                .stream
+                .record_event(Some(driver_sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(candle_core::Error::from)?)
+        };
+        let mut marks = Vec::with_capacity(FUSE_TIMING_RUNS);
+        for _ in 0..FUSE_TIMING_RUNS {
+            let start = event()?;
+            let fused = self.layer(block, x, Mode::Fused)?;
+            let middle = event()?;
+            let unfused = self.layer(block, x, Mode::Unfused)?;
+            let end = event()?;
+            if !fused.fused {
+                return Ok(None);
+            }
+            // The outputs are freed in stream order after the events.
+            drop((fused, unfused));
+            marks.push((start, middle, end));
+        }
+        let ms = |a: &CudaEvent, b: &CudaEvent| -> Result<f32> {
+            Ok(a.elapsed_ms(b).map_err(candle_core::Error::from)?)
+        };
+        let mut timing = FuseTiming {
+            fused_ms: f32::INFINITY,
+            unfused_ms: f32::INFINITY,
+        };
+        for (start, middle, end) in &marks {
+            timing.fused_ms = timing.fused_ms.min(ms(start, middle)?);
+            timing.unfused_ms = timing.unfused_ms.min(ms(middle, end)?);
+        }
+        Ok(Some(timing))
     }
 
     /// Makes the plan for a layer at an input shape: the choice known to the process, else a
-    /// search (during warm-up) or cuDNN's heuristic (after it). Also says whether a search
-    /// ran (it leaves arbitrary values in the output buffer).
+    /// search (during warm-up; it leaves arbitrary values in the output buffer) or cuDNN's
+    /// heuristic (after it).
     fn make_plan(
         &self,
         handle: &Handle,
@@ -513,7 +653,7 @@ impl CudnnEngine {
         block: &ConvBlock,
         key: &PlanKey,
         bufs: (u64, u64, u64),
-    ) -> candle_core::Result<(Plan, bool)> {
+    ) -> candle_core::Result<Plan> {
         let s = block.spec();
         let transposed = key.transposed;
         let [n, c, h, w] = key.input;
@@ -564,14 +704,13 @@ impl CudnnEngine {
         // Held during the search, so instances do not time each other's kernels.
         let mut tune = Autotune::get(&self.device_name).lock().unwrap();
         let known = tune.algos.get(&tune_key).and_then(|c| {
-            let usable = c.math.allowed_for(self.dtype);
-            Algo::from_name(transposed, &c.algo)
-                .filter(|_| usable)
-                .map(|a| (a, c.clone()))
+            let c = c.usable_for(self.dtype)?;
+            Algo::from_name(transposed, &c.algo).map(|a| (a, c))
         });
+        let searching = self.searching.load(Ordering::SeqCst);
         let (algo, choice, source) = match known {
             Some((a, c)) => (a, c, ChoiceSource::Known),
-            None if self.searching.load(Ordering::SeqCst) => {
+            None if searching => {
                 let (a, c) = self.find(handle, search_workspace, transposed, descs, bufs)?;
                 tracing::debug!("autotuned {tune_key}: {c:?}");
                 tune.algos.insert(tune_key, c.clone());
@@ -586,24 +725,32 @@ impl CudnnEngine {
             }
         };
         drop(tune);
-        // The exact math type the choice was made with, then what cuDNN needs for it.
+        // The math type the choice runs with (f32: FMA; half types: exactly the one the
+        // search reported), then what cuDNN needs for it.
         set_math(&conv, choice.math)?;
         let workspace = workspace_size(handle, algo, descs)?;
-        Ok((
-            Plan {
-                x,
-                w: wd,
-                conv,
-                y,
-                bias,
-                algo,
-                choice,
-                workspace,
-                fused: s.kind == LayerKind::Conv,
-                source,
-            },
-            source == ChoiceSource::Searched,
-        ))
+        // Only convolutions followed by BatchNorm and ReLU have a fused form. Timing is for
+        // the warm-up, like searching.
+        let fuse_timing = choice.fuse.get(s.residual);
+        let fusion = Fusion::new(
+            s.kind == LayerKind::Conv,
+            fuse_timing,
+            choice.math,
+            searching,
+        );
+        Ok(Plan {
+            x,
+            w: wd,
+            conv,
+            y,
+            bias,
+            algo,
+            choice,
+            workspace,
+            fusion,
+            fuse_timing,
+            source,
+        })
     }
 
     /// Times every algorithm on the real buffers (`y` is scratch) and keeps the fastest that
@@ -765,7 +912,8 @@ impl CudnnEngine {
         Ok(ptr)
     }
 
-    /// Runs one layer on buffers of element type `T`.
+    /// Runs one layer's cuDNN call on buffers of element type `T`: the fused call where
+    /// `op.mode` asks for it and the plan allows it, else the plain convolution.
     fn run<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         &self,
         op: &LayerOp<'_>,
@@ -777,16 +925,8 @@ impl CudnnEngine {
         let Some((start, end)) = layout.contiguous_offsets() else {
             candle_core::bail!("cuDNN layer {}: input not contiguous", block.path());
         };
-        let dims: [usize; 4] = layout
-            .dims()
-            .try_into()
-            .map_err(|_| candle_core::Error::Msg("cuDNN layer: input is not 4-D".into()))?;
-        let wdims: [usize; 4] = block
-            .weight()
-            .dims()
-            .try_into()
-            .map_err(|_| candle_core::Error::Msg("cuDNN layer: weight is not 4-D".into()))?;
-        let key = PlanKey::new(block.path(), s, dims, wdims);
+        let key = plan_key(block, layout.dims())?;
+        let dims = key.input;
         let (oh, ow) = output_size(s, dims[2], dims[3]);
         let x = storage.as_cuda_slice::<T>()?.slice(start..end);
         let (w_store, w_layout) = block.weight().storage_and_layout();
@@ -794,16 +934,10 @@ impl CudnnEngine {
         let weight = cuda_slice_of::<T>(&w_store, w_layout)?;
         let bias = cuda_slice_of::<T>(&b_store, b_layout)?;
         let len = dims[0] * s.cout * oh * ow;
-        let fusable = s.kind == LayerKind::Conv;
-        let mut y = if fusable && !s.residual {
-            // The fused call's z is the output itself, scaled by 0: start from zeros, not
-            // from whatever the allocation held (0 × NaN is NaN).
-            self.dev.alloc_zeros::<T>(len)?
-        } else {
-            // SAFETY: every element is written by the convolution (beta = 0) before it is
-            // read.
-            unsafe { self.dev.alloc::<T>(len)? }
-        };
+        // SAFETY: every element is written before it is read: the convolution calls run with
+        // beta = 0 (the output is not read), and the fused call reads the output as z only
+        // after it is zeroed below.
+        let mut y = unsafe { self.dev.alloc::<T>(len)? };
 
         let stream = &self.stream;
         let mut guard = self.inner.lock().unwrap();
@@ -815,23 +949,42 @@ impl CudnnEngine {
             plans,
             unfusable,
         } = &mut *guard;
+        let plan = match op.mode {
+            Mode::Planned => {
+                let (x_ptr, _sx) = x.device_ptr(stream);
+                let (w_ptr, _sw) = weight.device_ptr(stream);
+                // A search writes the output: a mutable access.
+                let (y_ptr, _sy) = y.device_ptr_mut(stream);
+                plans.get_or_try_insert(&key, || {
+                    self.make_plan(handle, search_workspace, block, &key, (x_ptr, w_ptr, y_ptr))
+                })?
+            }
+            // Timing runs follow the run that made the plan, and never search.
+            Mode::Fused | Mode::Unfused => match plans.get_mut(&key) {
+                Some(plan) => plan,
+                None => candle_core::bail!("cuDNN layer {}: no plan to time", block.path()),
+            },
+        };
+        let try_fused = match op.mode {
+            Mode::Planned => plan.fusion.runs_fused(),
+            Mode::Fused => plan.fusion != Fusion::Unfused,
+            Mode::Unfused => false,
+        };
+        if try_fused && !s.residual {
+            // The fused call's z is the output itself, scaled by 0: start from zeros, not from
+            // whatever the allocation (or a search) left there (0 × NaN is NaN).
+            stream.memset_zeros(&mut y)?;
+        }
         let done_fused = {
             let (x_ptr, _sx) = x.device_ptr(stream);
             let (w_ptr, _sw) = weight.device_ptr(stream);
             let (b_ptr, _sb) = bias.device_ptr(stream);
             // cuDNN writes the output: a mutable access, so cudarc records the write.
             let (y_ptr, _sy) = y.device_ptr_mut(stream);
-
-            let mut searched_now = false;
-            let plan = plans.get_or_try_insert(&key, || {
-                let (plan, searched) =
-                    self.make_plan(handle, search_workspace, block, &key, (x_ptr, w_ptr, y_ptr))?;
-                searched_now = searched;
-                Ok::<_, candle_core::Error>(plan)
-            })?;
             let need = plan.workspace;
             let ws = self.workspace(workspace, need)? as *mut c_void;
-            // f32 scaling factors for every storage type (f32 compute).
+            // f32 scaling factors for every storage type (f32 compute; cuDNN takes float
+            // factors for FLOAT, HALF and BFLOAT16 data).
             let (one, zero) = (1f32, 0f32);
             let one_p = &one as *const f32 as *const c_void;
             let zero_p = &zero as *const f32 as *const c_void;
@@ -840,12 +993,8 @@ impl CudnnEngine {
                 w_ptr as *const c_void,
                 y_ptr as *mut c_void,
             );
-            // Right after a search the output holds whatever the timed kernels left (maybe
-            // NaN); a fused call reading it as z (non-residual layers) would spread that, so
-            // this one call runs unfused.
-            let z_is_garbage = searched_now && !s.residual;
             let mut done_fused = false;
-            if let (true, false, Algo::Fwd(algo)) = (plan.fused, z_is_garbage, plan.algo) {
+            if let (true, Algo::Fwd(algo)) = (try_fused, plan.algo) {
                 // z: the input itself for residual layers (same shape as the output), else
                 // the zeroed output scaled by 0.
                 let (alpha2, z, zp) = if s.residual {
@@ -881,7 +1030,7 @@ impl CudnnEngine {
                     Err(e) => {
                         // Not every type/layout/algorithm combination has a fused kernel: run
                         // this plan unfused from now on, and say so once per layer.
-                        plan.fused = false;
+                        plan.fusion.refused();
                         if unfusable.insert(block.path().to_string()) {
                             tracing::warn!(
                                 "{} ({:?}, {}, {:?}): {e}; running it unfused",
@@ -935,9 +1084,14 @@ impl CudnnEngine {
             }
             done_fused
         };
+        let to_time = plan.fusion == Fusion::ToTime;
         drop(guard);
-        metrics::counter!(CONVOLUTIONS_METRIC, "fused" => if done_fused { "true" } else { "false" })
-            .increment(1);
+        if op.mode == Mode::Planned {
+            // The forward passes' calls only, not the warm-up's timing runs.
+            metrics::counter!(CONVOLUTIONS_METRIC, "fused" => if done_fused { "true" } else { "false" })
+                .increment(1);
+            op.to_time.set(to_time);
+        }
         op.fused.set(done_fused);
         drop((w_store, b_store));
         Ok((
@@ -1004,12 +1158,51 @@ fn cuda_slice_of<'a, T: CudaDType>(
     }
 }
 
+/// A plan's key for a layer and its input dimensions.
+fn plan_key(block: &ConvBlock, input: &[usize]) -> candle_core::Result<PlanKey> {
+    let dims: [usize; 4] = input
+        .try_into()
+        .map_err(|_| candle_core::Error::Msg("cuDNN layer: input is not 4-D".into()))?;
+    let wdims: [usize; 4] = block
+        .weight()
+        .dims()
+        .try_into()
+        .map_err(|_| candle_core::Error::Msg("cuDNN layer: weight is not 4-D".into()))?;
+    Ok(PlanKey::new(block.path(), block.spec(), dims, wdims))
+}
+
+/// Timed runs of the fused call and of the unfused sequence, per plan, once (during warm-up).
+const FUSE_TIMING_RUNS: usize = 3;
+
+/// Which form of a layer a run calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// The plan's (making the plan first if there is none).
+    Planned,
+    /// The fused call unless the layer has none or cuDNN refused it (fusion timing).
+    Fused,
+    /// The convolution alone (fusion timing).
+    Unfused,
+}
+
+/// A layer's output, and how it was made.
+struct Ran {
+    y: Tensor,
+    /// Bias, residual and ReLU were applied inside the convolution call.
+    fused: bool,
+    /// The plan waits for its fusion timing.
+    to_time: bool,
+}
+
 /// The custom operation candle runs for one layer.
 struct LayerOp<'a> {
     engine: &'a CudnnEngine,
     block: &'a ConvBlock,
+    mode: Mode,
     /// Set when bias, residual and ReLU were applied inside the call.
     fused: std::cell::Cell<bool>,
+    /// Set when the plan waits for its fusion timing ([`Mode::Planned`] runs only).
+    to_time: std::cell::Cell<bool>,
 }
 
 impl CustomOp1 for LayerOp<'_> {

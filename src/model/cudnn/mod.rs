@@ -3,19 +3,30 @@
 //! heuristic, descriptors built once per layer and batch size, one persistent workspace per
 //! instance, transposed convolutions as `ConvolutionBackwardData` (candle runs them with a
 //! naive kernel), f16/bf16 with f32 accumulation, and bias + residual + ReLU fused into the
-//! convolution (`cudnnConvolutionBiasActivationForward`) where cuDNN accepts it.
+//! convolution (`cudnnConvolutionBiasActivationForward`) where that was measured faster.
 //!
 //! - **Autotuning.** The first time a (layer shape, batch, dtype) is run during warm-up,
 //!   `cudnnFind…AlgorithmEx` times every algorithm on the real buffers (one search workspace
 //!   of [`FIND_WORKSPACE_BYTES`], not zeroed, for the whole warm-up); the fastest usable one
-//!   ([`pick`]: succeeded, fits, f32 only with FMA math) is kept with the exact math type the
-//!   search reported ([`MathType`]) for the process (shared by all instances) and, with a
-//!   cache file ([`configure`]), written to JSON once warm-up ends, so a restart skips the
-//!   search. The file records the GPU and cuDNN version; a file from another GPU or version is
-//!   ignored. After [`CudnnEngine::finish_warm_up`] a shape not seen yet takes cuDNN's
-//!   heuristic choice (`cudnnGet…Algorithm_v7`): no search in the middle of a request.
-//! - **Plans.** Descriptors, algorithm, math type and the workspace size cuDNN reports for
-//!   them are kept per [`PlanKey`]: the layer and its full input and weight shape.
+//!   ([`pick`]: succeeded, fits, f32 only without tensor cores) is kept for the process
+//!   (shared by all instances) with the math type it runs with ([`MathType::to_run`]: for
+//!   f32 always FMA, whether cuDNN reported FMA or DEFAULT math, so never TF32; for f16/bf16
+//!   exactly the one the search reported) and, with a cache file ([`configure`]), written to
+//!   JSON once warm-up ends, so a restart skips the search. The file records the GPU and
+//!   cuDNN version; a file from another GPU or version is ignored. After
+//!   [`CudnnEngine::finish_warm_up`] a shape not seen yet takes cuDNN's heuristic choice
+//!   (`cudnnGet…Algorithm_v7`): no search in the middle of a request.
+//! - **Fusion.** The algorithm is timed unfused, and the fused call can be much slower than
+//!   the convolution it wraps outside tensor-op math. So during warm-up each plan's first run
+//!   is followed by a timing of the fused call against the unfused sequence (convolution,
+//!   then bias, residual and ReLU as separate operations) on its buffers, and the layer fuses
+//!   only if that was faster ([`fuse_decision`]); the timing is kept with the choice (and in
+//!   the cache file, so a restart does not time again). Heuristic choices after warm-up fuse
+//!   only under tensor-op math, as PyTorch does. A fused call cuDNN refuses runs unfused from
+//!   then on ([`Fusion`]).
+//! - **Plans.** Descriptors, algorithm, math type, the workspace size cuDNN reports for
+//!   them and the fusion state are kept per [`PlanKey`]: the layer and its full input and
+//!   weight shape.
 //! - **Errors.** A failed call is a [`CudnnError`] (`model::Error::Cudnn`): out of memory
 //!   (cuDNN 9's host and device allocation failures) or not (e.g. NOT_SUPPORTED), so callers
 //!   split the batch on the first and switch to candle's operations on the second.
@@ -38,12 +49,12 @@ mod engine;
 mod plan;
 #[cfg(feature = "cuda")]
 pub use engine::{autotune_counts, ChoiceSource, CudnnEngine, LayerReport};
+pub use plan::{fuse_decision, FuseTiming, FuseTimings, Fusion, PlanCache, PlanKey};
 pub use plan::{pick, status_is_out_of_memory, Candidate, Choice, CudnnError, MathType};
-pub use plan::{PlanCache, PlanKey};
 
-/// Counter of the own path's convolution calls, labelled `fused="true"` (bias, residual and
-/// ReLU inside cuDNN's call) or `"false"` (applied afterwards), so a silent loss of fusion
-/// shows.
+/// Counter of the own path's convolution calls in forward passes (not the warm-up's fusion
+/// timing runs), labelled `fused="true"` (bias, residual and ReLU inside cuDNN's call) or
+/// `"false"` (applied afterwards), so a silent loss of fusion shows.
 pub const CONVOLUTIONS_METRIC: &str = "lipsync_cudnn_convolutions_total";
 
 /// The most workspace an algorithm may use (the search allocates this much once).

@@ -1,6 +1,6 @@
 //! The engine's bookkeeping that needs no GPU, so CPU tests cover it: what a plan is keyed on,
-//! cuDNN math types, choosing among an algorithm search's results, and telling cuDNN's
-//! out-of-memory statuses from its other failures.
+//! cuDNN math types, choosing among an algorithm search's results, whether a layer runs cuDNN's
+//! fused call, and telling cuDNN's out-of-memory statuses from its other failures.
 
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -89,6 +89,11 @@ impl<P> PlanCache<P> {
         Ok(self.plans.get_mut(key).expect("inserted above"))
     }
 
+    /// The plan for `key`, if one was made.
+    pub fn get_mut(&mut self, key: &PlanKey) -> Option<&mut P> {
+        self.plans.get_mut(key)
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = (&PlanKey, &P)> {
         self.plans.iter()
     }
@@ -105,7 +110,7 @@ impl<P> PlanCache<P> {
 // ---------------------------------------------------------------------------------------------
 // Math types and algorithm choice.
 
-/// cuDNN's `cudnnMathType_t`, kept exactly as a search reported it (cudnn_graph.h values).
+/// cuDNN's `cudnnMathType_t` (cudnn_graph.h values).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum MathType {
     #[serde(rename = "CUDNN_DEFAULT_MATH")]
@@ -150,10 +155,30 @@ impl MathType {
         }
     }
 
-    /// Whether a model computing in `dtype` may run an algorithm with this math type: f32
-    /// only FMA (DEFAULT_MATH permits TF32 tensor cores on Ampere and later), half types any.
+    /// Whether a model computing in `dtype` may run an algorithm that cuDNN reported with
+    /// this math type: f32 only without tensor cores (FMA, or DEFAULT, which cuDNN 9 may
+    /// report for FMA kernels found under FMA math; it runs with FMA set, see
+    /// [`Self::to_run`]), half types any.
     pub fn allowed_for(self, dtype: DType) -> bool {
-        dtype != DType::F32 || self == MathType::Fma
+        dtype != DType::F32 || matches!(self, MathType::Fma | MathType::Default)
+    }
+
+    /// The math type to set on the descriptor (and query the workspace with) to run an
+    /// algorithm reported with this one: always FMA for f32 (DEFAULT_MATH on the descriptor
+    /// would let cuDNN use TF32 tensor cores on Ampere and later), exactly the reported one for
+    /// half types.
+    pub fn to_run(self, dtype: DType) -> MathType {
+        if dtype == DType::F32 {
+            MathType::Fma
+        } else {
+            self
+        }
+    }
+
+    /// Whether the algorithm uses tensor cores: the only math under which an untimed choice
+    /// runs cuDNN's fused call ([`fuse_decision`]).
+    pub fn is_tensor_op(self) -> bool {
+        matches!(self, MathType::TensorOp | MathType::TensorOpAllowConversion)
     }
 }
 
@@ -174,28 +199,152 @@ pub struct Candidate {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Choice {
     pub algo: String,
-    /// Exactly the math type the search reported for this algorithm; set on the descriptor.
+    /// The math type set on the descriptor: for half types exactly the one the search
+    /// reported for this algorithm, for f32 always FMA ([`MathType::to_run`]).
     pub math: MathType,
     /// The workspace the search reported (informative: runs query cuDNN for the chosen
     /// algorithm and math type).
     pub workspace: usize,
     /// Measured milliseconds (informative; negative for a heuristic choice).
     pub ms: f32,
+    /// The fused call timed against the unfused sequence with this algorithm (absent in
+    /// cache files written before it was timed, which still load).
+    #[serde(default, skip_serializing_if = "FuseTimings::is_empty")]
+    pub fuse: FuseTimings,
+}
+
+impl Choice {
+    /// A choice known to the process (or read from the cache file) as a model computing in
+    /// `dtype` runs it: `None` when its math type is not allowed for `dtype`, else with the
+    /// math type to set ([`MathType::to_run`]), so a file that says DEFAULT_MATH for f32 still
+    /// runs without TF32.
+    pub fn usable_for(&self, dtype: DType) -> Option<Choice> {
+        self.math.allowed_for(dtype).then(|| Choice {
+            math: self.math.to_run(dtype),
+            ..self.clone()
+        })
+    }
 }
 
 /// The first usable entry of cuDNN's results (Find sorts them by time, the heuristic by
 /// expected speed): it succeeded, its math type is known and allowed for `dtype`, and it needs
-/// at most `max_workspace` bytes.
+/// at most `max_workspace` bytes. The choice carries the math type to run it with
+/// ([`MathType::to_run`]).
 pub fn pick(candidates: &[Candidate], dtype: DType, max_workspace: usize) -> Option<Choice> {
     candidates.iter().find_map(|c| {
         let math = c.math?;
         (c.ok && math.allowed_for(dtype) && c.workspace <= max_workspace).then(|| Choice {
             algo: c.algo.clone(),
-            math,
+            math: math.to_run(dtype),
             workspace: c.workspace,
             ms: c.ms,
+            fuse: FuseTimings::default(),
         })
     })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fusion: bias, residual and ReLU inside the convolution call, or after it.
+
+/// The fused call (`cudnnConvolutionBiasActivationForward`) and the unfused sequence
+/// (convolution, then bias, residual and ReLU as separate operations) timed on one layer's
+/// real buffers: the least of a few runs of each, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct FuseTiming {
+    pub fused_ms: f32,
+    pub unfused_ms: f32,
+}
+
+/// A choice's fusion timings. Layers with and without a residual add run different fused and
+/// unfused sequences, so each is timed on its own.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct FuseTimings {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plain: Option<FuseTiming>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub residual: Option<FuseTiming>,
+}
+
+impl FuseTimings {
+    pub fn is_empty(&self) -> bool {
+        self.plain.is_none() && self.residual.is_none()
+    }
+
+    /// The timing of layers with (`residual`) or without a residual add.
+    pub fn get(&self, residual: bool) -> Option<FuseTiming> {
+        if residual {
+            self.residual
+        } else {
+            self.plain
+        }
+    }
+
+    pub fn set(&mut self, residual: bool, timing: FuseTiming) {
+        if residual {
+            self.residual = Some(timing);
+        } else {
+            self.plain = Some(timing);
+        }
+    }
+}
+
+/// Whether a layer runs the fused call: where it was timed, only if it was faster than the
+/// unfused sequence; untimed (cuDNN's heuristic choice after warm-up, when no timing may run
+/// in the middle of a request), only under tensor-op math, as PyTorch does (the fused call is
+/// otherwise much slower than the convolution it wraps).
+pub fn fuse_decision(timed: Option<FuseTiming>, math: MathType) -> bool {
+    match timed {
+        Some(t) => t.fused_ms < t.unfused_ms,
+        None => math.is_tensor_op(),
+    }
+}
+
+/// Whether a plan runs bias, residual and ReLU inside cuDNN's call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fusion {
+    /// After the convolution: the layer has no fused form (transposed convolutions, the bare
+    /// output convolution), the fused call was slower or untimed outside tensor-op math
+    /// ([`fuse_decision`]), or cuDNN refused it.
+    Unfused,
+    /// Inside the convolution call.
+    Fused,
+    /// Not decided yet: runs unfused until both forms are timed on the layer's buffers
+    /// (during warm-up, right after the plan's first run).
+    ToTime,
+}
+
+impl Fusion {
+    /// A new plan's state. `fusable`: the layer has a fused form; `timed`: the choice's
+    /// timing for this kind of layer, if any; `may_time`: timing is allowed now (warm-up).
+    pub fn new(fusable: bool, timed: Option<FuseTiming>, math: MathType, may_time: bool) -> Fusion {
+        if !fusable {
+            Fusion::Unfused
+        } else if timed.is_none() && may_time {
+            Fusion::ToTime
+        } else {
+            Fusion::decided(timed, math)
+        }
+    }
+
+    /// The state [`fuse_decision`] gives.
+    pub fn decided(timed: Option<FuseTiming>, math: MathType) -> Fusion {
+        if fuse_decision(timed, math) {
+            Fusion::Fused
+        } else {
+            Fusion::Unfused
+        }
+    }
+
+    /// cuDNN refused the fused call (not every type, layout and algorithm has a fused
+    /// kernel): unfused from now on.
+    pub fn refused(&mut self) {
+        *self = Fusion::Unfused;
+    }
+
+    /// Whether a normal run calls the fused form.
+    pub fn runs_fused(self) -> bool {
+        self == Fusion::Fused
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -319,9 +468,16 @@ mod tests {
         let mut cache: PlanCache<u8> = PlanCache::default();
         assert!(cache.get_or_try_insert(&key, || Err("no")).is_err());
         assert!(cache.is_empty());
+        assert!(cache.get_mut(&key).is_none());
         assert_eq!(
             *cache.get_or_try_insert(&key, || Ok::<_, ()>(7)).unwrap(),
             7
+        );
+        // Found again without making it (the fusion timing updates a plan this way).
+        *cache.get_mut(&key).unwrap() = 8;
+        assert_eq!(
+            *cache.get_or_try_insert(&key, || Ok::<_, ()>(9)).unwrap(),
+            8
         );
     }
 
@@ -357,12 +513,14 @@ mod tests {
     }
 
     #[test]
-    fn the_chosen_math_type_is_exactly_the_reported_one() {
+    fn half_types_run_exactly_the_reported_math_type() {
         // DEFAULT_MATH stays DEFAULT_MATH (it once became FMA) and ALLOW_CONVERSION stays.
         let c = pick(&[cand("A", true, 0, 0)], DType::F16, 1 << 20).unwrap();
         assert_eq!(c.math, MathType::Default);
         let c = pick(&[cand("B", true, 2, 0)], DType::BF16, 1 << 20).unwrap();
         assert_eq!(c.math, MathType::TensorOpAllowConversion);
+        let c = pick(&[cand("F", true, 3, 0)], DType::F16, 1 << 20).unwrap();
+        assert_eq!(c.math, MathType::Fma);
         let c = pick(&[cand("C", true, 1, 0)], DType::F16, 1 << 20).unwrap();
         assert_eq!(c.math, MathType::TensorOp);
         // And survives the cache file.
@@ -375,22 +533,144 @@ mod tests {
     }
 
     #[test]
+    fn f32_accepts_default_or_fma_reports_and_always_runs_fma() {
+        // cuDNN 9 may report DEFAULT_MATH for the FMA kernels a search under FMA math found:
+        // usable, but run with FMA set (DEFAULT on the descriptor would allow TF32).
+        let c = pick(&[cand("D", true, 0, 0)], DType::F32, 1 << 20).unwrap();
+        assert_eq!((c.algo.as_str(), c.math), ("D", MathType::Fma));
+        let c = pick(&[cand("F", true, 3, 0)], DType::F32, 1 << 20).unwrap();
+        assert_eq!(c.math, MathType::Fma);
+        // Tensor-op entries (TF32) are skipped, even when they come first.
+        let results = [
+            cand("TF32", true, 1, 0),
+            cand("TF32_CONV", true, 2, 0),
+            cand("D", true, 0, 0),
+        ];
+        let c = pick(&results, DType::F32, 1 << 20).unwrap();
+        assert_eq!((c.algo.as_str(), c.math), ("D", MathType::Fma));
+        assert!(pick(&results[..2], DType::F32, 1 << 20).is_none());
+        // A cache entry that says DEFAULT for f32 also runs FMA; one with tensor-op math is
+        // not used for f32; half types keep the recorded math type.
+        let mut known = c.clone();
+        known.math = MathType::Default;
+        assert_eq!(known.usable_for(DType::F32).unwrap().math, MathType::Fma);
+        assert_eq!(
+            known.usable_for(DType::F16).unwrap().math,
+            MathType::Default
+        );
+        known.math = MathType::TensorOp;
+        assert!(known.usable_for(DType::F32).is_none());
+        assert_eq!(known.usable_for(DType::BF16).unwrap(), known);
+        for m in 0..4 {
+            let m = MathType::from_raw(m).unwrap();
+            assert_eq!(m.to_run(DType::F32), MathType::Fma);
+            assert_eq!(m.to_run(DType::F16), m);
+        }
+    }
+
+    #[test]
     fn pick_skips_failed_oversized_unknown_and_tf32_entries() {
         let results = [
             cand("FAILED", false, 1, 0),
             cand("TOO_BIG", true, 1, 2 << 20),
             cand("UNKNOWN_MATH", true, 9, 0),
             cand("TENSOR", true, 1, 1 << 20),
+            cand("FAILED_FMA", false, 3, 0),
             cand("FMA", true, 3, 0),
         ];
         assert_eq!(pick(&results, DType::F16, 1 << 20).unwrap().algo, "TENSOR");
-        // f32 runs only FMA math: no TF32 through DEFAULT or TENSOR_OP math.
+        // f32 runs only FMA math: no TF32 through TENSOR_OP math.
         let c = pick(&results, DType::F32, 1 << 20).unwrap();
         assert_eq!((c.algo.as_str(), c.math), ("FMA", MathType::Fma));
-        assert!(pick(&[cand("D", true, 0, 0)], DType::F32, 1 << 20).is_none());
         assert!(pick(&results[..3], DType::F16, 1 << 20).is_none());
+        assert!(pick(&results[..5], DType::F32, 1 << 20).is_none());
         assert_eq!(MathType::for_search(DType::F32), MathType::Fma);
         assert_eq!(MathType::for_search(DType::BF16), MathType::TensorOp);
+    }
+
+    fn timing(fused_ms: f32, unfused_ms: f32) -> FuseTiming {
+        FuseTiming {
+            fused_ms,
+            unfused_ms,
+        }
+    }
+
+    #[test]
+    fn fusion_is_kept_only_where_measured_faster_or_under_tensor_ops() {
+        use MathType::*;
+        for math in [Default, TensorOp, TensorOpAllowConversion, Fma] {
+            // Timed: the measurement decides, whatever the math type.
+            assert!(fuse_decision(Some(timing(1.0, 2.0)), math));
+            assert!(!fuse_decision(Some(timing(2.0, 1.0)), math));
+            assert!(
+                !fuse_decision(Some(timing(1.0, 1.0)), math),
+                "a tie stays unfused"
+            );
+        }
+        // Untimed (heuristic choices after warm-up): PyTorch's rule.
+        assert!(!fuse_decision(None, Fma));
+        assert!(!fuse_decision(None, Default));
+        assert!(fuse_decision(None, TensorOp));
+        assert!(fuse_decision(None, TensorOpAllowConversion));
+    }
+
+    #[test]
+    fn a_plans_fusion_state_follows_timing_heuristics_and_refusals() {
+        use MathType::*;
+        let faster = Some(timing(1.0, 2.0));
+        let slower = Some(timing(3.0, 2.0));
+        // No fused form: never fused, never timed.
+        for may_time in [false, true] {
+            assert_eq!(
+                Fusion::new(false, faster, TensorOp, may_time),
+                Fusion::Unfused
+            );
+        }
+        // A timed search during warm-up (or a cached choice without a timing): timed on the
+        // first run, unfused until then.
+        let mut f = Fusion::new(true, None, Fma, true);
+        assert_eq!(f, Fusion::ToTime);
+        assert!(!f.runs_fused());
+        // The timing decides.
+        assert_eq!(Fusion::decided(faster, Fma), Fusion::Fused);
+        assert_eq!(Fusion::decided(slower, TensorOp), Fusion::Unfused);
+        // A cached timing is reused without timing again.
+        assert_eq!(Fusion::new(true, faster, Fma, true), Fusion::Fused);
+        assert_eq!(Fusion::new(true, slower, TensorOp, true), Fusion::Unfused);
+        // After warm-up, untimed: tensor-op math only.
+        assert_eq!(Fusion::new(true, None, Fma, false), Fusion::Unfused);
+        assert_eq!(Fusion::new(true, None, Default, false), Fusion::Unfused);
+        f = Fusion::new(true, None, TensorOp, false);
+        assert!(f.runs_fused());
+        // A fused call cuDNN refuses later: unfused from then on.
+        f.refused();
+        assert_eq!(f, Fusion::Unfused);
+        let mut g = Fusion::new(true, None, Fma, true);
+        g.refused();
+        assert_eq!(g, Fusion::Unfused, "refused while waiting for its timing");
+    }
+
+    #[test]
+    fn fusion_timings_are_kept_per_kind_of_layer_and_old_cache_entries_load() {
+        let mut c = pick(&[cand("A", true, 1, 0)], DType::F16, 1 << 20).unwrap();
+        assert!(c.fuse.is_empty());
+        // Written before fusion was timed: no `fuse` field, and none is written while empty.
+        let old = r#"{"algo":"A","math":"CUDNN_TENSOR_OP_MATH","workspace":0,"ms":1.0}"#;
+        assert_eq!(serde_json::from_str::<Choice>(old).unwrap(), c);
+        assert!(!serde_json::to_string(&c).unwrap().contains("fuse"));
+        c.fuse.set(true, timing(1.0, 2.0));
+        assert_eq!(c.fuse.get(true), Some(timing(1.0, 2.0)));
+        assert_eq!(
+            c.fuse.get(false),
+            None,
+            "a residual layer's timing is not a plain one's"
+        );
+        c.fuse.set(false, timing(4.0, 3.0));
+        assert_eq!(c.fuse.get(false), Some(timing(4.0, 3.0)));
+        let back: Choice = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
+        // A cached choice keeps its timings when made usable for a dtype.
+        assert_eq!(back.usable_for(DType::F16).unwrap().fuse, c.fuse);
     }
 
     #[test]
