@@ -228,12 +228,46 @@ impl DeviceKind {
 
 impl DeviceKind {
     /// A device for one model instance: on CUDA with its own stream, so instances on one GPU
-    /// overlap instead of serialising on the default stream.
+    /// overlap instead of serialising on the default stream, and without cudarc's event
+    /// tracking (two CUDA events per allocation and an event record or wait per use, to order
+    /// uses across streams), since all of an instance's work is on that one stream.
+    ///
+    /// Its tensors must not be moved to another CUDA device with `Tensor::to_device`: candle
+    /// copies them on the destination's stream, which nothing would order after this one's
+    /// work. Move data between instances through host memory (as the engine does: inputs and
+    /// outputs are host vectors).
     pub fn open_instance(self) -> Result<Device> {
         match self {
             DeviceKind::Cpu => Ok(Device::Cpu),
             DeviceKind::Cuda if !cfg!(feature = "cuda") => self.open(),
-            DeviceKind::Cuda => Device::new_cuda_with_stream(0).map_err(cuda_error),
+            DeviceKind::Cuda => {
+                let device = Device::new_cuda_with_stream(0).map_err(cuda_error)?;
+                #[cfg(feature = "cuda")]
+                if let Device::Cuda(cuda) = &device {
+                    // SAFETY: cudarc's contract for turning tracking off is that no buffer is
+                    // used on another stream than the one it was allocated on without the
+                    // caller ordering the two (freed before a use elsewhere ends, used
+                    // elsewhere before its allocation ends, written by two streams at once).
+                    // - The switch is scoped to this instance: candle's `new_with_stream` calls
+                    //   `CudaContext::new(0)`, which retains the GPU's primary context but
+                    //   returns a new `CudaContext` object with its own tracking flag and
+                    //   stream count, held only by this device and its buffers. Other
+                    //   instances (and `Device::new_cuda` devices) keep their own flags.
+                    // - That object has exactly one stream (the one `new_with_stream`
+                    //   created), and every use of this device's buffers is on it: candle's
+                    //   kernels, cuBLAS and cuRAND take the device's stream, and so does the
+                    //   own cuDNN path (`CudnnEngine::new` binds its handle to
+                    //   `cuda_stream()`); copies from and to host memory are issued on it
+                    //   too, and a buffer is freed on the stream it was allocated on
+                    //   (`cuMemFreeAsync`, or after a synchronise without memory pools).
+                    // - Nothing hands these buffers to another stream: per-instance weights
+                    //   and inputs come from host memory, results go back to it (see above).
+                    // Buffers allocated before this call keep their events, which cudarc then
+                    // no longer records or waits on.
+                    unsafe { cuda.disable_event_tracking() };
+                }
+                Ok(device)
+            }
         }
     }
 }
