@@ -291,20 +291,71 @@ impl Algo {
     }
 }
 
-/// A search's (or the heuristic's) results as candidates, in cuDNN's order.
-macro_rules! candidates {
-    ($perf:expr, $count:expr) => {
-        $perf[..($count.max(0) as usize).min($perf.len())]
-            .iter()
-            .map(|p| Candidate {
-                algo: format!("{:?}", p.algo),
-                ok: p.status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS,
-                math: MathType::from_raw(p.mathType as u32),
+/// One entry of a search's (or the heuristic's) results as cuDNN writes it
+/// (`cudnnConvolutionFwdAlgoPerf_t` and `cudnnConvolutionBwdDataAlgoPerf_t` have this layout),
+/// with its enumerations as plain integers: an entry may hold a value the bindings' Rust
+/// enums lack (a status or algorithm of a newer cuDNN, or whatever cuDNN leaves in a failed
+/// entry), and reading that as a Rust enum would be undefined behaviour.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct RawPerf {
+    algo: u32,
+    status: u32,
+    time: f32,
+    memory: usize,
+    determinism: u32,
+    math_type: u32,
+    reserved: [c_int; 3],
+}
+
+macro_rules! same_layout {
+    ($t:ty) => {
+        const _: () = {
+            use std::mem::{align_of, offset_of, size_of};
+            assert!(size_of::<RawPerf>() == size_of::<$t>());
+            assert!(align_of::<RawPerf>() == align_of::<$t>());
+            assert!(offset_of!(RawPerf, algo) == offset_of!($t, algo));
+            assert!(offset_of!(RawPerf, status) == offset_of!($t, status));
+            assert!(offset_of!(RawPerf, time) == offset_of!($t, time));
+            assert!(offset_of!(RawPerf, memory) == offset_of!($t, memory));
+            assert!(offset_of!(RawPerf, determinism) == offset_of!($t, determinism));
+            assert!(offset_of!(RawPerf, math_type) == offset_of!($t, mathType));
+            assert!(offset_of!(RawPerf, reserved) == offset_of!($t, reserved));
+        };
+    };
+}
+same_layout!(sys::cudnnConvolutionFwdAlgoPerf_t);
+same_layout!(sys::cudnnConvolutionBwdDataAlgoPerf_t);
+
+/// The first `count` results as candidates, in cuDNN's order. An algorithm this build does
+/// not know is named by its number and never usable.
+fn candidates(perf: &[RawPerf], count: c_int, transposed: bool) -> Vec<Candidate> {
+    let name = |algo: u32| -> Option<String> {
+        if transposed {
+            BWD_ALGOS
+                .iter()
+                .find(|&&a| a as u32 == algo)
+                .map(|a| format!("{a:?}"))
+        } else {
+            FWD_ALGOS
+                .iter()
+                .find(|&&a| a as u32 == algo)
+                .map(|a| format!("{a:?}"))
+        }
+    };
+    perf[..(count.max(0) as usize).min(perf.len())]
+        .iter()
+        .map(|p| {
+            let known = name(p.algo);
+            Candidate {
+                ok: p.status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS as u32 && known.is_some(),
+                algo: known.unwrap_or_else(|| format!("unknown algorithm {}", p.algo)),
+                math: MathType::from_raw(p.math_type),
                 ms: p.time,
                 workspace: p.memory,
-            })
-            .collect::<Vec<_>>()
-    };
+            }
+        })
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -544,6 +595,17 @@ impl CudnnEngine {
             return;
         };
         let residual = block.spec().residual;
+        if !self.searching.load(Ordering::SeqCst) {
+            // The warm-up ended since the plan was made (its first forward pass failed after
+            // the convolution, say): no timing in the middle of a request.
+            let mut inner = self.inner.lock().unwrap();
+            if let Some(plan) = inner.plans.get_mut(&key) {
+                if plan.fusion == Fusion::ToTime {
+                    plan.fusion = Fusion::decided(None, plan.choice.math);
+                }
+            }
+            return;
+        }
         let measured = self.measure_fusion(block, x);
         let mut inner = self.inner.lock().unwrap();
         let Some(plan) = inner.plans.get_mut(&key) else {
@@ -771,8 +833,7 @@ impl CudnnEngine {
         let (ws, _ws_sync) = ws_buf.device_ptr_mut(&self.stream);
         let mut count: c_int = 0;
         let cands = if transposed {
-            let mut perf = [unsafe { std::mem::zeroed::<sys::cudnnConvolutionBwdDataAlgoPerf_t>() };
-                BWD_ALGOS.len()];
+            let mut perf = [RawPerf::default(); BWD_ALGOS.len()];
             check(
                 unsafe {
                     sys::cudnnFindConvolutionBackwardDataAlgorithmEx(
@@ -786,17 +847,17 @@ impl CudnnEngine {
                         y_ptr as *mut c_void,
                         perf.len() as c_int,
                         &mut count,
-                        perf.as_mut_ptr(),
+                        perf.as_mut_ptr()
+                            .cast::<sys::cudnnConvolutionBwdDataAlgoPerf_t>(),
                         ws as *mut c_void,
                         FIND_WORKSPACE_BYTES,
                     )
                 },
                 "find backward-data algorithm",
             )?;
-            candidates!(perf, count)
+            candidates(&perf, count, transposed)
         } else {
-            let mut perf = [unsafe { std::mem::zeroed::<sys::cudnnConvolutionFwdAlgoPerf_t>() };
-                FWD_ALGOS.len()];
+            let mut perf = [RawPerf::default(); FWD_ALGOS.len()];
             check(
                 unsafe {
                     sys::cudnnFindConvolutionForwardAlgorithmEx(
@@ -810,14 +871,15 @@ impl CudnnEngine {
                         y_ptr as *mut c_void,
                         perf.len() as c_int,
                         &mut count,
-                        perf.as_mut_ptr(),
+                        perf.as_mut_ptr()
+                            .cast::<sys::cudnnConvolutionFwdAlgoPerf_t>(),
                         ws as *mut c_void,
                         FIND_WORKSPACE_BYTES,
                     )
                 },
                 "find forward algorithm",
             )?;
-            candidates!(perf, count)
+            candidates(&perf, count, transposed)
         };
         self.choose(transposed, &cands, "search")
     }
@@ -831,8 +893,7 @@ impl CudnnEngine {
     ) -> candle_core::Result<(Algo, Choice)> {
         let mut count: c_int = 0;
         let cands = if transposed {
-            let mut perf = [unsafe { std::mem::zeroed::<sys::cudnnConvolutionBwdDataAlgoPerf_t>() };
-                BWD_ALGOS.len()];
+            let mut perf = [RawPerf::default(); BWD_ALGOS.len()];
             check(
                 unsafe {
                     sys::cudnnGetConvolutionBackwardDataAlgorithm_v7(
@@ -843,15 +904,15 @@ impl CudnnEngine {
                         y.0,
                         perf.len() as c_int,
                         &mut count,
-                        perf.as_mut_ptr(),
+                        perf.as_mut_ptr()
+                            .cast::<sys::cudnnConvolutionBwdDataAlgoPerf_t>(),
                     )
                 },
                 "heuristic backward-data algorithm",
             )?;
-            candidates!(perf, count)
+            candidates(&perf, count, transposed)
         } else {
-            let mut perf = [unsafe { std::mem::zeroed::<sys::cudnnConvolutionFwdAlgoPerf_t>() };
-                FWD_ALGOS.len()];
+            let mut perf = [RawPerf::default(); FWD_ALGOS.len()];
             check(
                 unsafe {
                     sys::cudnnGetConvolutionForwardAlgorithm_v7(
@@ -862,12 +923,13 @@ impl CudnnEngine {
                         y.0,
                         perf.len() as c_int,
                         &mut count,
-                        perf.as_mut_ptr(),
+                        perf.as_mut_ptr()
+                            .cast::<sys::cudnnConvolutionFwdAlgoPerf_t>(),
                     )
                 },
                 "heuristic forward algorithm",
             )?;
-            candidates!(perf, count)
+            candidates(&perf, count, transposed)
         };
         let (algo, mut choice) = self.choose(transposed, &cands, "heuristic")?;
         choice.ms = -1.0;
