@@ -1,19 +1,25 @@
-//! `bench`: model-only frames/s by batch size, precision and instance count; encoder
-//! frames/s; end-to-end seconds and time to first byte through the service's pipeline (pool,
-//! batcher, job, compositor, encoder), without HTTP.
+//! `bench`: model-only frames/s and device memory by batch size, precision and convolution
+//! path; one instance against several at the same frames in flight; accuracy of every
+//! precision and path against an exact f32 reference; load and warm-up time with and without
+//! the autotune cache; encoder frames/s; end-to-end seconds and time to first byte through
+//! the service's pipeline (pool, batcher, job, compositor, encoder), without HTTP.
+//!
+//! `--sections` runs only some parts, so a time-boxed run (a GPU stage) takes what fits. The
+//! instance, autotune and end-to-end parts run in the precision `serve` would run
+//! (`--service-dtype` to choose another); the model and accuracy parts in every `--dtypes`.
+
+mod model_runs;
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use candle_core::{DType, Tensor};
-use lipsync::config::choice;
-use lipsync::engine::batcher::Limits;
-use lipsync::engine::pool::PoolConfig;
-use lipsync::engine::render::{face_batch, mel_batch};
+use clap::Parser;
+use lipsync::config::{choice, EngineArgs, MediaArgs, Resolved};
 use lipsync::engine::{Avatar, Engine, Job};
-use lipsync::media::audio::{self, Fps, FramePlan};
+use lipsync::media::audio::{self, Fps};
 use lipsync::media::face::{Blend, Pads};
 use lipsync::media::image::ImageLimits;
 use lipsync::media::video::{self, EncoderSettings};
@@ -31,23 +37,43 @@ pub struct BenchArgs {
     /// Where the model runs [default: cuda when built with CUDA and a GPU is present, else cpu].
     #[arg(long, value_parser = choice::<DeviceKind>(DeviceKind::NAMES))]
     pub device: Option<DeviceKind>,
-    /// Precisions to measure, comma-separated [default: f32,f16,bf16 on CUDA, f32 on CPU].
+    /// Parts to run, comma-separated (they run in this order whatever the order given):
+    /// model (frames/s and device memory by dtype, convolution path and batch), instances
+    /// (one instance against several at the same frames in flight), accuracy (every dtype and
+    /// path against an exact f32 reference), autotune (load and warm-up without and with the
+    /// autotune cache file), encoder, e2e [default: all; encoder only with --encode-frames
+    /// above 0].
+    #[arg(long, value_delimiter = ',', value_parser = choice::<Section>(Section::NAMES))]
+    pub sections: Vec<Section>,
+    /// Precisions of the model and accuracy runs, comma-separated [default: f32,f16,bf16 on
+    /// CUDA, f32 on CPU].
     #[arg(long, value_delimiter = ',', value_parser = choice::<Precision>(Precision::NAMES))]
     pub dtypes: Vec<Precision>,
+    /// Precision of the instance, autotune and end-to-end runs [default: the one `serve`
+    /// runs: f16 on CUDA, f32 on CPU].
+    #[arg(long, value_parser = choice::<Precision>(Precision::NAMES))]
+    pub service_dtype: Option<Precision>,
     #[command(flatten)]
     pub conv: lipsync::config::ConvArgs,
-    /// Batch sizes to measure [default: 1,16,64,128,256,512 on CUDA, 1,4,16 on CPU].
-    #[arg(long, value_delimiter = ',')]
-    pub batches: Vec<usize>,
+    /// Batch sizes to measure [default: 1,16,64,128,256,512 on CUDA, 1,4,16 on CPU]. The
+    /// autotune run warms up as `serve --max-batch` the largest.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub batches: Vec<u32>,
     /// Instance counts for the concurrency run [default: 1,2,3 on CUDA, 1,2 on CPU].
-    #[arg(long, value_delimiter = ',')]
-    pub instances: Vec<usize>,
-    /// Batch size of the concurrency run [default: 128 on CUDA, 8 on CPU].
-    #[arg(long)]
-    pub instance_batch: Option<usize>,
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub instances: Vec<u32>,
+    /// Frames in flight in the concurrency run, split evenly among the instances: one
+    /// instance runs batches of this size, three run a third each [default: 384 on CUDA, 4 on
+    /// CPU].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub instance_batch: Option<u32>,
     /// Seconds to measure each configuration.
     #[arg(long, default_value_t = 3.0)]
     pub seconds: f64,
+    /// Also write the accuracy run's inputs here (safetensors: f32 `mel` (N, 1, 80, 16) and
+    /// `face` (N, 6, 96, 96)), for `bench/pytorch_reference.py --inputs`.
+    #[arg(long)]
+    pub accuracy_inputs: Option<PathBuf>,
     /// Frames to encode in the encoder-only run (0 skips it): 1000 is 40 s of video.
     #[arg(long, default_value_t = 1000)]
     pub encode_frames: usize,
@@ -58,29 +84,226 @@ pub struct BenchArgs {
     /// Seconds of speech for the end-to-end runs [default: 10,40 on CUDA, 10 on CPU].
     #[arg(long, value_delimiter = ',')]
     pub e2e: Vec<f64>,
-    /// Speech for the end-to-end runs (looped to length).
+    /// Speech for the accuracy and end-to-end runs (looped to length).
     #[arg(long, default_value = "tests/media/arctic_a0007.wav")]
     pub audio: PathBuf,
-    /// Avatar for the encoder and end-to-end runs.
+    /// Avatar for the accuracy, encoder and end-to-end runs.
     #[arg(long, default_value = "tests/media/astronaut.png")]
     pub image: PathBuf,
     /// Measure a clip avatar instead of the model: its preparation and size, and compositing
     /// plus encoding on it vs on a photo vs x264 alone (no model, no checkpoint needed).
     #[arg(long)]
     pub video: Option<PathBuf>,
-    /// Also write the results as JSON here.
+    /// Also write the results as JSON here (rewritten after each part).
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// The ffmpeg executable.
     #[arg(long, env = "LIPSYNC_FFMPEG", default_value = "ffmpeg")]
     pub ffmpeg: PathBuf,
+    /// Internal (the autotune part runs it in a fresh process, since the process keeps its
+    /// algorithm choices): time one instance's load and warm-up as `serve` does it, print
+    /// JSON.
+    #[arg(long, hide = true)]
+    pub autotune_probe: bool,
+}
+
+/// A part of the bench.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Section {
+    Model,
+    Instances,
+    Accuracy,
+    Autotune,
+    Encoder,
+    E2e,
+}
+
+impl Section {
+    /// The names `FromStr` accepts, in running order.
+    pub const NAMES: &'static [&'static str] = &[
+        "model",
+        "instances",
+        "accuracy",
+        "autotune",
+        "encoder",
+        "e2e",
+    ];
+    const ALL: [Section; 6] = [
+        Section::Model,
+        Section::Instances,
+        Section::Accuracy,
+        Section::Autotune,
+        Section::Encoder,
+        Section::E2e,
+    ];
+
+    fn name(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+}
+
+impl std::str::FromStr for Section {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::NAMES
+            .iter()
+            .position(|&n| n == s.trim())
+            .map(|i| Self::ALL[i])
+            .ok_or_else(|| format!("{s:?} is not a bench section ({})", Self::NAMES.join(", ")))
+    }
+}
+
+/// A bench run with the device-dependent defaults filled in.
+#[derive(Debug, Clone, PartialEq)]
+struct Plan {
+    device: DeviceKind,
+    sections: Vec<Section>,
+    dtypes: Vec<Precision>,
+    /// The precision of the instance, autotune and end-to-end runs.
+    service: Precision,
+    /// Whether `service` was given (`--service-dtype`) rather than serve's.
+    service_given: bool,
+    batches: Vec<usize>,
+    instances: Vec<usize>,
+    /// Frames in flight in the concurrency run.
+    instance_frames: usize,
+    e2e: Vec<f64>,
+}
+
+impl Plan {
+    /// Fills in the defaults for `device` (no device is opened).
+    fn new(a: &BenchArgs, device: DeviceKind) -> Result<Plan, CliError> {
+        let cuda = device == DeviceKind::Cuda;
+        let or = |v: &[u32], d: &[usize]| -> Vec<usize> {
+            if v.is_empty() {
+                d.to_vec()
+            } else {
+                v.iter().map(|&x| x as usize).collect()
+            }
+        };
+        let mut sections = if a.sections.is_empty() {
+            Section::ALL
+                .into_iter()
+                .filter(|&s| s != Section::Encoder || a.encode_frames > 0)
+                .collect()
+        } else {
+            if a.sections.contains(&Section::Encoder) && a.encode_frames == 0 {
+                return Err(CliError::Jobs(
+                    "--sections encoder needs --encode-frames above 0".into(),
+                ));
+            }
+            a.sections.clone()
+        };
+        sections.sort();
+        sections.dedup();
+        let dtypes = if !a.dtypes.is_empty() {
+            a.dtypes.clone()
+        } else if cuda {
+            vec![Precision::F32, Precision::F16, Precision::Bf16]
+        } else {
+            vec![Precision::F32]
+        };
+        let e2e = if !a.e2e.is_empty() {
+            a.e2e.clone()
+        } else if cuda {
+            vec![10.0, 40.0]
+        } else {
+            vec![10.0]
+        };
+        if let Some(s) = e2e.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
+            return Err(CliError::Jobs(format!(
+                "--e2e {s}: seconds must be above 0"
+            )));
+        }
+        let service = match a.service_dtype {
+            Some(p) => p,
+            None => serve_settings(device, &[])?.1.precision,
+        };
+        Ok(Plan {
+            device,
+            sections,
+            dtypes,
+            service,
+            service_given: a.service_dtype.is_some(),
+            batches: or(
+                &a.batches,
+                if cuda {
+                    &[1, 16, 64, 128, 256, 512]
+                } else {
+                    &[1, 4, 16]
+                },
+            ),
+            instances: or(&a.instances, if cuda { &[1, 2, 3] } else { &[1, 2] }),
+            instance_frames: a
+                .instance_batch
+                .map_or(if cuda { 384 } else { 4 }, |b| b as usize),
+            e2e,
+        })
+    }
+
+    fn largest_batch(&self) -> usize {
+        self.batches.iter().copied().max().unwrap_or(1)
+    }
+
+    /// The service precision and where it came from, e.g. `f16 (serve's default on cuda)`.
+    fn service_text(&self) -> String {
+        let name = self.service.dtype().as_str();
+        if self.service_given {
+            format!("{name} (--service-dtype)")
+        } else {
+            format!("{name} (serve's default on {})", device_name(self.device))
+        }
+    }
+}
+
+/// Batch of each of `n` instances sharing `frames` frames in flight (at least 1).
+fn per_instance_batch(frames: usize, n: usize) -> usize {
+    (frames / n.max(1)).max(1)
+}
+
+fn device_name(d: DeviceKind) -> &'static str {
+    match d {
+        DeviceKind::Cpu => "cpu",
+        DeviceKind::Cuda => "cuda",
+    }
+}
+
+/// The engine settings `serve` runs with on `device`, given `flags` (the others at serve's
+/// defaults, or from the `LIPSYNC_*` variables serve reads): one source for the defaults.
+fn serve_settings(
+    device: DeviceKind,
+    flags: &[String],
+) -> Result<(EngineArgs, Resolved), CliError> {
+    #[derive(Parser)]
+    struct Serve {
+        #[command(flatten)]
+        engine: EngineArgs,
+        #[command(flatten)]
+        media: MediaArgs,
+    }
+    let mut argv: Vec<String> = [
+        "serve",
+        "--checkpoint",
+        "-",
+        "--device",
+        device_name(device),
+    ]
+    .map(String::from)
+    .to_vec();
+    argv.extend(flags.iter().cloned());
+    let s = Serve::try_parse_from(argv)
+        .map_err(|e| CliError::Jobs(format!("serve's settings: {e}")))?;
+    let r = s.engine.resolve(&s.media);
+    Ok((s.engine, r))
 }
 
 /// Runs `f` repeatedly for at least `seconds` (and 3 times); returns (runs, elapsed).
 fn timed(
     seconds: f64,
     mut f: impl FnMut() -> Result<(), CliError>,
-) -> Result<(usize, Duration), CliError> {
+) -> Result<(usize, std::time::Duration), CliError> {
     let start = Instant::now();
     let mut runs = 0;
     while runs < 3 || start.elapsed().as_secs_f64() < seconds {
@@ -96,72 +319,6 @@ fn inputs(n: usize, dev: &candle_core::Device) -> Result<(Tensor, Tensor), CliEr
     let face = Tensor::rand(0f32, 1.0, (n, FACE_CHANNELS, FACE_SIZE, FACE_SIZE), dev)
         .map_err(model::Error::from)?;
     Ok((mel, face))
-}
-
-/// Faces predicted from the avatar and the first frames of the speech by
-/// every precision and convolution path, against candle's operations in f32: PSNR (faces in
-/// 0–1) and largest difference.
-fn accuracy(
-    a: &BenchArgs,
-    device: DeviceKind,
-    dtypes: &[Precision],
-    weights: &GeneratorWeights,
-    avatar: &Avatar,
-) -> Result<serde_json::Value, CliError> {
-    // Enough faces to cover several mouth shapes; fewer on the CPU, where candle is slow.
-    let frames = if device == DeviceKind::Cuda { 32 } else { 8 };
-    let speech = audio::load(&read_file(&a.audio)?, 3600.0)?;
-    let mel = speech.mel();
-    let plan = FramePlan::new(mel.frames(), Fps::DEFAULT)?;
-    let n = plan.len().min(frames);
-    let dev = device.open_instance()?;
-    let err = |e: lipsync::engine::Error| CliError::Jobs(e.to_string());
-    let mel_in = mel_batch(&mel, &plan, 0, n, &dev).map_err(err)?;
-    let face_in = face_batch(avatar, n, &dev).map_err(err)?;
-    let run = |m: &Wav2Lip| -> Result<Tensor, CliError> {
-        Ok(m.forward(&mel_in, &face_in)?
-            .to_dtype(DType::F32)
-            .map_err(model::Error::from)?)
-    };
-    let mut reference = Wav2Lip::load(weights, &dev, DType::F32)?;
-    reference.use_candle_operations();
-    let reference = run(&reference)?;
-    println!(
-        "\n## Accuracy ({n} faces from {} and {}, vs candle's operations in f32)\n",
-        a.image.display(),
-        a.audio.display()
-    );
-    println!("| dtype | convolutions | PSNR | max difference |");
-    println!("|---|---|---|---|");
-    let mut rows = Vec::new();
-    for &p in dtypes {
-        let dtype = model::compute_dtype(&dev, p);
-        let mut m = Wav2Lip::load(weights, &dev, dtype)?;
-        m.verify_cudnn_path()?;
-        let mut paths = vec![m.conv_engine()];
-        if m.conv_engine() != "candle" && dtype != DType::F32 {
-            paths.push("candle");
-        }
-        for path in paths {
-            if path == "candle" {
-                m.use_candle_operations();
-            }
-            let out = run(&m)?;
-            let psnr = model::wav2lip::face_psnr(&out, &reference)?;
-            let max = (out - &reference)
-                .and_then(|d| d.abs())
-                .and_then(|d| d.flatten_all())
-                .and_then(|d| d.max(0))
-                .and_then(|d| d.to_scalar::<f32>())
-                .map_err(model::Error::from)?;
-            println!("| {} | {path} | {psnr:.1} dB | {max:.2e} |", dtype.as_str());
-            rows.push(serde_json::json!({
-                "dtype": p, "compute_dtype": dtype.as_str(), "path": path,
-                "psnr_db": if psnr.is_finite() { Some(psnr) } else { None }, "max_diff": max
-            }));
-        }
-    }
-    Ok(serde_json::Value::Array(rows))
 }
 
 /// One forward, waited for (reading a scalar back synchronises the device).
@@ -185,241 +342,154 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
     let checkpoint = a.checkpoint.clone().expect("clap requires --checkpoint");
     a.conv.apply();
     let device = a.device.unwrap_or_else(DeviceKind::default_for_host);
-    let cuda = device == DeviceKind::Cuda;
-    let or = |v: &Vec<usize>, d: &[usize]| if v.is_empty() { d.to_vec() } else { v.clone() };
-    let batches = or(
-        &a.batches,
-        if cuda {
-            &[1, 16, 64, 128, 256, 512]
-        } else {
-            &[1, 4, 16]
-        },
-    );
-    let instances = or(&a.instances, if cuda { &[1, 2, 3] } else { &[1, 2] });
-    let instance_batch = a.instance_batch.unwrap_or(if cuda { 128 } else { 8 });
-    let dtypes = if a.dtypes.is_empty() {
-        if cuda {
-            vec![Precision::F32, Precision::F16, Precision::Bf16]
-        } else {
-            vec![Precision::F32]
-        }
-    } else {
-        a.dtypes.clone()
-    };
-    let e2e = if a.e2e.is_empty() {
-        if cuda {
-            vec![10.0, 40.0]
-        } else {
-            vec![10.0]
-        }
-    } else {
-        a.e2e.clone()
-    };
+    let plan = Plan::new(&a, device)?;
     let (weights, _) = GeneratorWeights::from_file(&checkpoint)?;
     let weights = Arc::new(weights.fold()?);
+    if a.autotune_probe {
+        return model_runs::autotune_probe(&plan, weights);
+    }
     let mut results = serde_json::json!({
         "device": device, "host_cpus": std::thread::available_parallelism().map_or(1, |n| n.get()),
-        "version": env!("CARGO_PKG_VERSION"),
+        "version": env!("CARGO_PKG_VERSION"), "sections": plan.sections,
+        "dtypes": plan.dtypes, "service_dtype": plan.service, "batches": plan.batches,
     });
-
-    println!("## Model only ({device:?}, frames/s, one instance)\n");
+    let save = |results: &serde_json::Value| match &a.json {
+        Some(path) => write_json(path, results),
+        None => Ok(()),
+    };
     println!(
-        "| dtype | convolutions | {} |",
-        batches
+        "Sections: {}; device {}; instance, autotune and end-to-end runs in {}.\n",
+        plan.sections
             .iter()
-            .map(|b| format!("batch {b}"))
+            .map(|s| s.name())
             .collect::<Vec<_>>()
-            .join(" | ")
+            .join(", "),
+        device_name(device),
+        plan.service_text()
     );
-    println!("|---|---|{}", "---|".repeat(batches.len()));
-    let mut model_rows = Vec::new();
-    for &p in &dtypes {
-        let dev = device.open_instance()?;
-        let dtype = model::compute_dtype(&dev, p);
-        let mut m = Wav2Lip::load(&weights, &dev, dtype)?;
-        m.verify_cudnn_path()?;
-        // The serving path, and on CUDA candle's operations beside it (the reference).
-        let mut paths = vec![m.conv_engine()];
-        if cuda && m.conv_engine() != "candle" {
-            paths.push("candle");
+    let mut prepared = None;
+    let mut avatar = || -> Result<Avatar, CliError> {
+        if prepared.is_none() {
+            prepared = Some(Avatar::prepare(
+                &read_file(&a.image)?,
+                &ImageLimits::default(),
+                None,
+                Pads::default(),
+                Blend::Feather,
+            )?);
         }
-        for path in paths {
-            if path == "candle" {
-                m.use_candle_operations();
+        Ok(prepared.clone().expect("prepared"))
+    };
+    for &section in &plan.sections {
+        match section {
+            Section::Model => {
+                let (rows, memory) = model_runs::model(&a, &plan, &weights)?;
+                results["model"] = rows;
+                results["memory"] = memory;
             }
-            let mut cells = Vec::new();
-            for &b in &batches {
-                let (mel, face) = inputs(b, &dev)?;
-                forward_sync(&m, &mel, &face)?; // warm-up (and autotuning)
-                let (runs, t) = timed(a.seconds, || forward_sync(&m, &mel, &face))?;
-                let fps = (runs * b) as f64 / t.as_secs_f64();
-                model_rows.push(serde_json::json!({
-                    "dtype": p, "compute_dtype": dtype.as_str(), "path": path, "batch": b, "fps": fps
-                }));
-                cells.push(format!("{fps:.1}"));
+            Section::Instances => {
+                results["instances"] = model_runs::instances(&a, &plan, &weights)?
             }
-            println!("| {} | {path} | {} |", dtype.as_str(), cells.join(" | "));
+            Section::Accuracy => {
+                results["accuracy"] = model_runs::accuracy(&a, &plan, &weights, &avatar()?)?
+            }
+            Section::Autotune => {
+                results["autotune"] = model_runs::autotune(&a, &plan, &checkpoint)?
+            }
+            Section::Encoder => results["encoder"] = encoder(&a, &plan, &avatar()?)?,
+            Section::E2e => results["end_to_end"] = end_to_end(&a, &plan, &weights, &avatar()?)?,
+        }
+        save(&results)?;
+    }
+    Ok(())
+}
+
+/// x264 alone on frames of the avatar, by encoder worker count (and serve's count).
+fn encoder(a: &BenchArgs, plan: &Plan, avatar: &Avatar) -> Result<serde_json::Value, CliError> {
+    let serve_workers = serve_settings(plan.device, &[])?.1.encoder_workers;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut workers: Vec<usize> = a.encoder_workers.iter().map(|&w| w as usize).collect();
+    if workers.is_empty() {
+        workers = [1, 2, 4, 8, 16]
+            .into_iter()
+            .filter(|&w| w <= cores)
+            .collect();
+        if !workers.contains(&serve_workers) {
+            workers.push(serve_workers);
         }
     }
-    results["model"] = serde_json::Value::Array(model_rows);
-
+    let frames = moving_frames(avatar, 50);
+    let (w, h) = (avatar.frame.width, avatar.frame.height);
     println!(
-        "\n## Instances (batch {instance_batch}, {:?}, aggregate frames/s)\n",
-        dtypes[0]
+        "\n## Encoder only ({} frames of {w}x{h}, x264 veryfast crf 20, fragmented MP4; {cores} cores)\n",
+        a.encode_frames
     );
-    println!("| instances | frames/s | vs one |");
-    println!("|---|---|---|");
-    let mut inst_rows = Vec::new();
-    let mut one = 0.0;
-    let precision = dtypes[0];
-    for &n in &instances {
-        // All instances load and warm up, then measure together; their frames/s add up.
-        let rates = Arc::new(Mutex::new(Vec::new()));
-        let barrier = Arc::new(std::sync::Barrier::new(n));
-        let errors = Arc::new(Mutex::new(None));
-        std::thread::scope(|s| {
-            for _ in 0..n {
-                let (weights, rates, errors) = (weights.clone(), rates.clone(), errors.clone());
-                let barrier = barrier.clone();
-                let seconds = a.seconds;
-                s.spawn(move || {
-                    let run = || -> Result<(), CliError> {
-                        let ready = (|| {
-                            let dev = device.open_instance()?;
-                            let m = Wav2Lip::load(
-                                &weights,
-                                &dev,
-                                model::compute_dtype(&dev, precision),
-                            )?;
-                            let (mel, face) = inputs(instance_batch, &dev)?;
-                            forward_sync(&m, &mel, &face)?;
-                            Ok::<_, CliError>((m, mel, face))
-                        })();
-                        barrier.wait(); // even when this one failed, so the others go on
-                        let (m, mel, face) = ready?;
-                        let (runs, t) = timed(seconds, || forward_sync(&m, &mel, &face))?;
-                        rates
-                            .lock()
-                            .unwrap()
-                            .push((runs * instance_batch) as f64 / t.as_secs_f64());
-                        Ok(())
-                    };
-                    if let Err(e) = run() {
-                        *errors.lock().unwrap() = Some(e.to_string());
-                    }
-                });
-            }
-        });
-        if let Some(e) = errors.lock().unwrap().take() {
-            return Err(CliError::Jobs(format!("instance run failed: {e}")));
+    println!("| encoder workers | x264 threads each | frames/s | seconds | vs one worker |");
+    println!("|---|---|---|---|---|");
+    let mut rows = Vec::new();
+    let mut one = None;
+    for &n in &workers {
+        let mut settings = EncoderSettings::new(w, h, Fps::DEFAULT);
+        settings.ffmpeg = a.ffmpeg.clone();
+        settings.workers = n;
+        let threads = if n == 1 {
+            "auto".to_string()
+        } else {
+            settings.worker_threads().to_string()
+        };
+        let t = Instant::now();
+        let mut enc = video::spawn(settings, Box::new(std::io::sink()))?;
+        for i in 0..a.encode_frames {
+            enc.write_frame(&frames[i % frames.len()])?;
         }
-        let fps: f64 = rates.lock().unwrap().iter().sum();
-        if n == instances[0] {
-            one = fps / n as f64;
-        }
-        inst_rows.push(serde_json::json!({ "instances": n, "batch": instance_batch, "fps": fps }));
-        println!("| {n} | {fps:.1} | {:.2}x |", fps / one.max(1e-9));
-    }
-    results["instances"] = serde_json::Value::Array(inst_rows);
-
-    let avatar = Avatar::prepare(
-        &read_file(&a.image)?,
-        &ImageLimits::default(),
-        None,
-        Pads::default(),
-        Blend::Feather,
-    )?;
-    results["accuracy"] = accuracy(&a, device, &dtypes, &weights, &avatar)?;
-
-    let serve_workers = video::default_workers(cuda);
-    if a.encode_frames > 0 {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let mut workers: Vec<usize> = a.encoder_workers.iter().map(|&w| w as usize).collect();
-        if workers.is_empty() {
-            workers = [1, 2, 4, 8, 16]
-                .into_iter()
-                .filter(|&w| w <= cores)
-                .collect();
-            if !workers.contains(&serve_workers) {
-                workers.push(serve_workers);
-            }
-        }
-        let frames = moving_frames(&avatar, 50);
-        let (w, h) = (avatar.frame.width, avatar.frame.height);
+        enc.finish()?;
+        let secs = t.elapsed().as_secs_f64();
+        let fps = a.encode_frames as f64 / secs;
+        let base = *one.get_or_insert(fps);
         println!(
-            "\n## Encoder only ({} frames of {w}x{h}, x264 veryfast crf 20, fragmented MP4; {cores} cores)\n",
-            a.encode_frames
+            "| {n} | {threads} | {fps:.1} | {secs:.2} | {:.2}x |",
+            fps / base
         );
-        println!("| encoder workers | x264 threads each | frames/s | seconds | vs one worker |");
-        println!("|---|---|---|---|---|");
-        let mut rows = Vec::new();
-        let mut one = None;
-        for &n in &workers {
-            let mut settings = EncoderSettings::new(w, h, Fps::DEFAULT);
-            settings.ffmpeg = a.ffmpeg.clone();
-            settings.workers = n;
-            let threads = if n == 1 {
-                "auto".to_string()
-            } else {
-                settings.worker_threads().to_string()
-            };
-            let t = Instant::now();
-            let mut enc = video::spawn(settings, Box::new(std::io::sink()))?;
-            for i in 0..a.encode_frames {
-                enc.write_frame(&frames[i % frames.len()])?;
-            }
-            enc.finish()?;
-            let secs = t.elapsed().as_secs_f64();
-            let fps = a.encode_frames as f64 / secs;
-            let base = *one.get_or_insert(fps);
-            println!(
-                "| {n} | {threads} | {fps:.1} | {secs:.2} | {:.2}x |",
-                fps / base
-            );
-            rows.push(serde_json::json!({ "workers": n, "threads": threads, "fps": fps, "seconds": secs }));
-        }
-        results["encoder"] =
-            serde_json::json!({ "frames": a.encode_frames, "width": w, "height": h, "runs": rows });
+        rows.push(
+            serde_json::json!({ "workers": n, "threads": threads, "fps": fps, "seconds": secs }),
+        );
     }
+    Ok(serde_json::json!({ "frames": a.encode_frames, "width": w, "height": h, "runs": rows }))
+}
 
+/// Whole requests through the engine `serve` would start (its instances, batch sizes and
+/// encoder workers), in the service precision.
+fn end_to_end(
+    a: &BenchArgs,
+    plan: &Plan,
+    weights: &Arc<GeneratorWeights>,
+    avatar: &Avatar,
+) -> Result<serde_json::Value, CliError> {
+    let dtype = plan.service.dtype().as_str().to_string();
+    let (args, r) = serve_settings(plan.device, &["--dtype".into(), dtype])?;
     println!(
-        "\n## End to end (pool, batcher, compositor, encoder with {serve_workers} worker(s); no HTTP)\n"
+        "\n## End to end ({}, {} instance(s), batches up to {}; pool, batcher, compositor, \
+         encoder with {} worker(s); no HTTP)\n",
+        plan.service_text(),
+        r.instances,
+        r.max_batch,
+        r.encoder_workers
     );
     println!("| speech | model frames | video frames | total | time to first byte |");
     println!("|---|---|---|---|---|");
     let loader = lipsync::engine::backend::Wav2LipLoader {
         weights: weights.clone(),
-        device,
-        max_batch: if cuda { 512 } else { 16 },
+        device: r.device,
+        max_batch: r.max_batch,
     };
-    let engine = Engine::start(
-        Arc::new(loader),
-        PoolConfig {
-            precision: dtypes[0],
-            instances: instances
-                .iter()
-                .copied()
-                .max()
-                .unwrap_or(1)
-                .min(if cuda { 3 } else { 1 }),
-            limits: Limits {
-                max_batch: if cuda { 512 } else { 16 },
-                first_batch: if cuda { 16 } else { 4 },
-                fill_batch: if cuda { 16 } else { 4 },
-                max_queue: usize::MAX,
-                max_ahead: if cuda { 1024 } else { 32 },
-            },
-            batch_wait: Duration::from_millis(2),
-            pad_batches: cuda,
-            memory_limit: None,
-            warm_up: true,
-            fill_latency: Duration::from_millis(150),
-        },
-    );
+    let mut cfg = args.pool_config(&r);
+    cfg.limits.max_queue = usize::MAX;
+    let engine = Engine::start(Arc::new(loader), cfg);
     engine.wait_ready().map_err(CliError::Jobs)?;
+    let conv_path = engine.status().conv_path().unwrap_or("unknown");
     let clip = audio::load(&read_file(&a.audio)?, 3600.0)?.samples;
-    let mut e2e_rows = Vec::new();
-    for &seconds in &e2e {
+    let mut rows = Vec::new();
+    for &seconds in &plan.e2e {
         let n = (seconds * 16_000.0) as usize;
         let samples: Vec<f32> = clip.iter().copied().cycle().take(n).collect();
         let wav = tempfile::Builder::new()
@@ -440,7 +510,7 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
             EncoderSettings::new(avatar.frame.width, avatar.frame.height, Fps::DEFAULT);
         settings.audio = Some(wav.path().to_path_buf());
         settings.ffmpeg = a.ffmpeg.clone();
-        settings.workers = serve_workers;
+        settings.workers = r.encoder_workers;
         let first = Arc::new(Mutex::new(None));
         let sink = FirstByte {
             start,
@@ -461,14 +531,15 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
             "| {seconds} s | {} | {} | {total:.2} s | {ttfb:.2} s |",
             model_frames, summary.frames
         );
-        e2e_rows.push(serde_json::json!({ "encoder_workers": serve_workers, "speech_seconds": seconds, "model_frames": model_frames, "video_frames": summary.frames, "seconds": total, "ttfb_seconds": ttfb }));
+        rows.push(serde_json::json!({
+            "dtype": plan.service, "instances": r.instances, "max_batch": r.max_batch,
+            "conv_path": conv_path, "encoder_workers": r.encoder_workers,
+            "speech_seconds": seconds, "model_frames": model_frames,
+            "video_frames": summary.frames, "seconds": total, "ttfb_seconds": ttfb
+        }));
     }
     engine.shutdown();
-    results["end_to_end"] = serde_json::Value::Array(e2e_rows);
-    if let Some(path) = &a.json {
-        write_json(path, &results)?;
-    }
-    Ok(())
+    Ok(serde_json::Value::Array(rows))
 }
 
 fn write_json(path: &std::path::Path, results: &serde_json::Value) -> Result<(), CliError> {
@@ -536,4 +607,93 @@ fn write_wav(path: &std::path::Path, samples: &[f32]) -> Result<(), CliError> {
             .map_err(err)?;
     }
     w.finalize().map_err(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `lipsync bench` flags as clap parses them.
+    fn args(flags: &[&str]) -> BenchArgs {
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            bench: BenchArgs,
+        }
+        let mut argv = vec!["bench", "--checkpoint", "w.safetensors"];
+        argv.extend(flags);
+        Cli::try_parse_from(argv).unwrap().bench
+    }
+
+    #[test]
+    fn the_service_runs_use_serves_precision_not_the_first_listed() {
+        // f32 is listed first, but serve runs f16 on CUDA: the instance, autotune and
+        // end-to-end runs measure f16.
+        let cuda = Plan::new(&args(&["--dtypes", "f32,f16,bf16"]), DeviceKind::Cuda).unwrap();
+        assert_eq!(cuda.dtypes[0], Precision::F32);
+        assert_eq!(cuda.service, Precision::F16);
+        assert_eq!(cuda.service_text(), "f16 (serve's default on cuda)");
+        let cpu = Plan::new(&args(&["--dtypes", "bf16,f32"]), DeviceKind::Cpu).unwrap();
+        assert_eq!(cpu.service, Precision::F32);
+        // An explicit choice wins, and says so.
+        let given = Plan::new(&args(&["--service-dtype", "bf16"]), DeviceKind::Cuda).unwrap();
+        assert_eq!(given.service, Precision::Bf16);
+        assert_eq!(given.service_text(), "bf16 (--service-dtype)");
+    }
+
+    #[test]
+    fn sections_run_in_a_fixed_order_and_default_to_all_that_apply() {
+        let all = Plan::new(&args(&[]), DeviceKind::Cpu).unwrap();
+        assert_eq!(all.sections, Section::ALL.to_vec());
+        let no_encoder = Plan::new(&args(&["--encode-frames", "0"]), DeviceKind::Cpu).unwrap();
+        assert!(!no_encoder.sections.contains(&Section::Encoder));
+        assert!(no_encoder.sections.contains(&Section::E2e));
+        let some = Plan::new(
+            &args(&["--sections", "autotune,model,accuracy,model"]),
+            DeviceKind::Cuda,
+        )
+        .unwrap();
+        assert_eq!(
+            some.sections,
+            [Section::Model, Section::Accuracy, Section::Autotune]
+        );
+        assert!(Plan::new(
+            &args(&["--sections", "encoder", "--encode-frames", "0"]),
+            DeviceKind::Cpu
+        )
+        .is_err());
+        assert!("kernels".parse::<Section>().is_err());
+        assert_eq!(Section::E2e.name(), "e2e");
+    }
+
+    #[test]
+    fn instances_share_the_frames_in_flight() {
+        let plan = Plan::new(&args(&["--instances", "1,3"]), DeviceKind::Cuda).unwrap();
+        assert_eq!(plan.instance_frames, 384);
+        let batches: Vec<usize> = plan
+            .instances
+            .iter()
+            .map(|&n| per_instance_batch(plan.instance_frames, n))
+            .collect();
+        assert_eq!(batches, [384, 128]);
+        // Never an empty batch.
+        assert_eq!(per_instance_batch(1, 2), 1);
+    }
+
+    #[test]
+    fn defaults_follow_the_device() {
+        let cuda = Plan::new(&args(&[]), DeviceKind::Cuda).unwrap();
+        assert_eq!(cuda.batches, [1, 16, 64, 128, 256, 512]);
+        assert_eq!(
+            cuda.dtypes,
+            [Precision::F32, Precision::F16, Precision::Bf16]
+        );
+        let cpu = Plan::new(&args(&["--batches", "1,2"]), DeviceKind::Cpu).unwrap();
+        assert_eq!(
+            (cpu.batches.as_slice(), cpu.largest_batch()),
+            (&[1, 2][..], 2)
+        );
+        assert_eq!(cpu.dtypes, [Precision::F32]);
+        assert!(Plan::new(&args(&["--e2e", "0"]), DeviceKind::Cpu).is_err());
+    }
 }

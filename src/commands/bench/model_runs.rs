@@ -1,0 +1,511 @@
+//! The model parts of `lipsync bench`: frames/s and device memory by dtype, path and batch;
+//! instances sharing the frames in flight; accuracy against an exact f32 reference; load and
+//! warm-up time with and without the autotune cache file.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+use lipsync::engine::backend::{load_wav2lip, Wav2LipLoader};
+use lipsync::engine::render::{face_batch, mel_batch};
+use lipsync::engine::{Avatar, Engine};
+use lipsync::media::audio::{self, Fps, FramePlan};
+use lipsync::model::{self, DeviceKind, GeneratorWeights, Wav2Lip};
+use serde_json::{json, Value};
+
+use super::{
+    device_name, forward_sync, inputs, per_instance_batch, serve_settings, timed, BenchArgs, Plan,
+};
+use crate::commands::{read_file, CliError};
+
+/// Faces in the accuracy run: enough to cover several mouth shapes; fewer on the CPU, where
+/// the half-precision paths are candle's (slow) operations.
+const ACCURACY_FRAMES_CUDA: usize = 32;
+const ACCURACY_FRAMES_CPU: usize = 8;
+
+/// How often the memory sampler reads the device's memory while a forward runs.
+const MEMORY_SAMPLE: Duration = Duration::from_micros(200);
+
+/// Reads how much device memory is in use on a model's GPU: total minus free, from the
+/// driver (`cuMemGetInfo`), so it counts everything on the device (the bench is alone there
+/// in a GPU run). Nothing on the CPU.
+#[derive(Clone)]
+pub(super) struct Meter {
+    #[cfg(feature = "cuda")]
+    context: Option<Arc<candle_core::cuda_backend::cudarc::driver::CudaContext>>,
+}
+
+impl Meter {
+    pub(super) fn new(dev: &Device) -> Meter {
+        #[cfg(feature = "cuda")]
+        {
+            Meter {
+                context: match dev {
+                    Device::Cuda(d) => Some(d.cuda_stream().context().clone()),
+                    _ => None,
+                },
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = dev;
+            Meter {}
+        }
+    }
+
+    /// Bytes in use now; `None` on the CPU (or if the driver does not answer).
+    pub(super) fn in_use(&self) -> Option<u64> {
+        #[cfg(feature = "cuda")]
+        if let Some(ctx) = &self.context {
+            return ctx
+                .mem_get_info()
+                .ok()
+                .map(|(free, total)| total.saturating_sub(free) as u64);
+        }
+        None
+    }
+
+    /// The most bytes in use while `f` runs, read every [`MEMORY_SAMPLE`] from a second
+    /// thread (a peak shorter than that may be missed); `None` on the CPU, where `f` still
+    /// runs.
+    pub(super) fn peak_during(
+        &self,
+        f: impl FnOnce() -> Result<(), CliError>,
+    ) -> Result<Option<u64>, CliError> {
+        let Some(start) = self.in_use() else {
+            f()?;
+            return Ok(None);
+        };
+        let peak = AtomicU64::new(start);
+        let stop = AtomicBool::new(false);
+        let result = std::thread::scope(|s| {
+            s.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    if let Some(used) = self.in_use() {
+                        peak.fetch_max(used, Ordering::Relaxed);
+                    }
+                    std::thread::sleep(MEMORY_SAMPLE);
+                }
+            });
+            let r = f();
+            stop.store(true, Ordering::Relaxed);
+            r
+        });
+        result?;
+        let end = self.in_use().unwrap_or(0);
+        Ok(Some(peak.load(Ordering::Relaxed).max(end)))
+    }
+}
+
+/// A memory table cell: MiB, or why there is no number.
+fn mib(bytes: Option<u64>) -> String {
+    match bytes {
+        Some(b) => format!("{:.0}", b as f64 / (1u64 << 20) as f64),
+        None => "n/a (cpu)".into(),
+    }
+}
+
+/// Frames/s by dtype, convolution path (the serving one, and on CUDA candle's beside it) and
+/// batch, then the device memory of each: in use before the model is loaded, once it is
+/// loaded and checked, and at its peak during two forwards at each batch. Returns the
+/// frames/s rows and the memory rows.
+pub(super) fn model(
+    a: &BenchArgs,
+    plan: &Plan,
+    weights: &Arc<GeneratorWeights>,
+) -> Result<(Value, Value), CliError> {
+    let cuda = plan.device == DeviceKind::Cuda;
+    let batch_cols = |unit: &str| {
+        plan.batches
+            .iter()
+            .map(|b| format!("batch {b}{unit}"))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    };
+    println!(
+        "## Model only ({}, frames/s, one instance)\n",
+        device_name(plan.device)
+    );
+    println!("| dtype | convolutions | {} |", batch_cols(""));
+    println!("|---|---|{}", "---|".repeat(plan.batches.len()));
+    let mut rows = Vec::new();
+    let mut memory = Vec::new();
+    let mut notes = Vec::new();
+    for &p in &plan.dtypes {
+        let dev = plan.device.open_instance()?;
+        let meter = Meter::new(&dev);
+        let before = meter.in_use();
+        let dtype = model::compute_dtype(&dev, p);
+        let mut m = Wav2Lip::load(weights, &dev, dtype)?;
+        // As the service does: the own path is checked at batch 2 and at the largest batch.
+        let own = m.conv_engine();
+        if let Some(psnr) = m.verify_cudnn_path_at(plan.largest_batch())? {
+            if m.conv_engine() != own {
+                notes.push(format!(
+                    "{}: the {own} path failed its start-up check ({psnr:.1} dB); candle's \
+                     operations only",
+                    dtype.as_str()
+                ));
+            }
+        }
+        // The serving path, and on CUDA candle's operations beside it (the reference).
+        let mut paths = vec![m.conv_engine()];
+        if cuda && m.conv_engine() != "candle" {
+            paths.push("candle");
+        }
+        for path in paths {
+            if path == "candle" {
+                m.use_candle_operations();
+            }
+            let loaded = meter.in_use();
+            let (mut cells, mut peaks) = (Vec::new(), Vec::new());
+            for &b in &plan.batches {
+                let (mel, face) = inputs(b, &dev)?;
+                forward_sync(&m, &mel, &face)?; // warm-up (and autotuning)
+                let (runs, t) = timed(a.seconds, || forward_sync(&m, &mel, &face))?;
+                let fps = (runs * b) as f64 / t.as_secs_f64();
+                // Memory after timing, so the sampler does not disturb the timed runs.
+                let peak = meter.peak_during(|| {
+                    forward_sync(&m, &mel, &face)?;
+                    forward_sync(&m, &mel, &face)
+                })?;
+                rows.push(json!({
+                    "dtype": p, "compute_dtype": dtype.as_str(), "path": path, "batch": b,
+                    "fps": fps, "peak_memory_bytes": peak
+                }));
+                cells.push(format!("{fps:.1}"));
+                peaks.push(peak);
+            }
+            println!("| {} | {path} | {} |", dtype.as_str(), cells.join(" | "));
+            memory.push((dtype.as_str(), path, before, loaded, peaks));
+        }
+    }
+    for note in &notes {
+        println!("\n{note}");
+    }
+
+    println!(
+        "\n## Device memory in use ({}, MiB: before loading, once loaded and checked, peak \
+         during two forwards at each batch, read every {} µs)\n",
+        device_name(plan.device),
+        MEMORY_SAMPLE.as_micros()
+    );
+    println!(
+        "| dtype | convolutions | before load | loaded | {} |",
+        batch_cols(" peak")
+    );
+    println!("|---|---|---|---|{}", "---|".repeat(plan.batches.len()));
+    let mut memory_rows = Vec::new();
+    for (dtype, path, before, loaded, peaks) in memory {
+        println!(
+            "| {dtype} | {path} | {} | {} | {} |",
+            mib(before),
+            mib(loaded),
+            peaks
+                .iter()
+                .map(|&p| mib(p))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        );
+        memory_rows.push(json!({
+            "compute_dtype": dtype, "path": path, "before_load_bytes": before,
+            "loaded_bytes": loaded,
+            "peaks": plan.batches.iter().zip(&peaks)
+                .map(|(b, p)| json!({ "batch": b, "peak_bytes": p }))
+                .collect::<Vec<_>>(),
+        }));
+    }
+    let memory = json!({
+        "measured": cuda,
+        "note": if cuda { "device total minus free (cuMemGetInfo)" } else { "n/a (cpu)" },
+        "rows": memory_rows,
+    });
+    Ok((Value::Array(rows), memory))
+}
+
+/// One instance against several sharing the same frames in flight (each of n instances runs
+/// batches of frames / n), all in the service precision, measured together: aggregate
+/// frames/s.
+pub(super) fn instances(
+    a: &BenchArgs,
+    plan: &Plan,
+    weights: &Arc<GeneratorWeights>,
+) -> Result<Value, CliError> {
+    println!(
+        "\n## Instances ({} frames in flight shared by the instances, {}, aggregate frames/s)\n",
+        plan.instance_frames,
+        plan.service_text()
+    );
+    let first = plan.instances.first().copied().unwrap_or(1);
+    println!("| instances | batch each | frames in flight | frames/s | vs {first} instance(s) |");
+    println!("|---|---|---|---|---|");
+    let mut rows = Vec::new();
+    let mut base = None;
+    for &n in &plan.instances {
+        let batch = per_instance_batch(plan.instance_frames, n);
+        // All instances load (as the service does, checking the own path at their batch) and
+        // warm up, then measure together; their frames/s add up.
+        let rates = Mutex::new(Vec::new());
+        let errors = Mutex::new(None);
+        let barrier = Barrier::new(n);
+        let paths = Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            for _ in 0..n {
+                s.spawn(|| {
+                    let run = || -> Result<(), CliError> {
+                        let ready = (|| {
+                            let m = load_wav2lip(weights, plan.device, plan.service, batch)?;
+                            let (mel, face) = inputs(batch, m.device())?;
+                            forward_sync(&m, &mel, &face)?;
+                            Ok::<_, CliError>((m, mel, face))
+                        })();
+                        barrier.wait(); // even when this one failed, so the others go on
+                        let (m, mel, face) = ready?;
+                        paths.lock().unwrap().push(m.conv_engine());
+                        let (runs, t) = timed(a.seconds, || forward_sync(&m, &mel, &face))?;
+                        rates
+                            .lock()
+                            .unwrap()
+                            .push((runs * batch) as f64 / t.as_secs_f64());
+                        Ok(())
+                    };
+                    if let Err(e) = run() {
+                        *errors.lock().unwrap() = Some(e.to_string());
+                    }
+                });
+            }
+        });
+        if let Some(e) = errors.into_inner().unwrap() {
+            return Err(CliError::Jobs(format!("instance run failed: {e}")));
+        }
+        let fps: f64 = rates.into_inner().unwrap().iter().sum();
+        let base = *base.get_or_insert(fps);
+        let mut paths = paths.into_inner().unwrap();
+        paths.dedup();
+        println!(
+            "| {n} | {batch} | {} | {fps:.1} | {:.2}x |",
+            n * batch,
+            fps / f64::max(base, 1e-9)
+        );
+        rows.push(json!({
+            "instances": n, "batch": batch, "frames_in_flight": n * batch, "fps": fps,
+            "dtype": plan.service, "paths": paths
+        }));
+    }
+    Ok(Value::Array(rows))
+}
+
+/// The exact f32 reference for the accuracy run, on the CPU (no TF32 there): on a CUDA bench
+/// the own f32 CPU pass, on a CPU bench candle's f32 operations (so the own CPU pass, the
+/// CPU bench's serving path, is compared with another implementation).
+fn exact_reference(
+    weights: &GeneratorWeights,
+    device: DeviceKind,
+) -> Result<(Wav2Lip, &'static str), CliError> {
+    let mut m = Wav2Lip::load(weights, &Device::Cpu, DType::F32)?;
+    if device == DeviceKind::Cpu {
+        m.use_candle_operations();
+        Ok((m, "candle's f32 operations on the CPU"))
+    } else {
+        Ok((m, "the own f32 CPU pass"))
+    }
+}
+
+/// Faces predicted from the avatar and the first frames of the speech by every precision and
+/// convolution path, against an exact f32 reference computed on the CPU from the full-precision
+/// weights: PSNR (faces in 0–1) and largest difference.
+pub(super) fn accuracy(
+    a: &BenchArgs,
+    plan: &Plan,
+    weights: &GeneratorWeights,
+    avatar: &Avatar,
+) -> Result<Value, CliError> {
+    let cuda = plan.device == DeviceKind::Cuda;
+    let frames = if cuda {
+        ACCURACY_FRAMES_CUDA
+    } else {
+        ACCURACY_FRAMES_CPU
+    };
+    let speech = audio::load(&read_file(&a.audio)?, 3600.0)?;
+    let mel = speech.mel();
+    let frame_plan = FramePlan::new(mel.frames(), Fps::DEFAULT)?;
+    let n = frame_plan.len().min(frames);
+    let err = |e: lipsync::engine::Error| CliError::Jobs(e.to_string());
+    let mel_in = mel_batch(&mel, &frame_plan, 0, n, &Device::Cpu).map_err(err)?;
+    let face_in = face_batch(avatar, n, &Device::Cpu).map_err(err)?;
+    if let Some(path) = &a.accuracy_inputs {
+        let tensors = std::collections::HashMap::from([
+            ("mel".to_string(), mel_in.clone()),
+            ("face".to_string(), face_in.clone()),
+        ]);
+        candle_core::safetensors::save(&tensors, path).map_err(model::Error::from)?;
+    }
+    let cpu_f32 = |t: Tensor| -> Result<Tensor, CliError> {
+        Ok(t.to_device(&Device::Cpu)
+            .and_then(|t| t.to_dtype(DType::F32))
+            .map_err(model::Error::from)?)
+    };
+    let (reference, reference_name) = exact_reference(weights, plan.device)?;
+    let reference = cpu_f32(reference.forward(&mel_in, &face_in)?)?;
+    println!(
+        "\n## Accuracy ({n} faces from {} and {}, vs {reference_name}: exact f32, \
+         full-precision weights)\n",
+        a.image.display(),
+        a.audio.display()
+    );
+    println!("| dtype | convolutions | PSNR | max difference |");
+    println!("|---|---|---|---|");
+    let dev = plan.device.open_instance()?;
+    let (mel_dev, face_dev) = (
+        mel_in.to_device(&dev).map_err(model::Error::from)?,
+        face_in.to_device(&dev).map_err(model::Error::from)?,
+    );
+    let mut rows = Vec::new();
+    for &p in &plan.dtypes {
+        let dtype = model::compute_dtype(&dev, p);
+        let mut m = Wav2Lip::load(weights, &dev, dtype)?;
+        m.verify_cudnn_path_at(n)?;
+        let mut paths = vec![m.conv_engine()];
+        if m.conv_engine() != "candle" && cuda {
+            paths.push("candle");
+        }
+        for path in paths {
+            if path == "candle" {
+                m.use_candle_operations();
+            }
+            let out = cpu_f32(m.forward(&mel_dev, &face_dev)?)?;
+            let psnr = model::wav2lip::face_psnr(&out, &reference)?;
+            let max = (out - &reference)
+                .and_then(|d| d.abs())
+                .and_then(|d| d.flatten_all())
+                .and_then(|d| d.max(0))
+                .and_then(|d| d.to_scalar::<f32>())
+                .map_err(model::Error::from)?;
+            println!("| {} | {path} | {psnr:.1} dB | {max:.2e} |", dtype.as_str());
+            rows.push(json!({
+                "dtype": p, "compute_dtype": dtype.as_str(), "path": path,
+                "reference": reference_name, "frames": n,
+                "psnr_db": if psnr.is_finite() { Some(psnr) } else { None }, "max_diff": max
+            }));
+        }
+    }
+    Ok(Value::Array(rows))
+}
+
+/// Load and warm-up of one instance as `serve` runs it (the service precision, its batch
+/// sizes up to the largest measured batch), first with no autotune cache file (every
+/// algorithm searched; the file is written at the end of warm-up), then reading that file.
+/// Each run is a fresh process: a process keeps the choices it made.
+pub(super) fn autotune(a: &BenchArgs, plan: &Plan, checkpoint: &Path) -> Result<Value, CliError> {
+    let io = |e: std::io::Error| CliError::Jobs(format!("autotune run: {e}"));
+    let dir = tempfile::tempdir().map_err(io)?;
+    let cache = dir.path().join("autotune.json");
+    let exe = std::env::current_exe().map_err(io)?;
+    let engine = serde_json::to_value(a.conv.conv_engine)
+        .ok()
+        .and_then(|v| v.as_str().map(String::from))
+        .unwrap_or_else(|| "cudnn".into());
+    println!(
+        "\n## Autotune (one instance's load, check and warm-up as serve runs them: {}, \
+         batches up to {}, --conv-engine {engine}; each a fresh process)\n",
+        plan.service_text(),
+        plan.largest_batch()
+    );
+    println!("| run | cache file | load + warm-up | choices searched | choices from the file | convolutions |");
+    println!("|---|---|---|---|---|---|");
+    let mut rows = Vec::new();
+    for run in ["cold", "cached"] {
+        let file_before = std::fs::metadata(&cache).ok().map(|m| m.len());
+        let out = std::process::Command::new(&exe)
+            .arg("bench")
+            .arg("--autotune-probe")
+            .arg("--checkpoint")
+            .arg(checkpoint)
+            .args(["--device", device_name(plan.device)])
+            .args(["--service-dtype", plan.service.dtype().as_str()])
+            .args(["--conv-engine", engine.as_str()])
+            .arg("--autotune-cache")
+            .arg(&cache)
+            .args(["--batches", plan.largest_batch().to_string().as_str()])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .map_err(io)?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let probe: Option<Value> = stdout
+            .lines()
+            .rev()
+            .find_map(|l| serde_json::from_str(l).ok());
+        let Some(probe) = probe.filter(|_| out.status.success()) else {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let tail: Vec<&str> = stderr.lines().rev().take(5).collect();
+            return Err(CliError::Jobs(format!(
+                "the {run} autotune run failed ({}): {}",
+                out.status,
+                tail.into_iter().rev().collect::<Vec<_>>().join(" / ")
+            )));
+        };
+        let seconds = probe["seconds"].as_f64().unwrap_or(f64::NAN);
+        let known = probe["known"].as_u64().unwrap_or(0);
+        let searched = probe["searched"].as_u64().unwrap_or(0);
+        let path = probe["conv_path"].as_str().unwrap_or("unknown").to_string();
+        let file_text = match file_before {
+            None => "none".to_string(),
+            Some(bytes) => format!("{:.1} KB from the cold run", bytes as f64 / 1000.0),
+        };
+        println!(
+            "| {run} | {file_text} | {seconds:.2} s | {searched} | {} | {path} |",
+            known - searched.min(known)
+        );
+        rows.push(json!({
+            "run": run, "cache_file_bytes": file_before, "seconds": seconds,
+            "searched": searched, "from_file": known - searched.min(known), "conv_path": path,
+            "dtype": plan.service, "max_batch": plan.largest_batch()
+        }));
+    }
+    if plan.device == DeviceKind::Cpu {
+        println!("\n(cpu: no algorithm search, so both runs do the same work)");
+    }
+    Ok(Value::Array(rows))
+}
+
+/// The autotune run's child: starts the engine `serve` would with one instance, times it
+/// until ready, prints one JSON line.
+pub(super) fn autotune_probe(plan: &Plan, weights: Arc<GeneratorWeights>) -> Result<(), CliError> {
+    let max_batch = plan.largest_batch().to_string();
+    let flags = [
+        "--dtype",
+        plan.service.dtype().as_str(),
+        "--instances",
+        "1",
+        "--max-batch",
+        max_batch.as_str(),
+    ]
+    .map(String::from);
+    let (args, r) = serve_settings(plan.device, &flags)?;
+    let loader = Wav2LipLoader {
+        weights,
+        device: r.device,
+        max_batch: r.max_batch,
+    };
+    let start = Instant::now();
+    let engine = Engine::start(Arc::new(loader), args.pool_config(&r));
+    let ready = engine.wait_ready();
+    let seconds = start.elapsed().as_secs_f64();
+    let conv_path = engine.status().conv_path();
+    engine.shutdown();
+    ready.map_err(CliError::Jobs)?;
+    #[cfg(feature = "cuda")]
+    let (known, searched) = model::cudnn::autotune_counts();
+    #[cfg(not(feature = "cuda"))]
+    let (known, searched) = (0usize, 0usize);
+    println!(
+        "{}",
+        json!({
+            "seconds": seconds, "known": known, "searched": searched, "conv_path": conv_path,
+            "max_batch": r.max_batch, "pad_batches": r.pad_batches
+        })
+    );
+    Ok(())
+}
