@@ -58,6 +58,8 @@ enum Op {
 
 #[derive(Debug, Clone)]
 struct Layer {
+    /// The layer's path in the checkpoint (`face_encoder_blocks.1.0`, ...).
+    path: String,
     spec: LayerSpec,
     op: Op,
     bias: Vec<f32>,
@@ -97,12 +99,31 @@ impl CpuNet {
     /// Mel windows `(n, 1, 80, 16)` and faces `(n, 6, 96, 96)`, NCHW, in; predicted faces
     /// `(n, 3, 96, 96)`, NCHW, in (0, 1), out.
     pub fn forward(&self, mel: &[f32], face: &[f32], n: usize) -> Vec<f32> {
+        self.forward_observed(mel, face, n, &mut |_, _| {})
+    }
+
+    /// [`Self::forward`], showing `observe` every layer's output (its path and values, after
+    /// bias, residual and ReLU; NHWC) as it is computed. The output layer's values are the
+    /// sigmoid's input.
+    pub fn forward_observed(
+        &self,
+        mel: &[f32],
+        face: &[f32],
+        n: usize,
+        observe: &mut dyn FnMut(&str, &[f32]),
+    ) -> Vec<f32> {
         use super::arch::{FACE_CHANNELS, MEL_BINS, MEL_STEPS};
         // Every block starts with a layer reading its input by reference, so encoder outputs
         // are kept once (as skips) and not copied.
-        let run = |layers: &[Layer], x: &Act| {
+        let mut run = |layers: &[Layer], x: &Act| {
             let (first, rest) = layers.split_first().expect("blocks have layers");
-            rest.iter().fold(first.forward(x), |x, l| l.forward(&x))
+            let mut apply = |l: &Layer, x: &Act| {
+                let y = l.forward(x);
+                observe(&l.path, &y.data);
+                y
+            };
+            let y = apply(first, x);
+            rest.iter().fold(y, |x, l| apply(l, &x))
         };
         // One input channel: NCHW and NHWC are the same bytes.
         let mel = Act {
@@ -205,7 +226,12 @@ impl Layer {
                 }
             }
         };
-        Ok(Layer { spec: s, op, bias })
+        Ok(Layer {
+            path: block.path().to_string(),
+            spec: s,
+            op,
+            bias,
+        })
     }
 
     fn forward(&self, x: &Act) -> Act {

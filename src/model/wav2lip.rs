@@ -1,6 +1,8 @@
 //! The Wav2Lip generator (`Rudrabha/Wav2Lip:models/wav2lip.py`), inference only, with every
 //! BatchNorm folded into the convolution before it.
 
+use std::collections::HashSet;
+
 use candle_core::{DType, Device, Tensor};
 
 use super::arch::{self, LayerKind, LayerSpec};
@@ -189,6 +191,9 @@ pub struct Wav2Lip {
     /// The own cuDNN convolution path (CUDA with `--conv-engine cudnn`).
     #[cfg(feature = "cuda")]
     cudnn: Option<std::sync::Arc<super::cudnn::CudnnEngine>>,
+    /// Layers whose output [`Self::forward_guarded`] checks for overflow (none until
+    /// [`Self::check_overflow`]).
+    overflow: OverflowChecks,
     device: Device,
     dtype: DType,
 }
@@ -253,6 +258,7 @@ impl Wav2Lip {
                 }
                 _ => None,
             },
+            overflow: OverflowChecks::default(),
             device: device.clone(),
             dtype,
         })
@@ -438,15 +444,17 @@ impl Wav2Lip {
     }
 
     /// On the cuDNN path, [`Self::check_conv_path`] at batch 2 and at `max_batch` (cuDNN
-    /// picks algorithms per batch size, and FFT/Winograd differ in accuracy), with the floor
-    /// of the model's dtype; the own path's lowest PSNR, or `None` on other paths. A failed
-    /// check leaves the model on candle's operations.
+    /// picks algorithms per batch size, and FFT/Winograd differ in accuracy; never above
+    /// `max_batch`, which may be 1 where memory is tight), with the floor of the model's
+    /// dtype; the own path's lowest PSNR, or `None` on other paths. A failed check leaves the
+    /// model on candle's operations.
     pub fn verify_cudnn_path_at(&mut self, max_batch: usize) -> Result<Option<f64>> {
         if self.conv_engine() != "cudnn" {
             return Ok(None);
         }
         let floor = cudnn_check_floor(self.dtype);
-        let mut batches = vec![2, max_batch.max(1)];
+        let max_batch = max_batch.max(1);
+        let mut batches = vec![2.min(max_batch), max_batch];
         batches.dedup();
         let mut worst = f64::INFINITY;
         for n in batches {
@@ -514,6 +522,68 @@ impl Wav2Lip {
         )?)
     }
 
+    /// The layer at `path` (`face_encoder_blocks.1.0`, `output_block.1`, ...).
+    pub fn layer(&self, path: &str) -> Option<&ConvBlock> {
+        self.face_encoder_blocks
+            .iter()
+            .flatten()
+            .chain(&self.audio_encoder)
+            .chain(self.face_decoder_blocks.iter().flatten())
+            .chain(&self.output_block)
+            .find(|b| b.path == path)
+    }
+
+    /// Checks the layers [`layers_at_risk`] names for `ranges` in the model's dtype in
+    /// [`Self::forward_guarded`] (nothing in f32). See the section on half-precision overflow
+    /// above [`OVERFLOW_HEADROOM`].
+    pub fn check_overflow(&mut self, ranges: &ActivationRanges) {
+        self.overflow = OverflowChecks {
+            layers: layers_at_risk(ranges, self.dtype).into_iter().collect(),
+        };
+    }
+
+    /// The layers [`Self::forward_guarded`] checks, in forward order.
+    pub fn checked_layers(&self) -> Vec<&str> {
+        self.audio_encoder
+            .iter()
+            .chain(self.face_encoder_blocks.iter().flatten())
+            .chain(self.face_decoder_blocks.iter().flatten())
+            .chain(&self.output_block)
+            .filter(|b| self.overflow.layers.contains(&b.path))
+            .map(|b| b.path.as_str())
+            .collect()
+    }
+
+    /// [`Self::forward`], and whether the batch overflowed: the largest absolute value of each
+    /// checked layer's output ([`Self::check_overflow`]) is reduced on the device to one
+    /// scalar, the scalars of a batch come to the host together once the pass is queued, and
+    /// [`overflow_suspected`] decides. Without checked layers this is `forward` and `false`.
+    pub fn forward_guarded(&self, mel: &Tensor, face: &Tensor) -> Result<(Tensor, bool)> {
+        if self.overflow.layers.is_empty() || self.cpu.is_some() {
+            return Ok((self.forward(mel, face)?, false));
+        }
+        let mut maxima: Vec<Tensor> = Vec::new();
+        let mut checked = |block: &ConvBlock, y: Tensor| -> Result<Tensor> {
+            if self.overflow.layers.contains(&block.path) {
+                maxima.push(max_abs_on_device(&y, block.spec.kind == LayerKind::Plain)?);
+            }
+            Ok(y)
+        };
+        #[cfg(feature = "cuda")]
+        let y = if let Some(engine) = &self.cudnn {
+            self.forward_with(mel, face, &mut |b, x| checked(b, engine.forward(b, x)?))?
+        } else {
+            self.forward_with(mel, face, &mut |b, x| checked(b, b.forward(x)?))?
+        };
+        #[cfg(not(feature = "cuda"))]
+        let y = self.forward_with(mel, face, &mut |b, x| checked(b, b.forward(x)?))?;
+        if maxima.is_empty() {
+            return Ok((y, false));
+        }
+        let maxima: Vec<f32> = Tensor::stack(&maxima, 0)?.to_dtype(DType::F32)?.to_vec1()?;
+        Ok((y, overflow_suspected(&maxima, self.dtype)))
+    }
+
     /// The forward pass in candle's operations on any device (the reference for the CPU
     /// pass, and the pass on CUDA).
     pub fn forward_candle(&self, mel: &Tensor, face: &Tensor) -> Result<Tensor> {
@@ -567,6 +637,178 @@ impl Wav2Lip {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Half-precision overflow.
+//
+// In f16 a value above 65504 becomes infinity. The next convolution then sums `inf·w` terms of
+// both signs, `inf − inf = NaN`, and the ReLU after it (cuDNN's fused ReLU with
+// `CUDNN_NOT_PROPAGATE_NAN`, candle's `relu`) turns NaN into 0: a few layers later every value
+// is finite again, the sigmoid draws a face, and a check of the output for NaN sees nothing
+// while the face is wrong. An overflow is only visible at the layer that produced it, as a
+// `+inf` (or a value near the dtype's limit) in that layer's output: a ReLU keeps `+inf`,
+// and an overflow to `−inf` is harmless (the ReLU gives 0, as it would for the true value).
+//
+// Reducing every layer's output at run time would read all activations once more (about a
+// third of a batch's memory traffic). Instead the checkpoint is run once in f32 on
+// calibration inputs spanning the inputs' range ([`ActivationRanges::measure`]), and only the
+// layers whose largest activation comes within [`OVERFLOW_HEADROOM`] of the half dtype's
+// largest finite value are checked, plus always the output layer (the sigmoid's input, 3
+// channels: cheap). A checked layer costs one device reduction to a scalar per batch, and the
+// scalars of a batch come to the host together; a batch is suspect when a checked maximum is
+// not finite or has reached the dtype's largest finite value ([`overflow_suspected`]). Large
+// but finite values are not suspect: a checkpoint may legitimately run close to f16's range
+// (the test checkpoint's decoder reaches 35 000), and every layer that could overflow next is
+// itself checked. An unchecked layer would need activations 64 times larger than any
+// calibration input produced to overflow; inputs are bounded (faces in [0, 1], mel windows in
+// [−4, 4]), so that is not expected, and the output's NaN check stays as a second net.
+// `lipsync init-weights` weights stay below 200 everywhere, so only their output is checked;
+// bf16 has f32's range, so in practice only its output is checked too.
+// ---------------------------------------------------------------------------------------------
+
+/// A layer is checked for overflow at run time when its largest calibrated activation times
+/// this reaches the half dtype's largest finite value (f16: 65504 / 64 = 1023.5).
+pub const OVERFLOW_HEADROOM: f64 = 64.0;
+
+/// Frames in the calibration batch of [`ActivationRanges::measure`].
+const CALIBRATION_FRAMES: usize = 4;
+
+/// The largest finite value of a float dtype (f16 65504, bf16 about 3.39e38).
+pub fn finite_max(dtype: DType) -> f64 {
+    match dtype {
+        DType::F16 => f64::from(half::f16::MAX),
+        DType::BF16 => f64::from(half::bf16::MAX),
+        DType::F64 => f64::MAX,
+        _ => f64::from(f32::MAX),
+    }
+}
+
+/// One layer's largest absolute activation (its output after bias, residual and ReLU).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerRange {
+    pub path: String,
+    pub kind: LayerKind,
+    pub max_abs: f32,
+}
+
+/// Every layer's largest absolute activation, in forward order, measured in f32.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ActivationRanges {
+    pub layers: Vec<LayerRange>,
+}
+
+impl ActivationRanges {
+    /// Runs the weights in f32 on the CPU (the own pass) on [`CALIBRATION_FRAMES`]
+    /// calibration frames and records each layer's largest absolute activation. The frames
+    /// span the inputs' range: a smooth pattern, the brightest face with the loudest mel, the
+    /// darkest with the quietest, and uniform noise (edges everywhere).
+    pub fn measure(weights: &GeneratorWeights) -> Result<Self> {
+        let model = Wav2Lip::load(weights, &Device::Cpu, DType::F32)?;
+        let net = model
+            .cpu
+            .as_ref()
+            .ok_or_else(|| Error::BadInput("no CPU pass for the calibration".into()))?;
+        let (mel, face) = calibration_inputs();
+        let mut layers: Vec<LayerRange> = Vec::new();
+        net.forward_observed(&mel, &face, CALIBRATION_FRAMES, &mut |path, values| {
+            let max_abs = values.iter().fold(0f32, |m, v| {
+                if v.is_finite() {
+                    m.max(v.abs())
+                } else {
+                    f32::INFINITY
+                }
+            });
+            layers.push(LayerRange {
+                path: path.to_string(),
+                kind: model.layer(path).map_or(LayerKind::Conv, |b| b.spec.kind),
+                max_abs,
+            });
+        });
+        Ok(ActivationRanges { layers })
+    }
+}
+
+/// The calibration batch of [`ActivationRanges::measure`] (mel windows, faces; NCHW).
+fn calibration_inputs() -> (Vec<f32>, Vec<f32>) {
+    use arch::{FACE_CHANNELS, FACE_SIZE, MEL_BINS, MEL_STEPS};
+    let (mel_len, face_len) = (MEL_BINS * MEL_STEPS, FACE_CHANNELS * FACE_SIZE * FACE_SIZE);
+    let mut mel = Vec::with_capacity(CALIBRATION_FRAMES * mel_len);
+    let mut face = Vec::with_capacity(CALIBRATION_FRAMES * face_len);
+    // Smooth.
+    let wave = |i: usize| ((i as f32) * 0.37).sin() * ((i as f32) * 0.011).cos();
+    mel.extend((0..mel_len).map(|i| 4.0 * wave(i)));
+    face.extend((0..face_len).map(|i| 0.5 + 0.5 * wave(i)));
+    // Extremes.
+    mel.extend(std::iter::repeat_n(4.0, mel_len));
+    face.extend(std::iter::repeat_n(1.0, face_len));
+    mel.extend(std::iter::repeat_n(-4.0, mel_len));
+    face.extend(std::iter::repeat_n(0.0, face_len));
+    // Noise (a fixed xorshift sequence).
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut unit = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 24) as f32
+    };
+    mel.extend((0..mel_len).map(|_| 8.0 * unit() - 4.0));
+    face.extend((0..face_len).map(|_| unit()));
+    (mel, face)
+}
+
+/// The layers to check for overflow at run time in `dtype`: the output layer (the sigmoid's
+/// input) always, and every layer whose calibrated maximum times [`OVERFLOW_HEADROOM`]
+/// reaches the dtype's largest finite value, or is not finite. None in f32 (no wider dtype to
+/// recompute in).
+pub fn layers_at_risk(ranges: &ActivationRanges, dtype: DType) -> Vec<String> {
+    if !matches!(dtype, DType::F16 | DType::BF16) {
+        return Vec::new();
+    }
+    let max = finite_max(dtype);
+    ranges
+        .layers
+        .iter()
+        .filter(|l| {
+            l.kind == LayerKind::Plain
+                || !l.max_abs.is_finite()
+                || f64::from(l.max_abs) * OVERFLOW_HEADROOM >= max
+        })
+        .map(|l| l.path.clone())
+        .collect()
+}
+
+/// Whether the largest absolute values of the checked activations of a batch (in any order)
+/// mean that it overflowed in `dtype`: one is not finite (infinity or NaN) or has reached the
+/// dtype's largest finite value (a conversion that saturates instead of giving infinity).
+pub fn overflow_suspected(maxima: &[f32], dtype: DType) -> bool {
+    let max = finite_max(dtype);
+    maxima
+        .iter()
+        .any(|&m| !m.is_finite() || f64::from(m.abs()) >= max)
+}
+
+/// The layers a half-precision model checks at run time ([`Wav2Lip::check_overflow`]).
+#[derive(Debug, Clone, Default)]
+struct OverflowChecks {
+    layers: HashSet<String>,
+}
+
+/// The largest absolute value of an activation as a 0-dimensional tensor on its device,
+/// reduced in two steps (each row of `h·w` values, then the rows) so that a large batch is
+/// spread over many GPU blocks. After a ReLU values are not negative and only the maximum is
+/// needed; `signed` also takes the negated minimum.
+fn max_abs_on_device(y: &Tensor, signed: bool) -> Result<Tensor> {
+    let rows = match y.dims() {
+        [n, c, h, w] => y.reshape((n * c, h * w))?,
+        _ => y.flatten_all()?.unsqueeze(0)?,
+    };
+    let max = rows.max(1)?.max(0)?;
+    if !signed {
+        return Ok(max);
+    }
+    let neg_min = rows.min(1)?.min(0)?.neg()?;
+    Ok(max.maximum(&neg_min)?)
+}
+
 /// How closely two batches of predicted faces (values in 0–1, any dtype and device) agree:
 /// PSNR in dB, infinite when identical, NaN when either holds NaN.
 pub fn face_psnr(a: &Tensor, b: &Tensor) -> Result<f64> {
@@ -614,7 +856,7 @@ fn check_inputs(mel: &Tensor, face: &Tensor) -> Result<usize> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -645,5 +887,154 @@ mod tests {
         assert_eq!(cudnn_check_floor(DType::BF16), CUDNN_CHECK_MIN_PSNR_BF16);
         let floors = [DType::BF16, DType::F16, DType::F32].map(cudnn_check_floor);
         assert!(floors[0] < floors[1] && floors[1] < floors[2], "{floors:?}");
+    }
+
+    fn range(path: &str, kind: LayerKind, max_abs: f32) -> LayerRange {
+        LayerRange {
+            path: path.into(),
+            kind,
+            max_abs,
+        }
+    }
+
+    #[test]
+    fn the_layers_at_risk_are_the_output_and_those_near_the_half_dtypes_range() {
+        let ranges = ActivationRanges {
+            layers: vec![
+                range("a", LayerKind::Conv, 12.0),
+                range("b", LayerKind::Conv, 1000.0),
+                range("c", LayerKind::ConvTranspose, 1024.0),
+                range("d", LayerKind::Conv, f32::INFINITY),
+                range("e", LayerKind::Conv, 1e30),
+                range("out", LayerKind::Plain, 3.0),
+            ],
+        };
+        // f16: 65504 / 64 = 1023.5.
+        assert_eq!(layers_at_risk(&ranges, DType::F16), ["c", "d", "e", "out"]);
+        // bf16 has f32's range: only what is not finite, and the output.
+        assert_eq!(layers_at_risk(&ranges, DType::BF16), ["d", "out"]);
+        // f32 has nothing to fall back to.
+        assert!(layers_at_risk(&ranges, DType::F32).is_empty());
+    }
+
+    #[test]
+    fn overflow_is_suspected_from_maxima_that_are_not_finite_or_at_the_limit() {
+        assert!(!overflow_suspected(&[], DType::F16));
+        // Large but in range: not suspect.
+        assert!(!overflow_suspected(&[0.0, 17.5, -3.0, 65000.0], DType::F16));
+        // Infinity, NaN, or the largest finite value (saturated), either sign.
+        assert!(overflow_suspected(&[1.0, f32::INFINITY], DType::F16));
+        assert!(overflow_suspected(&[f32::NEG_INFINITY], DType::F16));
+        assert!(overflow_suspected(&[f32::NAN], DType::F16));
+        assert!(overflow_suspected(&[65504.0], DType::F16));
+        assert!(overflow_suspected(&[-65504.0], DType::F16));
+        // Far inside bf16's range.
+        assert!(!overflow_suspected(&[65504.0, 1e30], DType::BF16));
+        assert!(overflow_suspected(&[f32::INFINITY], DType::BF16));
+        assert_eq!(finite_max(DType::F16), 65504.0);
+    }
+
+    /// The test checkpoint's weights, with one tensor multiplied by `scale`.
+    pub(crate) fn fixture_weights(scaled: Option<(&str, f64)>) -> GeneratorWeights {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/checkpoints/zip_bare.pt");
+        let ck = crate::model::checkpoint::read(&path).unwrap();
+        let tensors: Vec<(String, Tensor)> = ck
+            .tensors
+            .iter()
+            .filter(|(k, _)| !k.ends_with("num_batches_tracked"))
+            .map(|(k, t)| {
+                let mut v = t.to_tensor().unwrap();
+                if let Some((key, f)) = scaled.filter(|(key, _)| key == k) {
+                    v = (v * f).unwrap_or_else(|e| panic!("{key}: {e}"));
+                }
+                (k.clone(), v)
+            })
+            .collect();
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("w.safetensors");
+        crate::model::checkpoint::write_safetensors(&out, &tensors, &Default::default()).unwrap();
+        GeneratorWeights::from_file(&out).unwrap().0
+    }
+
+    /// One calibration frame (the smooth one), as tensors.
+    pub(crate) fn one_frame() -> (Tensor, Tensor) {
+        use arch::{FACE_CHANNELS, FACE_SIZE, MEL_BINS, MEL_STEPS};
+        let (mel, face) = calibration_inputs();
+        let (mel_len, face_len) = (MEL_BINS * MEL_STEPS, FACE_CHANNELS * FACE_SIZE * FACE_SIZE);
+        (
+            Tensor::from_slice(&mel[..mel_len], (1, 1, MEL_BINS, MEL_STEPS), &Device::Cpu).unwrap(),
+            Tensor::from_slice(
+                &face[..face_len],
+                (1, FACE_CHANNELS, FACE_SIZE, FACE_SIZE),
+                &Device::Cpu,
+            )
+            .unwrap(),
+        )
+    }
+
+    #[test]
+    fn an_f16_overflow_in_a_hidden_layer_draws_finite_wrong_faces_that_the_guard_catches() {
+        // A middle encoder layer scaled up: in f16 its output overflows to infinity, the next
+        // layer's sums turn it into NaN and its ReLU into 0.
+        let layer = "face_encoder_blocks.3.0";
+        let weights = fixture_weights(Some(("face_encoder_blocks.3.0.conv_block.0.weight", 1e5)));
+        let ranges = ActivationRanges::measure(&weights).unwrap();
+        assert!(ranges.layers.iter().all(|l| l.max_abs.is_finite()));
+        let at_risk = layers_at_risk(&ranges, DType::F16);
+        assert!(at_risk.iter().any(|l| l == layer), "{at_risk:?}");
+        let mut half = Wav2Lip::load(&weights, &Device::Cpu, DType::F16).unwrap();
+        let (mel, face) = one_frame();
+        // Unguarded, nothing shows it: every value is finite.
+        let (faces, overflow) = half.forward_guarded(&mel, &face).unwrap();
+        assert!(!overflow);
+        let values: Vec<f32> = faces
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert!(values.iter().all(|v| v.is_finite()));
+        // ... but they are not f32's faces.
+        let full = Wav2Lip::load(&weights, &Device::Cpu, DType::F32).unwrap();
+        let psnr = face_psnr(&faces, &full.forward(&mel, &face).unwrap()).unwrap();
+        assert!(psnr < 30.0, "{psnr} dB");
+        // Guarded, the batch is flagged.
+        half.check_overflow(&ranges);
+        assert!(half.checked_layers().contains(&layer));
+        let (again, overflow) = half.forward_guarded(&mel, &face).unwrap();
+        assert!(overflow);
+        assert_eq!(face_psnr(&again, &faces).unwrap(), f64::INFINITY);
+    }
+
+    #[test]
+    fn the_test_checkpoint_in_f16_checks_its_large_layers_and_sees_no_overflow() {
+        // Its decoder runs close to f16's range (up to about 35 000): checked, not flagged.
+        let weights = fixture_weights(None);
+        let ranges = ActivationRanges::measure(&weights).unwrap();
+        let paths: Vec<String> = ranges.layers.iter().map(|l| l.path.clone()).collect();
+        let mut forward_order: Vec<String> = arch::layers().into_iter().map(|l| l.0).collect();
+        // `arch::layers` lists the face encoder first; the pass runs the audio encoder first.
+        forward_order.sort_by_key(|p| !p.starts_with("audio_encoder"));
+        assert_eq!(paths, forward_order);
+        let large: Vec<&str> = ranges
+            .layers
+            .iter()
+            .filter(|l| l.max_abs >= 1024.0 || l.kind == LayerKind::Plain)
+            .map(|l| l.path.as_str())
+            .collect();
+        assert!(large.contains(&"face_decoder_blocks.4.2"), "{large:?}");
+        assert!(!large.contains(&"face_encoder_blocks.0.0"), "{large:?}");
+        let mut half = Wav2Lip::load(&weights, &Device::Cpu, DType::F16).unwrap();
+        half.check_overflow(&ranges);
+        assert_eq!(half.checked_layers(), large);
+        let (mel, face) = one_frame();
+        let (faces, overflow) = half.forward_guarded(&mel, &face).unwrap();
+        assert!(!overflow);
+        // And the faces are f32's, to f16's rounding.
+        let full = Wav2Lip::load(&weights, &Device::Cpu, DType::F32).unwrap();
+        let psnr = face_psnr(&faces, &full.forward(&mel, &face).unwrap()).unwrap();
+        assert!(psnr > 35.0, "{psnr} dB");
     }
 }
