@@ -803,7 +803,17 @@ async fn half_precision_overflow_is_recomputed_in_f32() {
         .unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(decoded_frames(&r.bytes().await.unwrap()), 10);
-    assert!(s.metric("lipsync_precision_fallbacks_total").await >= 1.0);
+    // Caught where it happens (the output convolution's activations), before the NaN.
+    assert!(
+        s.metric("lipsync_precision_fallbacks_total{reason=\"overflow\"}")
+            .await
+            >= 1.0
+    );
+    assert_eq!(
+        s.metric("lipsync_precision_fallbacks_total{reason=\"nan\"}")
+            .await,
+        0.0
+    );
     let info: serde_json::Value = reqwest::get(s.url("/info"))
         .await
         .unwrap()

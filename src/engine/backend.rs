@@ -18,15 +18,27 @@ pub const MEL_LEN: usize = MEL_BINS * MEL_STEPS;
 pub const FACE_LEN: usize = FACE_CHANNELS * FACE_SIZE * FACE_SIZE;
 pub const PRED_LEN: usize = 3 * FACE_SIZE * FACE_SIZE;
 
+/// What [`Model::predict`] returns for a batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prediction {
+    /// Faces `(n, 3, 96, 96)` in f32.
+    pub faces: Vec<f32>,
+    /// The model saw its half-precision arithmetic overflow in this batch (see
+    /// [`Wav2Lip::forward_guarded`]): the faces may be wrong even where finite, and the pool
+    /// recomputes the batch in f32. Always `false` in f32.
+    pub overflow: bool,
+}
+
 /// One loaded model, owned by one instance thread.
 pub trait Model: Send {
     /// The dtype it computes in.
     fn dtype(&self) -> DType;
     /// Its convolution path (`cpu`, `cudnn`, `candle`, ...), for `/info`.
     fn conv_path(&self) -> &'static str;
-    /// Predictions `(n, 3, 96, 96)` in f32 for `n` mel windows (`n * MEL_LEN` values) and
-    /// face inputs (`n * FACE_LEN`).
-    fn predict(&mut self, n: usize, mel: Vec<f32>, face: Vec<f32>) -> Result<Vec<f32>, Error>;
+    /// Predictions for `n` mel windows (`n * MEL_LEN` values) and face inputs
+    /// (`n * FACE_LEN`), which it takes over (the pool builds them per batch and keeps no
+    /// copy).
+    fn predict(&mut self, n: usize, mel: Vec<f32>, face: Vec<f32>) -> Result<Prediction, Error>;
     /// Switches to the reference path after the fast one failed; `false` when it already
     /// runs the reference path (nothing left to fall back to).
     fn use_reference_path(&mut self) -> bool;
@@ -37,30 +49,36 @@ pub trait Model: Send {
 
 /// Makes models for instances (and their f32 fallback copies).
 pub trait Loader: Send + Sync {
-    fn load(&self, precision: Precision) -> Result<Box<dyn Model>, Error>;
+    /// A model computing in `precision`. Start-up checks that run batches (the own cuDNN
+    /// path's accuracy check) run them at batch 2 and `check_batch` at most: the pool passes
+    /// the largest batch the instance will run within its memory limit, and a small one for
+    /// the f32 fallback copy.
+    fn load(&self, precision: Precision, check_batch: usize) -> Result<Box<dyn Model>, Error>;
 }
 
 /// The Wav2Lip generator on a device.
 pub struct Wav2LipLoader {
     pub weights: Arc<GeneratorWeights>,
     pub device: DeviceKind,
-    /// The largest batch the instances run (the own cuDNN path is checked at it too).
+    /// The largest batch the instances run (start-up checks never run a larger one).
     pub max_batch: usize,
 }
 
 impl Loader for Wav2LipLoader {
-    fn load(&self, precision: Precision) -> Result<Box<dyn Model>, Error> {
+    fn load(&self, precision: Precision, check_batch: usize) -> Result<Box<dyn Model>, Error> {
         Ok(Box::new(load_wav2lip(
             &self.weights,
             self.device,
             precision,
-            self.max_batch,
+            check_batch.clamp(1, self.max_batch.max(1)),
         )?))
     }
 }
 
-/// Loads the generator for one instance (on CUDA with its own stream), and checks the own
-/// cuDNN path against an exact reference at batch 2 and `max_batch` before it serves.
+/// Loads the generator for one instance (on CUDA with its own stream). In f16/bf16 it first
+/// measures the checkpoint's activation ranges in f32 and checks the layers at risk of
+/// overflow in every batch ([`Wav2Lip::check_overflow`]). Then it checks the own cuDNN path
+/// against an exact reference at batch 2 and `max_batch` (no larger) before it serves.
 pub fn load_wav2lip(
     weights: &GeneratorWeights,
     device: DeviceKind,
@@ -70,6 +88,14 @@ pub fn load_wav2lip(
     let device = device.open_instance()?;
     let dtype = model::compute_dtype(&device, precision);
     let mut model = Wav2Lip::load(weights, &device, dtype)?;
+    if dtype != DType::F32 {
+        let ranges = model::wav2lip::ActivationRanges::measure(weights)?;
+        model.check_overflow(&ranges);
+        tracing::info!(
+            "{dtype:?} model: overflow checked at {}",
+            model.checked_layers().join(", ")
+        );
+    }
     model.verify_cudnn_path_at(max_batch)?;
     Ok(model)
 }
@@ -83,12 +109,15 @@ impl Model for Wav2Lip {
         self.conv_engine()
     }
 
-    fn predict(&mut self, n: usize, mel: Vec<f32>, face: Vec<f32>) -> Result<Vec<f32>, Error> {
+    fn predict(&mut self, n: usize, mel: Vec<f32>, face: Vec<f32>) -> Result<Prediction, Error> {
         let dev = self.device().clone();
         let mel = Tensor::from_vec(mel, (n, 1, MEL_BINS, MEL_STEPS), &dev)?;
         let face = Tensor::from_vec(face, (n, FACE_CHANNELS, FACE_SIZE, FACE_SIZE), &dev)?;
-        let pred = self.forward(&mel, &face)?;
-        Ok(pred.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+        let (pred, overflow) = self.forward_guarded(&mel, &face)?;
+        Ok(Prediction {
+            faces: pred.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+            overflow,
+        })
     }
 
     fn use_reference_path(&mut self) -> bool {
@@ -101,5 +130,29 @@ impl Model for Wav2Lip {
 
     fn finish_warm_up(&mut self) {
         Wav2Lip::finish_warm_up(self);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::wav2lip::tests::{fixture_weights, one_frame};
+
+    #[test]
+    fn a_half_precision_model_reports_the_overflow_that_its_output_hides() {
+        // A hidden layer overflows in f16: the faces come back finite, flagged.
+        let weights = fixture_weights(Some(("face_encoder_blocks.3.0.conv_block.0.weight", 1e5)));
+        let (mel, face) = one_frame();
+        let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (mel, face) = (flat(mel), flat(face));
+        let mut half = load_wav2lip(&weights, DeviceKind::Cpu, Precision::F16, 2).unwrap();
+        let p = half.predict(1, mel.clone(), face.clone()).unwrap();
+        assert!(p.overflow);
+        assert_eq!(p.faces.len(), PRED_LEN);
+        assert!(p.faces.iter().all(|v| v.is_finite()));
+        // f32 checks nothing (there is nothing to recompute in).
+        let mut full = load_wav2lip(&weights, DeviceKind::Cpu, Precision::F32, 2).unwrap();
+        assert!(full.checked_layers().is_empty());
+        assert!(!full.predict(1, mel, face).unwrap().overflow);
     }
 }

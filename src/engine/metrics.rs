@@ -24,10 +24,23 @@ pub const GPU_MEMORY_USED: &str = "lipsync_gpu_memory_used_bytes";
 pub const GPU_MEMORY_TOTAL: &str = "lipsync_gpu_memory_total_bytes";
 pub const OOM_SPLITS: &str = "lipsync_oom_splits_total";
 pub const INSTANCE_RESTARTS: &str = "lipsync_instance_restarts_total";
+/// Half-precision batches recomputed in f32, by `reason` ([`FALLBACK_REASONS`]).
 pub const PRECISION_FALLBACKS: &str = "lipsync_precision_fallbacks_total";
 pub const STREAM_SESSIONS: &str = "lipsync_stream_sessions";
 pub const STREAM_LATENCY: &str = "lipsync_stream_latency_seconds";
 pub const STREAM_LATE_FRAMES: &str = "lipsync_stream_late_frames_total";
+
+/// Why a half-precision batch was recomputed in f32, the `reason` label of
+/// [`PRECISION_FALLBACKS`]: `nan`, its output was not finite; `overflow`, an activation the
+/// model checks overflowed (finite but wrong faces otherwise; see
+/// `model::wav2lip::forward_guarded`).
+pub const FALLBACK_REASONS: [&str; 2] = ["nan", "overflow"];
+
+/// Counts a batch recomputed in f32 for `reason` (one of [`FALLBACK_REASONS`]).
+pub fn precision_fallback(reason: &'static str) {
+    debug_assert!(FALLBACK_REASONS.contains(&reason), "{reason}");
+    metrics::counter!(PRECISION_FALLBACKS, "reason" => reason).increment(1);
+}
 
 /// Buckets of [`STREAM_LATENCY`]: 0.05 to 1.0 s in steps of 0.05.
 pub fn stream_latency_buckets() -> Vec<f64> {

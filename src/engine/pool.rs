@@ -7,8 +7,13 @@
 //! - **Fixed batch sizes.** With padding (the default on CUDA) a batch of n frames runs at the
 //!   smallest power of two >= n (or the maximum), filled with copies of its last frame, so
 //!   warm-up (and convolution autotuning) covers every shape ever served.
-//! - **Precision.** A batch whose f16/bf16 output holds NaN or infinity is recomputed in f32
-//!   (the f32 copy of the model is made on first need) and counted.
+//! - **Precision.** A batch whose f16/bf16 output holds NaN or infinity, or in which the model
+//!   saw an activation overflow (finite but wrong faces; see `Wav2Lip::forward_guarded`), is
+//!   recomputed in f32 and counted by reason. The f32 copy of the model is made on first need,
+//!   checked at a small batch within the memory limit and its warm-up finished at once, so its
+//!   batch sizes never start an algorithm search; its batches are split to fit the memory
+//!   limit, where its weights count from then on. A batch's inputs are built when it runs and built again only for its recompute
+//!   (no copy is kept in case one is needed).
 //! - **Out of memory.** A batch that runs out of device memory is split in halves and retried,
 //!   and the instance asks for smaller batches from then on; one frame that does not fit
 //!   fails alone. `memory_limit` makes the instance treat any batch whose estimated memory
@@ -21,6 +26,7 @@
 //! - **Batch cost.** Warm-up measures `a + b·n` (seconds per batch of n); the batcher uses it
 //!   to fill batches while a new request waits, up to the size done within `fill_latency`.
 
+use std::ops::Range;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -126,14 +132,44 @@ pub fn batch_sizes(max_batch: usize, first_batch: usize, pad: bool) -> Vec<usize
     sizes
 }
 
+/// Values in the (folded) weights.
+const WEIGHT_VALUES: u64 = 36_275_283;
+/// Values per frame of a forward pass (see [`estimated_bytes`]).
+const FRAME_VALUES: u64 = 8_500_000;
+
+/// Device memory of the model's weights in `dtype`.
+pub fn weight_bytes(dtype: DType) -> u64 {
+    WEIGHT_VALUES * dtype.size_in_bytes() as u64
+}
+
 /// Estimated device memory of a forward pass of `n` frames: the weights plus, per frame, the
 /// widest activations (1.5 M elements at the final concatenation) and convolution scratch
 /// (the im2col buffer of the 80->32 output convolution is 6.6 M elements), rounded up.
 pub fn estimated_bytes(n: usize, dtype: DType) -> u64 {
-    const WEIGHTS: u64 = 36_275_283;
-    const PER_FRAME: u64 = 8_500_000;
-    (WEIGHTS + PER_FRAME * n as u64) * dtype.size_in_bytes() as u64
+    weight_bytes(dtype) + FRAME_VALUES * n as u64 * dtype.size_in_bytes() as u64
 }
+
+/// Estimated device memory of recomputing `n` frames in f32 for a model in `half`: the f32
+/// copy's forward pass, and the half-precision model's weights, which stay loaded.
+pub fn fallback_bytes(n: usize, half: DType) -> u64 {
+    estimated_bytes(n, DType::F32) + weight_bytes(half)
+}
+
+/// The largest of `sizes` whose `need` is within `limit` (any, without a limit).
+fn largest_fitting(
+    sizes: impl IntoIterator<Item = usize>,
+    limit: Option<u64>,
+    need: impl Fn(usize) -> u64,
+) -> Option<usize> {
+    sizes
+        .into_iter()
+        .filter(|&k| k > 0 && limit.is_none_or(|l| need(k) <= l))
+        .max()
+}
+
+/// The batch at which the f32 fallback copy is checked when it loads (or 1 where a batch of
+/// 2 is over the memory limit).
+const FALLBACK_CHECK_BATCH: usize = 2;
 
 /// What the pool is doing, for `/ready`, `/info` and metrics.
 #[derive(Debug, Default)]
@@ -369,17 +405,25 @@ fn run_instance(
     restart: bool,
 ) -> Result<Exit, String> {
     let start = Instant::now();
-    let model = loader.load(cfg.precision).map_err(|e| e.to_string())?;
+    let sizes = batch_sizes(
+        cfg.limits.max_batch,
+        cfg.limits.first_batch,
+        cfg.pad_batches,
+    );
+    // Start-up checks run at the largest batch the instance will run within its memory limit.
+    let check_batch = largest_fitting(sizes.iter().copied(), cfg.memory_limit, |k| {
+        estimated_bytes(k, cfg.precision.dtype())
+    })
+    .unwrap_or(1);
+    let model = loader
+        .load(cfg.precision, check_batch)
+        .map_err(|e| e.to_string())?;
     let mut inst = Instance {
         id: i,
         loader,
         model,
         fallback: None,
-        sizes: batch_sizes(
-            cfg.limits.max_batch,
-            cfg.limits.first_batch,
-            cfg.pad_batches,
-        ),
+        sizes,
         pad: cfg.pad_batches,
         cap: cfg.limits.max_batch,
         memory_limit: cfg.memory_limit,
@@ -443,9 +487,63 @@ fn run_instance(
     Ok(Exit::Shutdown)
 }
 
-/// Inputs for a warm-up batch (zeros).
-fn warm_up_inputs(n: usize) -> (Vec<f32>, Vec<f32>) {
-    (vec![0f32; n * MEL_LEN], vec![0f32; n * FACE_LEN])
+/// Where a batch's model inputs come from. They are built into fresh buffers that the model
+/// takes over when the batch runs, and built once more from here only if the batch has to be
+/// recomputed in f32: keeping a copy of every half-precision batch's inputs just in case
+/// (about 113 MB at 512 frames) cost about as much as the GPU work.
+trait BatchInputs {
+    /// Frames in the batch.
+    fn frames(&self) -> usize;
+    /// Appends frame `i`'s mel window (`MEL_LEN` values) and face input (`FACE_LEN`).
+    fn push(&self, i: usize, mel: &mut Vec<f32>, face: &mut Vec<f32>);
+}
+
+/// A warm-up batch of `n` frames of zeros.
+struct Zeros(usize);
+
+impl BatchInputs for Zeros {
+    fn frames(&self) -> usize {
+        self.0
+    }
+    fn push(&self, _: usize, mel: &mut Vec<f32>, face: &mut Vec<f32>) {
+        mel.resize(mel.len() + MEL_LEN, 0.0);
+        face.resize(face.len() + FACE_LEN, 0.0);
+    }
+}
+
+/// A batch being served: each frame's mel window and its face crop turned into the model's
+/// input.
+struct Items<'a>(&'a [BatchItem]);
+
+impl BatchInputs for Items<'_> {
+    fn frames(&self) -> usize {
+        self.0.len()
+    }
+    fn push(&self, i: usize, mel: &mut Vec<f32>, face: &mut Vec<f32>) {
+        mel.extend_from_slice(&self.0[i].work.mel);
+        face::model_input_into(&self.0[i].work.face, face);
+    }
+}
+
+/// The inputs of frames `range` of a batch, padded with copies of the last one to `size`
+/// frames, in buffers of exactly that size.
+fn build_inputs(
+    inputs: &dyn BatchInputs,
+    range: Range<usize>,
+    size: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let n = range.len();
+    debug_assert!(n > 0 && n <= size);
+    let mut mel = Vec::with_capacity(size * MEL_LEN);
+    let mut face = Vec::with_capacity(size * FACE_LEN);
+    for i in range {
+        inputs.push(i, &mut mel, &mut face);
+    }
+    for _ in n..size {
+        mel.extend_from_within((n - 1) * MEL_LEN..n * MEL_LEN);
+        face.extend_from_within((n - 1) * FACE_LEN..n * FACE_LEN);
+    }
+    (mel, face)
 }
 
 /// Whether an error is the device running out of memory (real or under `memory_limit`).
@@ -465,7 +563,7 @@ struct Instance<'a> {
     id: usize,
     loader: &'a dyn Loader,
     model: Box<dyn Model>,
-    /// An f32 copy for batches whose half-precision output is not finite.
+    /// An f32 copy for batches whose half-precision output is not finite or overflowed.
     fallback: Option<Box<dyn Model>>,
     sizes: Vec<usize>,
     pad: bool,
@@ -505,8 +603,7 @@ impl Instance<'_> {
                 if n > self.cap {
                     break;
                 }
-                let (mel, face) = warm_up_inputs(n);
-                match self.forward_raw(n, mel, face) {
+                match self.forward_raw(&Zeros(n)) {
                     Ok(_) => {}
                     Err(e) if is_out_of_memory(&e) && n > 1 => {
                         self.lower_cap(n / 2);
@@ -533,9 +630,8 @@ impl Instance<'_> {
         let small = self.sizes.first().copied().unwrap_or(1).min(self.cap);
         let large = self.cap;
         let mut time = |n: usize| -> Result<f64, String> {
-            let (mel, face) = warm_up_inputs(n);
             let t = Instant::now();
-            self.forward_raw(n, mel, face).map_err(|e| e.to_string())?;
+            self.forward_raw(&Zeros(n)).map_err(|e| e.to_string())?;
             Ok(t.elapsed().as_secs_f64())
         };
         let t_small = time(small)?;
@@ -543,47 +639,141 @@ impl Instance<'_> {
         Ok(Some(BatchCost::fit((small, t_small), (large, t_large))))
     }
 
-    /// Predictions (f32, `n * PRED_LEN`) for `n` frames, padded to the batch size set, with
-    /// the memory limit and the f32 recompute of non-finite half-precision output.
-    fn forward_raw(
-        &mut self,
-        n: usize,
-        mut mel: Vec<f32>,
-        mut face: Vec<f32>,
-    ) -> Result<Vec<f32>, super::Error> {
+    /// Fails with out of memory when `need` bytes are over the memory limit.
+    fn within_limit(&self, need: u64, what: impl std::fmt::Display) -> Result<(), super::Error> {
+        match self.memory_limit {
+            Some(limit) if need > limit => Err(self.over_limit(need, what)),
+            _ => Ok(()),
+        }
+    }
+
+    /// The out-of-memory error of `what`, which needs `need` bytes.
+    fn over_limit(&self, need: u64, what: impl std::fmt::Display) -> super::Error {
+        let limit = self.memory_limit.unwrap_or(0);
+        super::Error::OutOfMemory(format!(
+            "{what} needs about {need} bytes, over the {limit}-byte limit"
+        ))
+    }
+
+    /// Device memory the f32 fallback copy's weights hold, once it is loaded.
+    fn fallback_weights(&self) -> u64 {
+        self.fallback
+            .as_ref()
+            .map_or(0, |f| weight_bytes(f.dtype()))
+    }
+
+    /// Predictions (f32, `n * PRED_LEN`) for the batch's `n` frames, padded to the batch
+    /// size set, within the memory limit, and recomputed in f32 when the half-precision
+    /// output is not finite or the model saw an overflow.
+    fn forward_raw(&mut self, inputs: &dyn BatchInputs) -> Result<Vec<f32>, super::Error> {
+        let n = inputs.frames();
         let size = self.padded(n);
-        if let Some(limit) = self.memory_limit {
-            let need = estimated_bytes(size, self.model.dtype());
-            if need > limit {
-                return Err(super::Error::OutOfMemory(format!(
-                    "a batch of {size} needs about {need} bytes, over the {limit}-byte limit"
-                )));
-            }
-        }
-        // Padding: copies of the last frame.
-        for _ in n..size {
-            mel.extend_from_within((n - 1) * MEL_LEN..n * MEL_LEN);
-            face.extend_from_within((n - 1) * FACE_LEN..n * FACE_LEN);
-        }
         let dtype = self.model.dtype();
-        let keep = (dtype != DType::F32).then(|| (mel.clone(), face.clone()));
-        let mut pred = self.model.predict(size, mel, face)?;
-        if let Some((mel, face)) = keep {
-            if !pred.iter().all(|x| x.is_finite()) {
-                metrics::counter!(m::PRECISION_FALLBACKS).increment(1);
+        self.within_limit(
+            estimated_bytes(size, dtype) + self.fallback_weights(),
+            format_args!("a batch of {size}"),
+        )?;
+        let (mel, face) = build_inputs(inputs, 0..n, size);
+        let out = self.model.predict(size, mel, face)?;
+        let mut pred = out.faces;
+        if dtype != DType::F32 {
+            let reason = if out.overflow {
+                Some("overflow")
+            } else if !pred.iter().all(|x| x.is_finite()) {
+                Some("nan")
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                m::precision_fallback(reason);
                 tracing::warn!(
-                    "instance {}: {dtype:?} output not finite; recomputing the batch in f32",
-                    self.id
+                    "instance {}: {dtype:?} batch of {n} {}; recomputing it in f32",
+                    self.id,
+                    if reason == "overflow" {
+                        "overflowed"
+                    } else {
+                        "gave a non-finite output"
+                    }
                 );
-                if self.fallback.is_none() {
-                    self.fallback = Some(self.loader.load(Precision::F32)?);
-                }
-                let f32_model = self.fallback.as_mut().expect("just loaded");
-                pred = f32_model.predict(size, mel, face)?;
+                drop(pred);
+                pred = self.recompute_in_f32(inputs)?;
             }
         }
         pred.truncate(n * PRED_LEN);
         Ok(pred)
+    }
+
+    /// The batch's frames in f32 (exactly `n * PRED_LEN` values), its inputs built again, in
+    /// chunks as large as the memory limit allows for the f32 copy ([`fallback_bytes`]),
+    /// padded to the batch size set like any batch.
+    fn recompute_in_f32(&mut self, inputs: &dyn BatchInputs) -> Result<Vec<f32>, super::Error> {
+        let n = inputs.frames();
+        let half = self.model.dtype();
+        let candidates: Vec<usize> = if self.pad {
+            let top = self.padded(n);
+            self.sizes.iter().copied().filter(|&s| s <= top).collect()
+        } else {
+            (1..=n).collect()
+        };
+        let chunk = largest_fitting(candidates, self.memory_limit, |k| fallback_bytes(k, half));
+        // None: not even one frame fits.
+        let chunk = chunk.ok_or_else(|| {
+            self.over_limit(fallback_bytes(1, half), "recomputing a frame in f32")
+        })?;
+        if chunk < n {
+            tracing::info!(
+                "instance {}: recomputing {n} frames in f32 in batches of {chunk} (memory limit)",
+                self.id
+            );
+        }
+        let plan: Vec<(Range<usize>, usize)> = (0..n)
+            .step_by(chunk)
+            .map(|s| {
+                let e = (s + chunk).min(n);
+                (s..e, self.padded(e - s).min(chunk))
+            })
+            .collect();
+        let model = match &mut self.fallback {
+            Some(model) => model,
+            slot => slot.insert(Self::load_fallback(
+                self.loader,
+                self.id,
+                half,
+                self.memory_limit,
+            )?),
+        };
+        let mut pred = Vec::with_capacity(n * PRED_LEN);
+        for (range, size) in plan {
+            let m = range.len();
+            let (mel, face) = build_inputs(inputs, range, size);
+            let out = model.predict(size, mel, face)?;
+            pred.extend_from_slice(&out.faces[..m * PRED_LEN]);
+        }
+        Ok(pred)
+    }
+
+    /// Loads the f32 copy for recomputes: checked at a small batch within the memory limit
+    /// ([`FALLBACK_CHECK_BATCH`]), and its warm-up finished at once, so the batch sizes it
+    /// meets take cuDNN's heuristic algorithm instead of a search (which would hold the
+    /// process's tuning lock in the middle of a request). Recomputes are rare; their speed
+    /// matters less than the instance's.
+    fn load_fallback(
+        loader: &dyn Loader,
+        id: usize,
+        half: DType,
+        memory_limit: Option<u64>,
+    ) -> Result<Box<dyn Model>, super::Error> {
+        let check = largest_fitting(1..=FALLBACK_CHECK_BATCH, memory_limit, |k| {
+            fallback_bytes(k, half)
+        })
+        .unwrap_or(1);
+        let mut model = loader.load(Precision::F32, check)?;
+        model.finish_warm_up();
+        tracing::info!(
+            "instance {id}: f32 copy loaded for recomputes (checked at batch {check}, {})",
+            model.conv_path()
+        );
+        Ok(model)
     }
 
     /// Runs a batch and answers every frame; out of memory splits it and retries. `Err` when
@@ -594,13 +784,7 @@ impl Instance<'_> {
         }
         let t = Instant::now();
         let n = items.len();
-        let mut mel = Vec::with_capacity(n * MEL_LEN);
-        let mut face = Vec::with_capacity(n * FACE_LEN);
-        for i in &items {
-            mel.extend_from_slice(&i.work.mel);
-            face::model_input_into(&i.work.face, &mut face);
-        }
-        match self.forward_raw(n, mel, face) {
+        match self.forward_raw(&Items(&items)) {
             Ok(pred) => {
                 m::stage("inference", t.elapsed());
                 let mut requests: Vec<_> = items.iter().map(|i| i.request).collect();
@@ -671,8 +855,16 @@ mod tests {
         assert_eq!(estimated_bytes(1, DType::F32), 2 * one);
     }
 
+    use crate::engine::backend::Prediction;
     use crate::engine::scheduler::FrameWork;
     use std::sync::atomic::AtomicUsize;
+
+    /// Each frame's prediction: its first mel value / 255, repeated.
+    fn first_mel_values(n: usize, mel: &[f32]) -> Vec<f32> {
+        (0..n)
+            .flat_map(|i| std::iter::repeat_n(mel[i * MEL_LEN] / 255.0, PRED_LEN))
+            .collect()
+    }
 
     /// A model double: predictions are the frame's first mel value; it can fail warm-up
     /// (before switching to its reference path) and panic in a given call.
@@ -699,7 +891,7 @@ mod tests {
             n: usize,
             mel: Vec<f32>,
             _face: Vec<f32>,
-        ) -> Result<Vec<f32>, crate::engine::Error> {
+        ) -> Result<Prediction, crate::engine::Error> {
             let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
             if self.panic_at == Some(call) {
                 panic!("double panics at call {call}");
@@ -709,9 +901,10 @@ mod tests {
                     "CUDNN_STATUS_NOT_SUPPORTED".into(),
                 ));
             }
-            Ok((0..n)
-                .flat_map(|i| std::iter::repeat_n(mel[i * MEL_LEN] / 255.0, PRED_LEN))
-                .collect())
+            Ok(Prediction {
+                faces: first_mel_values(n, &mel),
+                overflow: false,
+            })
         }
         fn use_reference_path(&mut self) -> bool {
             !std::mem::replace(&mut self.reference, true)
@@ -726,7 +919,7 @@ mod tests {
     }
 
     impl Loader for DoubleLoader {
-        fn load(&self, _: Precision) -> Result<Box<dyn Model>, crate::engine::Error> {
+        fn load(&self, _: Precision, _: usize) -> Result<Box<dyn Model>, crate::engine::Error> {
             self.loads.fetch_add(1, Ordering::SeqCst);
             Ok(Box::new(Double {
                 calls: self.calls.clone(),
@@ -828,5 +1021,374 @@ mod tests {
         assert_eq!(c.largest_within(Duration::from_millis(150), 16, 512), 512);
         assert_eq!(c.largest_within(Duration::from_millis(60), 16, 512), 250);
         assert_eq!(c.largest_within(Duration::from_millis(5), 16, 512), 16);
+    }
+
+    // Half-precision batches, their f32 recompute and its copy of the model.
+
+    /// What the doubles below saw, in order.
+    #[derive(Debug, Clone, PartialEq)]
+    enum Seen {
+        /// `Loader::load(precision, check_batch)`.
+        Load(Precision, usize),
+        /// `Model::finish_warm_up` on a model in this dtype.
+        Finished(DType),
+        /// `Model::predict` in this dtype at this batch size, with each frame's first mel
+        /// value, the address of the mel buffer and its capacity in frames.
+        Predict {
+            dtype: DType,
+            size: usize,
+            firsts: Vec<f32>,
+            mel_at: usize,
+            capacity: usize,
+        },
+    }
+
+    type Log = Arc<Mutex<Vec<Seen>>>;
+
+    /// A model double in f16 or f32: predictions are each frame's first mel value / 255 in
+    /// f32, and -1 in f16, where a frame whose first mel value is `OVERFLOW` (or `NAN`) makes
+    /// the batch report an overflow (or a NaN output).
+    struct Scripted {
+        dtype: DType,
+        log: Log,
+    }
+
+    const OVERFLOW: f32 = 1000.0;
+    const NAN: f32 = 2000.0;
+
+    impl Model for Scripted {
+        fn dtype(&self) -> DType {
+            self.dtype
+        }
+        fn conv_path(&self) -> &'static str {
+            "scripted"
+        }
+        fn predict(
+            &mut self,
+            n: usize,
+            mel: Vec<f32>,
+            face: Vec<f32>,
+        ) -> Result<Prediction, crate::engine::Error> {
+            assert_eq!((mel.len(), face.len()), (n * MEL_LEN, n * FACE_LEN));
+            let firsts: Vec<f32> = (0..n).map(|i| mel[i * MEL_LEN]).collect();
+            self.log.lock().unwrap().push(Seen::Predict {
+                dtype: self.dtype,
+                size: n,
+                firsts: firsts.clone(),
+                mel_at: mel.as_ptr() as usize,
+                capacity: mel.capacity() / MEL_LEN,
+            });
+            if self.dtype == DType::F32 {
+                return Ok(Prediction {
+                    faces: first_mel_values(n, &mel),
+                    overflow: false,
+                });
+            }
+            let nan = firsts.contains(&NAN);
+            Ok(Prediction {
+                faces: vec![if nan { f32::NAN } else { -1.0 }; n * PRED_LEN],
+                overflow: firsts.contains(&OVERFLOW),
+            })
+        }
+        fn use_reference_path(&mut self) -> bool {
+            false
+        }
+        fn finish_warm_up(&mut self) {
+            self.log.lock().unwrap().push(Seen::Finished(self.dtype));
+        }
+    }
+
+    struct ScriptedLoader {
+        log: Log,
+    }
+
+    impl Loader for ScriptedLoader {
+        fn load(
+            &self,
+            precision: Precision,
+            check_batch: usize,
+        ) -> Result<Box<dyn Model>, crate::engine::Error> {
+            self.log
+                .lock()
+                .unwrap()
+                .push(Seen::Load(precision, check_batch));
+            Ok(Box::new(Scripted {
+                dtype: precision.dtype(),
+                log: self.log.clone(),
+            }))
+        }
+    }
+
+    /// Frames whose first mel values are `firsts`, counting the frames built and keeping the
+    /// address of the mel buffer the first frame was written to.
+    struct Counted {
+        firsts: Vec<f32>,
+        built: std::cell::Cell<usize>,
+        mel_at: std::cell::Cell<usize>,
+    }
+
+    impl Counted {
+        fn new(firsts: &[f32]) -> Counted {
+            Counted {
+                firsts: firsts.to_vec(),
+                built: Default::default(),
+                mel_at: Default::default(),
+            }
+        }
+    }
+
+    impl BatchInputs for Counted {
+        fn frames(&self) -> usize {
+            self.firsts.len()
+        }
+        fn push(&self, i: usize, mel: &mut Vec<f32>, face: &mut Vec<f32>) {
+            mel.push(self.firsts[i]);
+            mel.resize(mel.len() + MEL_LEN - 1, 0.5);
+            face.resize(face.len() + FACE_LEN, 0.25);
+            self.built.set(self.built.get() + 1);
+            if mel.len() == MEL_LEN {
+                self.mel_at.set(mel.as_ptr() as usize);
+            }
+        }
+    }
+
+    /// An f16 instance with padding to 1, 2, 4, 8 frames on the scripted doubles.
+    fn half_instance<'a>(loader: &'a ScriptedLoader, memory_limit: Option<u64>) -> Instance<'a> {
+        Instance {
+            id: 0,
+            loader,
+            model: loader.load(Precision::F16, 8).unwrap(),
+            fallback: None,
+            sizes: batch_sizes(8, 2, true),
+            pad: true,
+            cap: 8,
+            memory_limit,
+        }
+    }
+
+    fn predicts(log: &Log, dtype: DType) -> Vec<(usize, Vec<f32>)> {
+        log.lock()
+            .unwrap()
+            .iter()
+            .filter_map(|s| match s {
+                Seen::Predict {
+                    dtype: d,
+                    size,
+                    firsts,
+                    ..
+                } if *d == dtype => Some((*size, firsts.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Runs `f` with a Prometheus recorder of its own and returns what it renders.
+    fn with_metrics(f: impl FnOnce()) -> String {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, f);
+        handle.render()
+    }
+
+    #[test]
+    fn a_half_precision_batch_builds_its_inputs_once_into_the_buffers_the_model_takes() {
+        let log = Log::default();
+        let loader = ScriptedLoader { log: log.clone() };
+        let mut inst = half_instance(&loader, None);
+        let inputs = Counted::new(&[1.0, 2.0, 3.0, 4.0, 5.0]);
+        let pred = inst.forward_raw(&inputs).unwrap();
+        assert_eq!(pred, vec![-1.0; 5 * PRED_LEN]);
+        // Each frame built once; no f32 copy of the model.
+        assert_eq!(inputs.built.get(), 5);
+        assert!(inst.fallback.is_none());
+        let seen = log.lock().unwrap().clone();
+        assert_eq!(seen.len(), 2, "{seen:?}");
+        // The model got the very buffers built, padded to 8 in place (never reallocated).
+        let Seen::Predict {
+            size,
+            firsts,
+            mel_at,
+            capacity,
+            ..
+        } = &seen[1]
+        else {
+            panic!("{seen:?}")
+        };
+        assert_eq!(*size, 8);
+        assert_eq!(firsts, &[1.0, 2.0, 3.0, 4.0, 5.0, 5.0, 5.0, 5.0]);
+        assert_eq!(*mel_at, inputs.mel_at.get());
+        assert_eq!(*capacity, 8);
+    }
+
+    #[test]
+    fn overflowed_and_non_finite_batches_are_recomputed_in_f32_from_rebuilt_inputs() {
+        let log = Log::default();
+        let loader = ScriptedLoader { log: log.clone() };
+        let mut inst = half_instance(&loader, None);
+        let text = with_metrics(|| {
+            for (firsts, rebuilt) in [
+                (vec![1.0, OVERFLOW, 3.0], true),
+                (vec![NAN, 7.0], true),
+                (vec![8.0, 9.0], false),
+                (vec![OVERFLOW], true),
+            ] {
+                let inputs = Counted::new(&firsts);
+                let pred = inst.forward_raw(&inputs).unwrap();
+                let want: Vec<f32> = if rebuilt {
+                    first_mel_values(
+                        firsts.len(),
+                        &build_inputs(&inputs, 0..firsts.len(), firsts.len()).0,
+                    )
+                } else {
+                    vec![-1.0; firsts.len() * PRED_LEN]
+                };
+                assert_eq!(pred.len(), want.len());
+                assert!(pred.iter().zip(&want).all(|(a, b)| a == b));
+                let builds = if rebuilt { 3 } else { 1 };
+                assert_eq!(inputs.built.get(), builds * firsts.len());
+            }
+        });
+        // The f32 copy got the same frames, padded like any batch.
+        assert_eq!(
+            predicts(&log, DType::F32),
+            vec![
+                (4, vec![1.0, OVERFLOW, 3.0, 3.0]),
+                (2, vec![NAN, 7.0]),
+                (1, vec![OVERFLOW]),
+            ]
+        );
+        // Loaded once, for the first recompute.
+        let loads = log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| matches!(s, Seen::Load(Precision::F32, _)))
+            .count();
+        assert_eq!(loads, 1);
+        assert!(
+            text.contains("lipsync_precision_fallbacks_total{reason=\"overflow\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("lipsync_precision_fallbacks_total{reason=\"nan\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_f32_copy_is_checked_small_warmed_up_at_once_and_split_to_the_memory_limit() {
+        // (limit, the check batch, the f32 batches of a batch of 8 frames and of 3 frames;
+        // none where the f16 batch of 3, padded to 4, no longer fits beside the f32 copy's
+        // weights).
+        let cases = [
+            (400_000_000u64, 2, vec![4, 4], Some(vec![4])),
+            (
+                fallback_bytes(2, DType::F16) + estimated_bytes(8, DType::F16),
+                2,
+                vec![8],
+                Some(vec![4]),
+            ),
+            (fallback_bytes(1, DType::F16) + 1, 1, vec![1; 8], None),
+        ];
+        for (limit, check, eights, threes) in cases {
+            let log = Log::default();
+            let loader = ScriptedLoader { log: log.clone() };
+            let mut inst = half_instance(&loader, Some(limit));
+            let mut firsts: Vec<f32> = (0..8).map(|i| i as f32).collect();
+            firsts[5] = OVERFLOW;
+            let pred = inst.forward_raw(&Counted::new(&firsts)).unwrap();
+            assert_eq!(pred.len(), 8 * PRED_LEN);
+            assert_eq!(pred[5 * PRED_LEN], OVERFLOW / 255.0);
+            assert_eq!(pred[7 * PRED_LEN], 7.0 / 255.0);
+            let three = inst.forward_raw(&Counted::new(&[OVERFLOW, 1.0, 2.0]));
+            match &threes {
+                Some(_) => assert_eq!(three.unwrap()[0], OVERFLOW / 255.0),
+                None => assert!(is_out_of_memory(&three.unwrap_err())),
+            }
+            let seen = log.lock().unwrap().clone();
+            // The f32 copy: loaded once, checked at a small batch within the limit, its
+            // warm-up finished before its first batch.
+            let first_f32 = seen
+                .iter()
+                .position(|s| {
+                    matches!(
+                        s,
+                        Seen::Predict {
+                            dtype: DType::F32,
+                            ..
+                        }
+                    )
+                })
+                .unwrap();
+            let loads: Vec<_> = seen
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| matches!(s, Seen::Load(Precision::F32, _)))
+                .collect();
+            assert_eq!(loads.len(), 1, "{seen:?}");
+            assert_eq!(
+                loads[0].1,
+                &Seen::Load(Precision::F32, check),
+                "limit {limit}"
+            );
+            assert!(fallback_bytes(check, DType::F16) <= limit);
+            assert_eq!(seen[loads[0].0 + 1], Seen::Finished(DType::F32));
+            assert!(loads[0].0 + 1 < first_f32);
+            let finished = seen
+                .iter()
+                .filter(|s| **s == Seen::Finished(DType::F32))
+                .count();
+            assert_eq!(finished, 1);
+            // Its batches fit the limit.
+            let sizes: Vec<usize> = predicts(&log, DType::F32).iter().map(|p| p.0).collect();
+            let want: Vec<usize> = eights
+                .iter()
+                .chain(threes.iter().flatten())
+                .copied()
+                .collect();
+            assert_eq!(sizes, want, "limit {limit}");
+            for size in sizes {
+                assert!(fallback_bytes(size, DType::F16) <= limit);
+            }
+        }
+    }
+
+    #[test]
+    fn a_recompute_that_cannot_fit_one_frame_is_out_of_memory() {
+        let log = Log::default();
+        let loader = ScriptedLoader { log: log.clone() };
+        // The f16 batch of 2 fits; one frame in f32 does not.
+        let mut inst = half_instance(&loader, Some(fallback_bytes(1, DType::F16) - 1));
+        let e = inst
+            .forward_raw(&Counted::new(&[OVERFLOW, 1.0]))
+            .unwrap_err();
+        assert!(is_out_of_memory(&e), "{e}");
+        assert!(predicts(&log, DType::F32).is_empty());
+    }
+
+    #[test]
+    fn instances_are_checked_at_their_largest_batch_within_the_memory_limit() {
+        let log = Log::default();
+        let loader = Arc::new(ScriptedLoader { log: log.clone() });
+        let mut cfg = config(false);
+        cfg.limits.max_batch = 16;
+        cfg.pad_batches = true;
+        for (limit, check) in [
+            (None, 16),
+            (Some(estimated_bytes(8, DType::F32)), 8),
+            (Some(estimated_bytes(5, DType::F32)), 4),
+            (Some(estimated_bytes(1, DType::F32) - 1), 1),
+        ] {
+            log.lock().unwrap().clear();
+            cfg.memory_limit = limit;
+            let pool = Pool::start(loader.clone(), cfg.clone());
+            pool.wait_ready().unwrap();
+            pool.shutdown();
+            assert_eq!(
+                log.lock().unwrap()[0],
+                Seen::Load(Precision::F32, check),
+                "{limit:?}"
+            );
+        }
     }
 }

@@ -455,7 +455,9 @@ fn install_metrics() -> Result<PrometheusHandle, ServeError> {
     metrics::counter!(m::FRAMES_TOTAL).absolute(0);
     metrics::counter!(m::OOM_SPLITS).absolute(0);
     metrics::counter!(m::INSTANCE_RESTARTS).absolute(0);
-    metrics::counter!(m::PRECISION_FALLBACKS).absolute(0);
+    for reason in m::FALLBACK_REASONS {
+        metrics::counter!(m::PRECISION_FALLBACKS, "reason" => reason).absolute(0);
+    }
     metrics::counter!(m::DROPPED_FRAMES_TOTAL).absolute(0);
     metrics::counter!(m::AVATAR_CACHE_HITS).absolute(0);
     metrics::counter!(m::AVATAR_CACHE_MISSES).absolute(0);
