@@ -59,6 +59,10 @@ pub struct BenchArgs {
     /// autotune run warms up as `serve --max-batch` the largest.
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub batches: Vec<u32>,
+    /// On CUDA, measure candle's operations (the reference path beside the own cuDNN path)
+    /// only up to this batch: they are slow at large batches [default: every batch].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub candle_max_batch: Option<u32>,
     /// Instance counts for the concurrency run [default: 1,2,3 on CUDA, 1,2 on CPU].
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=64))]
     pub instances: Vec<u32>,

@@ -162,6 +162,11 @@ pub(super) fn model(
             let loaded = meter.in_use();
             let (mut cells, mut peaks) = (Vec::new(), Vec::new());
             for &b in &plan.batches {
+                if path == "candle" && a.candle_max_batch.is_some_and(|max| b as u32 > max) {
+                    cells.push("skipped".to_string());
+                    peaks.push(None);
+                    continue;
+                }
                 let (mel, face) = inputs(b, &dev)?;
                 forward_sync(&m, &mel, &face)?; // warm-up (and autotuning)
                 let (runs, t) = timed(a.seconds, || forward_sync(&m, &mel, &face))?;
@@ -176,11 +181,16 @@ pub(super) fn model(
                     "fps": fps, "peak_memory_bytes": peak
                 }));
                 cells.push(format!("{fps:.1}"));
-                peaks.push(peak);
+                peaks.push(Some(peak));
             }
             println!("| {} | {path} | {} |", dtype.as_str(), cells.join(" | "));
             memory.push((dtype.as_str(), path, before, loaded, peaks));
         }
+    }
+    if let Some(max) = a.candle_max_batch.filter(|_| cuda) {
+        notes.push(format!(
+            "candle's operations skipped above batch {max} (--candle-max-batch)"
+        ));
     }
     for note in &notes {
         println!("\n{note}");
@@ -205,7 +215,7 @@ pub(super) fn model(
             mib(loaded),
             peaks
                 .iter()
-                .map(|&p| mib(p))
+                .map(|&p| p.map_or_else(|| "skipped".to_string(), mib))
                 .collect::<Vec<_>>()
                 .join(" | ")
         );
@@ -213,7 +223,7 @@ pub(super) fn model(
             "compute_dtype": dtype, "path": path, "before_load_bytes": before,
             "loaded_bytes": loaded,
             "peaks": plan.batches.iter().zip(&peaks)
-                .map(|(b, p)| json!({ "batch": b, "peak_bytes": p }))
+                .filter_map(|(b, p)| p.map(|p| json!({ "batch": b, "peak_bytes": p })))
                 .collect::<Vec<_>>(),
         }));
     }
