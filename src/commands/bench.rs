@@ -325,9 +325,20 @@ fn inputs(n: usize, dev: &candle_core::Device) -> Result<(Tensor, Tensor), CliEr
     Ok((mel, face))
 }
 
-/// One forward, waited for (reading a scalar back synchronises the device).
-fn forward_sync(model: &Wav2Lip, mel: &Tensor, face: &Tensor) -> Result<(), CliError> {
-    let out = model.forward(mel, face)?;
+/// One forward, waited for (reading a scalar back synchronises the device): the plain pass,
+/// or with `guarded` the service's (with the half-precision overflow check the model was
+/// given, [`Wav2Lip::forward_guarded`]).
+fn forward_sync(
+    model: &Wav2Lip,
+    mel: &Tensor,
+    face: &Tensor,
+    guarded: bool,
+) -> Result<(), CliError> {
+    let out = if guarded {
+        model.forward_guarded(mel, face)?.0
+    } else {
+        model.forward(mel, face)?
+    };
     out.to_dtype(DType::F32)
         .and_then(|t| t.sum_all())
         .and_then(|t| t.to_scalar::<f32>())

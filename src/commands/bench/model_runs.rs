@@ -12,6 +12,7 @@ use lipsync::engine::backend::{load_wav2lip, Wav2LipLoader};
 use lipsync::engine::render::{face_batch, mel_batch};
 use lipsync::engine::{Avatar, Engine};
 use lipsync::media::audio::{self, Fps, FramePlan};
+use lipsync::model::wav2lip::ActivationRanges;
 use lipsync::model::{self, DeviceKind, GeneratorWeights, Wav2Lip};
 use serde_json::{json, Value};
 
@@ -133,6 +134,7 @@ pub(super) fn model(
     let mut rows = Vec::new();
     let mut memory = Vec::new();
     let mut notes = Vec::new();
+    let mut ranges = None;
     for &p in &plan.dtypes {
         let dev = plan.device.open_instance()?;
         let meter = Meter::new(&dev);
@@ -140,25 +142,40 @@ pub(super) fn model(
         let dtype = model::compute_dtype(&dev, p);
         let mut m = Wav2Lip::load(weights, &dev, dtype)?;
         // As the service does: the own path is checked at batch 2 and at the largest batch.
-        let own = m.conv_engine();
+        let first = m.conv_engine();
         if let Some(psnr) = m.verify_cudnn_path_at(plan.largest_batch())? {
-            if m.conv_engine() != own {
+            if m.conv_engine() != first {
                 notes.push(format!(
-                    "{}: the {own} path failed its start-up check ({psnr:.1} dB); candle's \
+                    "{}: the {first} path failed its start-up check ({psnr:.1} dB); candle's \
                      operations only",
                     dtype.as_str()
                 ));
             }
         }
-        // The serving path, and on CUDA candle's operations beside it (the reference).
-        let mut paths = vec![m.conv_engine()];
-        if cuda && m.conv_engine() != "candle" {
-            paths.push("candle");
+        // The serving path; in f16/bf16 also with the overflow check the service adds
+        // (measured on the checkpoint as the service does); and on CUDA candle's operations
+        // beside it (the reference).
+        let own = m.conv_engine();
+        let mut paths = vec![(own, false)];
+        if dtype != DType::F32 {
+            if ranges.is_none() {
+                ranges = Some(ActivationRanges::measure(weights)?);
+            }
+            m.check_overflow(ranges.as_ref().expect("measured"));
+            paths.push((own, true));
         }
-        for path in paths {
+        if cuda && own != "candle" {
+            paths.push(("candle", false));
+        }
+        for (path, guarded) in paths {
             if path == "candle" {
                 m.use_candle_operations();
             }
+            let label = if guarded {
+                format!("{path} + overflow check")
+            } else {
+                path.to_string()
+            };
             let loaded = meter.in_use();
             let (mut cells, mut peaks) = (Vec::new(), Vec::new());
             for &b in &plan.batches {
@@ -168,23 +185,24 @@ pub(super) fn model(
                     continue;
                 }
                 let (mel, face) = inputs(b, &dev)?;
-                forward_sync(&m, &mel, &face)?; // warm-up (and autotuning)
-                let (runs, t) = timed(a.seconds, || forward_sync(&m, &mel, &face))?;
+                let run = || forward_sync(&m, &mel, &face, guarded);
+                run()?; // warm-up (and autotuning)
+                let (runs, t) = timed(a.seconds, run)?;
                 let fps = (runs * b) as f64 / t.as_secs_f64();
                 // Memory after timing, so the sampler does not disturb the timed runs.
                 let peak = meter.peak_during(|| {
-                    forward_sync(&m, &mel, &face)?;
-                    forward_sync(&m, &mel, &face)
+                    run()?;
+                    run()
                 })?;
                 rows.push(json!({
-                    "dtype": p, "compute_dtype": dtype.as_str(), "path": path, "batch": b,
-                    "fps": fps, "peak_memory_bytes": peak
+                    "dtype": p, "compute_dtype": dtype.as_str(), "path": path,
+                    "overflow_check": guarded, "batch": b, "fps": fps, "peak_memory_bytes": peak
                 }));
                 cells.push(format!("{fps:.1}"));
                 peaks.push(Some(peak));
             }
-            println!("| {} | {path} | {} |", dtype.as_str(), cells.join(" | "));
-            memory.push((dtype.as_str(), path, before, loaded, peaks));
+            println!("| {} | {label} | {} |", dtype.as_str(), cells.join(" | "));
+            memory.push((dtype.as_str(), label, before, loaded, peaks));
         }
     }
     if let Some(max) = a.candle_max_batch.filter(|_| cuda) {
@@ -236,7 +254,8 @@ pub(super) fn model(
 }
 
 /// One instance against several sharing the same frames in flight (each of n instances runs
-/// batches of frames / n), all in the service precision, measured together: aggregate
+/// batches of frames / n), all loaded as the service loads them and running its forward (with
+/// the overflow check in f16/bf16), in the service precision, measured together: aggregate
 /// frames/s.
 pub(super) fn instances(
     a: &BenchArgs,
@@ -268,13 +287,13 @@ pub(super) fn instances(
                         let ready = (|| {
                             let m = load_wav2lip(weights, plan.device, plan.service, batch)?;
                             let (mel, face) = inputs(batch, m.device())?;
-                            forward_sync(&m, &mel, &face)?;
+                            forward_sync(&m, &mel, &face, true)?;
                             Ok::<_, CliError>((m, mel, face))
                         })();
                         barrier.wait(); // even when this one failed, so the others go on
                         let (m, mel, face) = ready?;
                         paths.lock().unwrap().push(m.conv_engine());
-                        let (runs, t) = timed(a.seconds, || forward_sync(&m, &mel, &face))?;
+                        let (runs, t) = timed(a.seconds, || forward_sync(&m, &mel, &face, true))?;
                         rates
                             .lock()
                             .unwrap()
