@@ -211,14 +211,23 @@ fn bench_sections_run_only_the_parts_named() {
     );
 }
 
-/// The Python with PyTorch: `LIPSYNC_TORCH_PYTHON`, else `python3`; `None` (the test says
-/// so and passes) when it has no torch.
+/// The Python with PyTorch. `LIPSYNC_TORCH_PYTHON` set (as `scripts/test.sh` does, with the
+/// venv it makes): that Python, which must have torch and numpy (the test fails otherwise, so
+/// the suite never skips these silently). Unset: `python3` if it has them, else `None` (a bare
+/// `cargo test` on a machine without PyTorch says SKIPPED and passes).
 fn torch_python() -> Option<String> {
-    let python = std::env::var("LIPSYNC_TORCH_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&python)
+    let set = std::env::var("LIPSYNC_TORCH_PYTHON").ok();
+    let python = set.clone().unwrap_or_else(|| "python3".into());
+    let o = Command::new(&python)
         .args(["-c", "import torch, numpy"])
-        .output()
-        .is_ok_and(|o| o.status.success());
+        .output();
+    let ok = o.as_ref().is_ok_and(|o| o.status.success());
+    if !ok && set.is_some() {
+        panic!(
+            "LIPSYNC_TORCH_PYTHON={python} cannot import torch and numpy: {}",
+            o.map(|o| text(&o.stderr)).unwrap_or_else(|e| e.to_string())
+        );
+    }
     ok.then_some(python)
 }
 
