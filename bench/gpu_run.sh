@@ -1,67 +1,843 @@
 #!/usr/bin/env bash
-# The GPU benchmark, for an H100/H200 machine (see ../.library/device/README.md): run from the
-# repository root there, with the CUDA binary built here by scripts/build-cuda.sh and carried
-# compressed (the machine has PyTorch, CUDA 13 and nvcc, but no Rust, no ffmpeg and no network):
+# The GPU run, in stages that fit the GPU machine's limits (../.library/device/README.md: at
+# most 10 minutes a command, 64 MiB carried, 8 files of at most 16 MiB back from $OUT; python3
+# with PyTorch, CUDA 13 and nvidia-smi there, but no Rust, ffmpeg, curl, xz or network).
+# docs/GPU-RUN.md is the recipe: what to build and pack here (bench/gpu_pack.sh), what to
+# carry, and the calls in order.
 #
-#   here:  scripts/build-cuda.sh && xz -T0 -k -9 target/release/lipsync
-#          pip download --no-deps imageio-ffmpeg -d target/wheels   (a static ffmpeg with libx264)
-#   there: bench/gpu_run.sh            (writes everything under $OUT)
+#   bench/gpu_run.sh STAGE...                 run the stages in order (at most 4 per command)
+#   bench/gpu_run.sh --rehearse STAGE...|all  the same stages with the CPU build, tiny sizes and
+#                                             a temporary $OUT, then the output rules checked
 #
-# It runs lipsync bench (model frames/s by batch, dtype, convolution path and instances; f16/bf16
-# and cuDNN-vs-candle accuracy on a real photo and speech; encoder; end to end) and
-# bench/pytorch_reference.py (eager f16 with cudnn.benchmark, and torch.compile) on the same GPU
-# in the same run; then the autotune cache across two renders and the forced-OOM request.
-set -euo pipefail
-OUT=${OUT:-bench-out}
-mkdir -p "$OUT"
-bin=target/release/lipsync
-[ -x "$bin" ] || { xz -dk "$bin.xz"; chmod +x "$bin"; }
-wheel=$(ls target/wheels/imageio_ffmpeg-*.whl | head -1)
-python3 -m zipfile -e "$wheel" "$OUT/ffmpeg-wheel" >/dev/null
-export LIPSYNC_FFMPEG=$(ls "$OUT"/ffmpeg-wheel/imageio_ffmpeg/binaries/ffmpeg-* | head -1)
-chmod +x "$LIPSYNC_FFMPEG"
-run() { scripts/run-on-gpu.sh "$@"; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+# Stages and their time budgets (LIPSYNC_STAGE_SECONDS overrides every budget):
+#   check    60 s  GPU, driver, tools, library resolution, the binary starts and reports its device
+#   test    240 s  tests/gpu.rs (carried, prebuilt), then compute-sanitizer memcheck at batch 2
+#   model   300 s  lipsync bench, part by part (--sections)
+#   torch   240 s  bench/pytorch_reference.py on the same init-weights file
+#   service 300 s  the release server, default settings: single requests cold and warm, stage
+#                  times, 1/4/16/64 concurrent requests, the forced out-of-memory request
+#   live    240 s  live sessions at 25 fps: 1, 10, 50, 100 (or the most the server takes)
+#
+# Each stage writes exactly two files, $OUT/<stage>.md (Markdown tables: command, device, date,
+# results) and $OUT/<stage>.log.gz; everything else (weights, unpacked binaries, speech, videos)
+# lives under $LIPSYNC_WORK (/tmp/lipsync-gpu). A stage runs in its own process group; when
+# its budget is spent the whole group (servers and clients included) is killed, the stage
+# counts as done (exit 0) and its .md begins with "Stopped by the time guard after N s" and
+# keeps what it had measured. A required tool that is missing fails its stage at once with a
+# line saying so; the script goes on with the next stage and exits 1 at the end.
+#
+# Carried files are looked for in $LIPSYNC_CARRY_DIR (target/gpu-carry): NAME.xz, NAME.tar.xz
+# and ffmpeg wheels are unpacked into $LIPSYNC_WORK/bin with python3's lzma/tarfile/zipfile:
+#   lipsync       the CUDA build (bench/gpu_pack.sh)       LIPSYNC_BIN overrides
+#   gpu-test      tests/gpu.rs built with --features cuda  LIPSYNC_GPU_TEST overrides
+#   service_load  examples/service_load.rs (CPU build)     LIPSYNC_LOAD_CLIENT overrides
+#   ffmpeg, ffprobe  static builds                         LIPSYNC_FFMPEG overrides; else PATH
+# shellcheck disable=SC2317 # the stages are called as "stage_$name"
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+SELF="$ROOT/bench/gpu_run.sh"
+HELPER="$ROOT/bench/gpu_stage.py"
+ALL_STAGES=(check test model torch service live)
+MAX_STAGES=4
+CALL_SECONDS=540
 
-# The GPU test (tests/gpu.rs), when carried. Here:
-#   scripts/build-cuda.sh test --release --locked --features cuda --test gpu --no-run
-#   cp "$(ls -t target/release/deps/gpu-* | grep -v '[.]d$' | head -1)" target/release/gpu-test
-#   xz -T0 -k -9 target/release/gpu-test
-# Then once under compute-sanitizer's memcheck at batch 2 (some device runtimes refuse it: the
-# refusal is kept in $OUT/memcheck.log).
-gpu_test=target/release/gpu-test
-if [ ! -x "$gpu_test" ] && [ -f "$gpu_test.xz" ]; then xz -dk "$gpu_test.xz"; chmod +x "$gpu_test"; fi
-if [ -x "$gpu_test" ]; then
-  run "$gpu_test" --test-threads=1 --nocapture > "$OUT/gpu-test.log" 2>&1 \
-    && echo "gpu test: passed" || echo "gpu test: FAILED (see $OUT/gpu-test.log)"
-  if command -v compute-sanitizer >/dev/null; then
-    LIPSYNC_GPU_TEST_BATCHES=2 run compute-sanitizer --tool memcheck "$gpu_test" \
-      --test-threads=1 --nocapture generator_in_f16 > "$OUT/memcheck.log" 2>&1 \
-      && echo "memcheck: clean" || echo "memcheck: failed or refused (see $OUT/memcheck.log)"
+budget_of() {
+  case $1 in
+    check) echo 60 ;;
+    test) echo 240 ;;
+    model) echo 300 ;;
+    torch) echo 240 ;;
+    service) echo 300 ;;
+    live) echo 240 ;;
+    *) return 1 ;;
+  esac
+}
+
+usage() {
+  sed -n '2,/^set -uo/p' "$SELF" | sed '$d' | sed 's/^# \{0,1\}//'
+}
+
+say() { echo "[$(date -u +%H:%M:%S)] $*"; }
+
+# ---------------------------------------------------------------------------------------------
+# Inside a stage (its own process group; stdout and stderr are its log).
+
+# Appends lines to the stage's Markdown.
+md() { printf '%s\n' "$@" >> "$BODY"; }
+
+# Seconds left of the stage's budget.
+left() { echo $(( STAGE_BUDGET - ($(date +%s) - STAGE_START) )); }
+
+# Marks the stage failed (it goes on where it can) with a line in its Markdown.
+fail_line() {
+  md "" "**FAILED:** $*"
+  say "FAILED: $*"
+  STAGE_FAILED=1
+}
+
+find_tools() {
+  say "unpacking what was carried in $CARRY into $WORK/bin"
+  python3 "$HELPER" unpack "$CARRY" "$WORK/bin" || say "unpacking failed (see above)"
+  pick() { # first executable of the arguments
+    local c
+    for c in "$@"; do
+      if [ -n "$c" ] && [ -f "$c" ] && [ -x "$c" ]; then
+        echo "$c"
+        return
+      fi
+    done
+  }
+  BIN=$(pick "${LIPSYNC_BIN:-}" "$WORK/bin/lipsync" "$ROOT/target/release/lipsync")
+  GPU_TEST=$(pick "${LIPSYNC_GPU_TEST:-}" "$WORK/bin/gpu-test" "$ROOT/target/release/gpu-test")
+  CLIENT=$(pick "${LIPSYNC_LOAD_CLIENT:-}" "$WORK/bin/service_load" \
+    "$ROOT/target/release/examples/service_load")
+  local wheel_ffmpeg
+  wheel_ffmpeg=$(find "$WORK/bin" -maxdepth 1 -name 'ffmpeg*' ! -name '*.part' 2>/dev/null | sort | head -1)
+  FFMPEG=$(pick "${LIPSYNC_FFMPEG:-}" "$wheel_ffmpeg" "$(command -v ffmpeg 2>/dev/null)")
+  FFPROBE=""
+  if [ -n "$FFMPEG" ]; then
+    local d b
+    d=$(dirname "$FFMPEG")
+    b=$(basename "$FFMPEG")
+    # lipsync looks for ffprobe beside ffmpeg, named alike, else on the PATH.
+    FFPROBE=$(pick "$d/${b/ffmpeg/ffprobe}" "$(command -v ffprobe 2>/dev/null)")
+    export LIPSYNC_FFMPEG=$FFMPEG
   else
-    echo "memcheck: compute-sanitizer not installed" | tee "$OUT/memcheck.log"
+    unset LIPSYNC_FFMPEG
   fi
-fi
-run "$bin" init-weights "$OUT/weights.safetensors"
-run "$bin" bench --checkpoint "$OUT/weights.safetensors" --json "$OUT/lipsync.json" | tee "$OUT/lipsync.md"
-python3 bench/pytorch_reference.py --checkpoint "$OUT/weights.safetensors" --device cuda \
-  --dtypes f32,f16,bf16 --batches 1,16,64,128,256,512 --compile --json "$OUT/pytorch.json" | tee "$OUT/pytorch.md"
+  say "lipsync: ${BIN:-none}; gpu test: ${GPU_TEST:-none}; load client: ${CLIENT:-none};" \
+    "ffmpeg: ${FFMPEG:-none}; ffprobe: ${FFPROBE:-none}"
+}
 
-# The autotune cache: the first render searches and writes it, the second loads it.
-for i in 1 2; do
-  LIPSYNC_LOG=info run "$bin" render --checkpoint "$OUT/weights.safetensors" \
-    --audio tests/media/arctic_a0007.wav --image tests/media/astronaut.png \
-    --autotune-cache "$OUT/autotune.json" --out "$OUT/render$i.mp4" 2>&1 | tee "$OUT/render$i.log" | tail -3
-done
-grep -h "autotune cache\|exact f32 reference" "$OUT"/render*.log || true
+# A required tool: fails the stage at once when it is missing.
+require() {
+  local what=$1 path=$2 how=$3
+  if [ -z "$path" ]; then
+    fail_line "$what is required by the $STAGE stage and was not found: $how"
+    exit 3
+  fi
+}
 
-# Forced out of memory: a 1 GiB limit makes 512-frame batches split; the request completes.
-LIPSYNC_LOG=info run "$bin" serve --checkpoint "$OUT/weights.safetensors" --port 8099 \
-  --gpu-memory-limit 1G > "$OUT/oom-serve.log" 2>&1 &
-srv=$!
-for _ in $(seq 120); do curl -sf localhost:8099/ready >/dev/null && break; sleep 1; done
-curl -s -F audio=@tests/media/arctic_a0007.wav -F image=@tests/media/astronaut.png \
-  localhost:8099/v1/lipsync -o "$OUT/oom.mp4" -w "oom request: HTTP %{http_code}, %{size_download} bytes\n" | tee "$OUT/oom.txt"
-curl -s localhost:8099/info > "$OUT/oom-info.json"
-curl -s localhost:8099/metrics | grep -E "^lipsync_(frames_total|requests_total)" >> "$OUT/oom.txt"
-kill "$srv" || true
+require_ffmpeg() {
+  require ffmpeg "$FFMPEG" "carry target/gpu-carry/ffmpeg.tar.xz (bench/gpu_pack.sh) or an \
+ffmpeg wheel, set LIPSYNC_FFMPEG, or put ffmpeg on the PATH"
+}
+
+# The deterministic random weights every stage measures (and the PyTorch yardstick loads).
+ensure_weights() {
+  WEIGHTS=$WORK/weights-seed${WEIGHT_SEED}.safetensors
+  if [ ! -s "$WEIGHTS" ]; then
+    "${RUN[@]}" "$BIN" init-weights "$WEIGHTS.part" --seed "$WEIGHT_SEED" || {
+      fail_line "lipsync init-weights failed"
+      exit 4
+    }
+    mv "$WEIGHTS.part" "$WEIGHTS"
+  fi
+}
+
+# Starts `lipsync serve` (extra flags as arguments) and waits for /ready: sets SRV_PID, URL,
+# READY_S. Started directly (no subshell or pipe between), so SRV_PID is the server itself.
+start_server() {
+  local port
+  port=$(python3 "$HELPER" free-port)
+  URL=http://127.0.0.1:$port
+  "${RUN[@]}" "$BIN" serve --checkpoint "$WEIGHTS" --port "$port" --no-ui "$@" &
+  SRV_PID=$!
+  echo "$SRV_PID" >> "$STAGE_DIR/server.pids"
+  say "server pid $SRV_PID on $URL: serve $*"
+  if ! READY_S=$(python3 "$HELPER" wait-ready "$URL" "$(left)" "$SRV_PID"); then
+    fail_line "the server (serve $*) did not become ready; its log is in $STAGE.log.gz"
+    return 1
+  fi
+  say "ready after $READY_S s"
+}
+
+stop_server() {
+  [ -n "${SRV_PID:-}" ] || return 0
+  kill -TERM "$SRV_PID" 2>/dev/null
+  local i
+  for i in $(seq 40); do
+    kill -0 "$SRV_PID" 2>/dev/null || break
+    sleep 0.25
+  done
+  kill -KILL "$SRV_PID" 2>/dev/null
+  wait "$SRV_PID" 2>/dev/null
+  SRV_PID=""
+}
+
+# Samples GPU memory (nvidia-smi) and the server's resident memory until stop_mem.
+start_mem() {
+  MEM_FILE=$STAGE_DIR/mem-$1.json
+  rm -f "$MEM_FILE"
+  python3 "$HELPER" sample-mem "$SRV_PID" "$MEM_FILE" &
+  MEM_PID=$!
+}
+
+stop_mem() {
+  kill "$MEM_PID" 2>/dev/null
+  wait "$MEM_PID" 2>/dev/null
+  python3 "$HELPER" mem-md "$MEM_FILE"
+}
+
+# Rows printed by service_load (a header and its rule first): into the stage's Markdown,
+# the header only for the first rows after new_table.
+new_table() { TABLE_OPEN=0; }
+add_rows() {
+  if [ "$TABLE_OPEN" = 0 ]; then
+    printf '%s\n' "$1" >> "$BODY"
+    TABLE_OPEN=1
+  else
+    printf '%s\n' "$1" | tail -n +3 >> "$BODY"
+  fi
+}
+
+# Speech of N seconds (the arctic sentence looped), under $WORK.
+speech() {
+  local f=$WORK/speech-$1s.wav
+  [ -s "$f" ] || python3 "$HELPER" wav "$1" tests/media/arctic_a0007.wav "$f"
+  echo "$f"
+}
+
+# ---------------------------------------------------------------------------------------------
+# The stages.
+
+stage_check() {
+  md "## GPU" ""
+  if command -v nvidia-smi >/dev/null; then
+    md "| name | driver | memory | compute capability |" "|---|---|---|---|"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader \
+      | sed 's/, / | /g; s/^/| /; s/$/ |/' >> "$BODY" \
+      || fail_line "nvidia-smi failed"
+  else
+    md "| nvidia-smi | |" "|---|---|" "| not found | no NVIDIA driver here${LIPSYNC_REHEARSE:+ (CPU rehearsal)} |"
+  fi
+  md "" "## Tools" "" "| tool | found |" "|---|---|"
+  local t v
+  for t in python3 nvcc compute-sanitizer ncu nvidia-smi; do
+    if command -v "$t" >/dev/null; then
+      v=$(timeout 20 "$t" --version 2>&1 | grep -v '^\s*$' | tail -1)
+      md "| $t | $(command -v "$t"): ${v//|//} |"
+    else
+      md "| $t | not installed |"
+    fi
+  done
+  v=$(timeout 60 "$PYTHON" -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda,
+"cudnn", torch.backends.cudnn.version(), "gpu", torch.cuda.is_available())' 2>&1 | tail -1)
+  md "| torch ($PYTHON) | ${v//|//} |"
+  md "| ffmpeg | ${FFMPEG:-not found}${FFMPEG:+: $("$FFMPEG" -hide_banner -version 2>&1 | head -1)} |"
+  md "| ffprobe | ${FFPROBE:-not found} |"
+  md "| lipsync | ${BIN:-not found} |" "| gpu test | ${GPU_TEST:-not found} |"
+  md "| load client | ${CLIENT:-not found} |"
+  require lipsync "$BIN" "carry target/gpu-carry/lipsync.xz (bench/gpu_pack.sh)"
+
+  md "" "## Libraries" ""
+  if [ ${#RUN[@]} -gt 0 ]; then
+    local libpath
+    # shellcheck disable=SC2016 # expanded by the inner shell
+    libpath=$("${RUN[@]}" sh -c 'echo "$LD_LIBRARY_PATH"' 2>&1) \
+      || fail_line "${RUN[*]} cannot find PyTorch's CUDA libraries: $libpath"
+    md "\`${RUN[*]}\` sets LD_LIBRARY_PATH=\`$libpath\`" ""
+  fi
+  local ldd_out
+  ldd_out=$("${RUN[@]}" ldd "$BIN" 2>&1)
+  printf '%s\n' "$ldd_out"
+  printf '%s\n' "$ldd_out" | python3 "$HELPER" ldd-md >> "$BODY"
+  if grep -q 'not found' <<< "$ldd_out"; then
+    fail_line "libraries not found: $(grep 'not found' <<< "$ldd_out" | awk '{print $1}' | xargs)"
+  fi
+
+  md "" "## The binary starts and reports its device" ""
+  md "\`$(basename "$BIN") --version\`: $("${RUN[@]}" "$BIN" --version 2>&1 | head -1)" ""
+  ensure_weights
+  if start_server --instances 1 --max-batch 2 --first-batch 1; then
+    md "\`serve --instances 1 --max-batch 2 --first-batch 1\`: ready after $READY_S s" ""
+    python3 "$HELPER" info-md "$URL" >> "$BODY" || fail_line "GET /info failed"
+    local device
+    device=$(python3 "$HELPER" get "$URL/info" | python3 -c 'import json, sys; print(json.load(sys.stdin)["device"])')
+    if [ -z "${LIPSYNC_REHEARSE:-}" ] && [ "$device" != cuda ]; then
+      fail_line "the binary runs on '$device', not cuda: it sees no GPU (a CPU build, or no driver)"
+    fi
+    stop_server
+  fi
+}
+
+stage_test() {
+  require "the GPU test binary" "$GPU_TEST" "carry target/gpu-carry/gpu-test.xz (bench/gpu_pack.sh)"
+  local out=$STAGE_DIR/test.out rc
+  md "## $TEST_TITLE" "" "\`$(basename "$GPU_TEST") --test-threads=1 --nocapture\`" ""
+  local t0=$SECONDS
+  "${RUN[@]}" "$GPU_TEST" --test-threads=1 --nocapture 2>&1 | tee "$out"
+  rc=${PIPESTATUS[0]}
+  python3 "$HELPER" test-md "$out" >> "$BODY"
+  md "" "Exit status $rc after $((SECONDS - t0)) s."
+  [ "$rc" = 0 ] || fail_line "the test binary exited with status $rc"
+
+  md "" "## compute-sanitizer memcheck, batch 2 (\`$MEMCHECK_FILTER\`)" ""
+  if ! command -v compute-sanitizer >/dev/null; then
+    md "| memcheck | |" "|---|---|" "| not run | compute-sanitizer is not installed here |"
+  elif [ "$(left)" -lt 45 ]; then
+    md "| memcheck | |" "|---|---|" "| not run | $(left) s of the budget left |"
+  else
+    # At most LIPSYNC_MEMCHECK_SECONDS (120), so that the first call stays short.
+    local limit=$(( $(left) - 15 )) mout=$STAGE_DIR/memcheck.out
+    [ "$limit" -le "${LIPSYNC_MEMCHECK_SECONDS:-120}" ] || limit=${LIPSYNC_MEMCHECK_SECONDS:-120}
+    t0=$SECONDS
+    LIPSYNC_GPU_TEST_BATCHES=2 timeout "$limit" "${RUN[@]}" compute-sanitizer --tool memcheck \
+      "$GPU_TEST" --test-threads=1 --nocapture "$MEMCHECK_FILTER" 2>&1 | tee "$mout"
+    rc=${PIPESTATUS[0]}
+    local summary
+    summary=$(grep -E 'ERROR SUMMARY|not supported|error' "$mout" | tail -1)
+    md "| memcheck | exit status | seconds | summary |" "|---|---|---|---|"
+    md "| $MEMCHECK_FILTER | $rc$([ "$rc" = 124 ] && echo ' (stopped at the budget)') | $((SECONDS - t0)) | ${summary//|//} |"
+  fi
+  if command -v ncu >/dev/null; then
+    md "" "ncu: $(command -v ncu) (not used by this stage)."
+  else
+    md "" "ncu: not installed."
+  fi
+}
+
+stage_model() {
+  require lipsync "$BIN" "carry target/gpu-carry/lipsync.xz (bench/gpu_pack.sh)"
+  local sections=${LIPSYNC_BENCH_SECTIONS:-model,instances,accuracy,autotune,encoder,e2e}
+  case ",$sections," in
+    *,encoder,* | *,e2e,*) require_ffmpeg ;;
+  esac
+  ensure_weights
+  local s rc
+  for s in ${sections//,/ }; do
+    local args=()
+    case $s in
+      model) args=(--dtypes "$DTYPES" --batches "$BATCHES" --seconds "$BENCH_SECONDS") ;;
+      instances) args=(--instances "$INSTANCES" --instance-batch "$INSTANCE_BATCH" --seconds "$BENCH_SECONDS") ;;
+      accuracy) args=(--dtypes "$DTYPES" --accuracy-inputs "$WORK/accuracy-inputs.safetensors") ;;
+      autotune) args=(--batches "$BATCHES") ;;
+      encoder)
+        args=(--encode-frames "$ENCODE_FRAMES")
+        [ -z "$ENCODER_WORKERS" ] || args+=(--encoder-workers "$ENCODER_WORKERS")
+        ;;
+      e2e) args=(--e2e "$E2E" --encode-frames 0) ;;
+    esac
+    md "" "\`lipsync bench --sections $s ${args[*]}\`" ""
+    say "bench --sections $s ${args[*]}"
+    "${RUN[@]}" "$BIN" bench --checkpoint "$WEIGHTS" --sections "$s" "${args[@]}" \
+      --json "$STAGE_DIR/bench-$s.json" >> "$BODY"
+    rc=$?
+    [ "$rc" = 0 ] || fail_line "\`lipsync bench --sections $s\` exited with status $rc (its stderr is in $STAGE.log.gz)"
+  done
+}
+
+stage_torch() {
+  require lipsync "$BIN" "carry target/gpu-carry/lipsync.xz (bench/gpu_pack.sh)"
+  if ! "$PYTHON" -c 'import torch' 2>/dev/null; then
+    fail_line "PyTorch is required by the torch stage: \`$PYTHON -c 'import torch'\` failed"
+    exit 3
+  fi
+  ensure_weights
+  local args=(--checkpoint "$WEIGHTS" --device "$TORCH_DEVICE" --dtypes "$TORCH_DTYPES"
+    --batches "$TORCH_BATCHES" --seconds "$BENCH_SECONDS" --json "$STAGE_DIR/pytorch.json")
+  # The bench's accuracy inputs, when the model stage ran before in this call.
+  if [ -s "$WORK/accuracy-inputs.safetensors" ]; then
+    args+=(--inputs "$WORK/accuracy-inputs.safetensors")
+  fi
+  # The compile runs (minutes) only where their start fits the budget.
+  args+=("${TORCH_EXTRA[@]}" --budget "$(( $(left) - 60 ))")
+  md "\`python3 bench/pytorch_reference.py ${args[*]}\`" ""
+  local rc
+  PYTHONUNBUFFERED=1 "$PYTHON" bench/pytorch_reference.py "${args[@]}" >> "$BODY"
+  rc=$?
+  [ "$rc" = 0 ] || fail_line "bench/pytorch_reference.py exited with status $rc"
+}
+
+# `service_load` output rows, with two more cells: the memory sampled meanwhile.
+client_rows_with_mem() {
+  local tag=$1
+  shift
+  start_mem "$tag"
+  local rows rc
+  rows=$("$CLIENT" "$@")
+  rc=$?
+  local mem
+  mem=$(stop_mem)
+  while IFS= read -r r; do
+    case $r in
+      "| label"*) echo "$r max GPU MiB | max server RSS MiB |" ;;
+      "|---"*) echo "$r---|---|" ;;
+      "|"*) echo "$r $mem |" ;;
+    esac
+  done <<< "$rows"
+  return "$rc"
+}
+
+stage_service() {
+  require lipsync "$BIN" "carry target/gpu-carry/lipsync.xz (bench/gpu_pack.sh)"
+  require "the load client" "$CLIENT" "carry target/gpu-carry/service_load.xz (bench/gpu_pack.sh)"
+  require_ffmpeg
+  ensure_weights
+  local photo=tests/media/astronaut.png wide=$WORK/astronaut-1280x720.png clip=tests/media/carphone.mp4
+  if [ ! -s "$wide" ]; then
+    "$FFMPEG" -hide_banner -loglevel error -y -i "$photo" \
+      -vf 'scale=-2:720,pad=1280:720:(ow-iw)/2:0' "$wide" || fail_line "ffmpeg could not make the 1280x720 photo"
+  fi
+  local avatars=("image:$photo:512x512 photo" "image:$wide:1280x720 photo")
+  if [ -n "$FFPROBE" ]; then
+    avatars+=("video:$clip:clip (carphone.mp4)")
+  else
+    md "Clip rows not run: ffprobe was not found beside ffmpeg (carry ffmpeg.tar.xz, which holds both)." ""
+  fi
+  local cache=cold
+  [ -s "$WORK/autotune.json" ] && cache="written by an earlier stage on this machine"
+  start_server --autotune-cache "$WORK/autotune.json" || return 1
+  md "## Server" "" "\`lipsync serve --autotune-cache FILE\`, otherwise its defaults (the Docker image" \
+    "sets the cache file too): ready (loaded and warmed up) after $READY_S s; autotune cache" \
+    "$cache." ""
+  python3 "$HELPER" info-md "$URL" >> "$BODY"
+  python3 "$HELPER" metrics-md "$URL" --save "$STAGE_DIR/m0.json" > /dev/null
+
+  md "" "## Single requests, one at a time" ""
+  md "Each request sends the speech and the photo or clip, so each prepares its avatar (face" \
+    "detection; for the clip, every frame). Run 1 is the first request of its row on this" \
+    "server (the very first row's is the server's first request: cold), run 2 the same again." ""
+  local a kind file name len rows
+  new_table
+  for a in "${avatars[@]}"; do
+    kind=${a%%:*}
+    file=${a#*:}
+    file=${file%%:*}
+    name=${a##*:}
+    for len in $LENGTHS; do
+      rows=$("$CLIENT" http --url "$URL" --audio "$(speech "$len")" "--$kind" "$file" \
+        --concurrency 1 --repeat 2 --label "$name, $len s") \
+        || fail_line "service_load http ($name, $len s) failed"
+      add_rows "$rows"
+    done
+  done
+  md "" "### Stage times from /metrics (these requests)" ""
+  python3 "$HELPER" metrics-md "$URL" --since "$STAGE_DIR/m0.json" --save "$STAGE_DIR/m1.json" >> "$BODY"
+
+  md "" "## Concurrent requests ($CONC_SECONDS s of speech, 512x512 photo)" ""
+  md "All requests of a level start at once; 429 answers are retried after Retry-After." ""
+  local c
+  new_table
+  for c in $CONCURRENCY; do
+    rows=$(client_rows_with_mem "c$c" http --url "$URL" --audio "$(speech "$CONC_SECONDS")" \
+      --image "$photo" --concurrency "$c" --retry-429 --label "$c at once") \
+      || fail_line "service_load http at concurrency $c failed"
+    add_rows "$rows"
+  done
+  md "" "### Stage times from /metrics (the concurrent requests)" ""
+  python3 "$HELPER" metrics-md "$URL" --since "$STAGE_DIR/m1.json" >> "$BODY"
+  stop_server
+
+  md "" "## Forced out of memory: \`--gpu-memory-limit $OOM_LIMIT\`" ""
+  md "A batch estimated over the limit is out of memory: warm-up lowers the instance's batch" \
+    "limit, a request's batch is split and retried smaller; the request completes." ""
+  start_server --gpu-memory-limit "$OOM_LIMIT" --autotune-cache "$WORK/autotune.json" || return 1
+  md "Ready after $READY_S s." ""
+  python3 "$HELPER" metrics-md "$URL" --save "$STAGE_DIR/m2.json" > /dev/null
+  "$CLIENT" http --url "$URL" --audio "$(speech "$CONC_SECONDS")" --image "$photo" \
+    --label "limit $OOM_LIMIT" >> "$BODY" || fail_line "the out-of-memory request failed"
+  md "" "The server's out-of-memory lines:" "" '```'
+  sed 's/\x1b\[[0-9;]*m//g' "$STAGE_DIR/log" | grep -aE 'out of (device )?memory' | tail -n 8 | cut -c1-240 >> "$BODY"
+  md '```' ""
+  python3 "$HELPER" metrics-md "$URL" --since "$STAGE_DIR/m2.json" --only \
+    lipsync_oom,lipsync_requests_total,lipsync_frames_total,lipsync_precision,lipsync_batch_frames >> "$BODY"
+  stop_server
+}
+
+stage_live() {
+  require lipsync "$BIN" "carry target/gpu-carry/lipsync.xz (bench/gpu_pack.sh)"
+  require "the load client" "$CLIENT" "carry target/gpu-carry/service_load.xz (bench/gpu_pack.sh)"
+  require_ffmpeg
+  ensure_weights
+  start_server --autotune-cache "$WORK/autotune.json" || return 1
+  local max
+  max=$(python3 "$HELPER" get "$URL/info" | python3 -c 'import json,sys; print(json.load(sys.stdin)["sessions"]["max_sessions"])')
+  md "## Live sessions" "" "\`lipsync serve --autotune-cache FILE\`, otherwise its defaults (ready after $READY_S s):" \
+    "--max-sessions is $max (from the warm-up's batch times). Each session: 1 s of idle video," \
+    "then $LIVE_SECONDS s of speech in 20 ms messages paced in real time, fMP4 back; a level's" \
+    "sessions open over 1 s. Latency: an audio chunk sent → the fragment holding its first" \
+    "drawn frame received, all chunks of all sessions pooled." ""
+  local levels=() n
+  for n in $SESSIONS; do
+    if [ "$n" -ge "$max" ]; then
+      levels+=("$max")
+      break
+    fi
+    levels+=("$n")
+  done
+  python3 "$HELPER" metrics-md "$URL" --save "$STAGE_DIR/m0.json" > /dev/null
+  local rows
+  new_table
+  for n in "${levels[@]}"; do
+    rows=$(client_rows_with_mem "s$n" live --url "$URL" --audio "$(speech "$LIVE_SECONDS")" \
+      --image tests/media/astronaut.png --sessions "$n" --label "$n sessions") \
+      || fail_line "service_load live with $n sessions failed"
+    add_rows "$rows"
+  done
+  md "" "### From /metrics (all levels)" ""
+  python3 "$HELPER" metrics-md "$URL" --since "$STAGE_DIR/m0.json" >> "$BODY"
+  stop_server
+}
+
+# ---------------------------------------------------------------------------------------------
+# The driver.
+
+# Sizes: the GPU run's, or the rehearsal's tiny ones.
+set_sizes() {
+  WEIGHT_SEED=7
+  if [ -n "${LIPSYNC_REHEARSE:-}" ]; then
+    RUN=()
+    DTYPES=f32 BATCHES=1,2 BENCH_SECONDS=0.3 INSTANCES=1,2 INSTANCE_BATCH=2
+    ENCODE_FRAMES=50 ENCODER_WORKERS=1,2 E2E=1
+    TORCH_DEVICE=cpu TORCH_DTYPES=f32 TORCH_BATCHES=1 TORCH_EXTRA=(--layouts nchw)
+    LENGTHS="1 2" CONCURRENCY="1 2" CONC_SECONDS=1 OOM_LIMIT=500M
+    SESSIONS="1 2" LIVE_SECONDS=2
+    TEST_TITLE="CPU tests of the same layers (tests/model.rs; the GPU test needs a GPU)"
+    MEMCHECK_FILTER=${LIPSYNC_MEMCHECK_FILTER:-f16_on_cpu_stays_close_to_f32}
+  else
+    RUN=("$ROOT/scripts/run-on-gpu.sh")
+    DTYPES=f32,f16,bf16 BATCHES=1,16,64,256,512 BENCH_SECONDS=1.5 INSTANCES=1,3 INSTANCE_BATCH=384
+    ENCODE_FRAMES=500 ENCODER_WORKERS="" E2E=10,40
+    TORCH_DEVICE=cuda TORCH_DTYPES=f32,f16,bf16 TORCH_BATCHES=1,16,64,256,512
+    TORCH_EXTRA=(--layouts "nchw,channels_last" --compile --compile-dtypes f16
+      --compile-layouts channels_last --max-autotune)
+    LENGTHS="10 40" CONCURRENCY="1 4 16 64" CONC_SECONDS=10 OOM_LIMIT=1G
+    SESSIONS="1 10 50 100" LIVE_SECONDS=8
+    TEST_TITLE="GPU test (tests/gpu.rs)"
+    MEMCHECK_FILTER=${LIPSYNC_MEMCHECK_FILTER:-generator_in_f16}
+  fi
+  PYTHON=${LIPSYNC_PYTHON:-python3}
+}
+
+device_line() {
+  local g
+  if command -v nvidia-smi >/dev/null \
+    && g=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1) \
+    && [ -n "$g" ]; then
+    echo "$g (driver); $(nproc) CPU cores"
+  else
+    local why="nvidia-smi found none"
+    [ -z "${LIPSYNC_REHEARSE:-}" ] || why="CPU rehearsal"
+    echo "no GPU ($why): $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores"
+  fi
+}
+
+# Runs one stage under its budget; writes $OUT/<stage>.md and $OUT/<stage>.log.gz.
+run_stage() {
+  local stage=$1 budget
+  budget=${LIPSYNC_STAGE_SECONDS:-$(budget_of "$stage")}
+  STAGE_DIR=$WORK/stage-$stage
+  rm -rf "$STAGE_DIR"
+  mkdir -p "$STAGE_DIR"
+  local log=$STAGE_DIR/log body=$STAGE_DIR/body.md
+  : > "$body"
+  local start
+  start=$(date +%s)
+  say "stage $stage: budget $budget s"
+  set -m
+  (
+    set +m
+    export STAGE=$stage STAGE_DIR BODY=$body STAGE_START=$start STAGE_BUDGET=$budget
+    STAGE_FAILED=0
+    find_tools
+    "stage_$stage"
+    rc=$?
+    [ "$rc" = 0 ] || [ "$STAGE_FAILED" = 1 ] || fail_line "the stage ended with status $rc"
+    [ "$STAGE_FAILED" = 0 ]
+  ) > "$log" 2>&1 < /dev/null &
+  local pid=$!
+  set +m
+  local guarded=0
+  while kill -0 "$pid" 2>/dev/null; do
+    if [ $(( $(date +%s) - start )) -ge "$budget" ]; then
+      guarded=1
+      echo "[$(date -u +%H:%M:%S)] time guard: $budget s spent, killing the stage's process group" >> "$log"
+      kill -TERM -- "-$pid" 2>/dev/null
+      sleep 2
+      kill -KILL -- "-$pid" 2>/dev/null
+      break
+    fi
+    sleep 0.5
+  done
+  wait "$pid"
+  local rc=$?
+  # Whatever the stage left running (a server, a sampler) goes with it.
+  kill -KILL -- "-$pid" 2>/dev/null
+  local took=$(( $(date +%s) - start ))
+  local md=$OUT/$stage.md status
+  if [ $guarded = 1 ]; then
+    status="stopped by the time guard after $budget s"
+    rc=0
+  elif [ $rc = 0 ]; then
+    status="done in $took s"
+  else
+    status="FAILED after $took s (exit status $rc)"
+  fi
+  {
+    if [ $guarded = 1 ]; then
+      echo "Stopped by the time guard after $budget s"
+      echo
+    fi
+    echo "# lipsync GPU run: stage \`$stage\`"
+    echo
+    echo "| | |"
+    echo "|---|---|"
+    echo "| command | \`bench/gpu_run.sh ${STAGE_LIST[*]}\`${LIPSYNC_REHEARSE:+ (rehearsal: CPU build, tiny sizes)} |"
+    echo "| device | $(device_line) |"
+    echo "| date | $(date -u '+%Y-%m-%d %H:%M UTC') |"
+    echo "| commit | tree $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo "unknown (no .git)");" \
+      "binaries $(cat "$CARRY/commit" 2>/dev/null || echo "built from this checkout") |"
+    echo "| stage | $status; budget $budget s |"
+    echo
+    cat "$body"
+    if [ $guarded = 1 ]; then
+      echo
+      echo "## The log's last lines when the guard stopped the stage"
+      echo
+      echo '```'
+      tail -n 25 "$log" | cut -c1-300
+      echo '```'
+    fi
+  } > "$md"
+  python3 "$HELPER" gz "$log" "$OUT/$stage.log.gz"
+  say "stage $stage: $status -> $md, $OUT/$stage.log.gz"
+  return $rc
+}
+
+main() {
+  case "${1:-}" in
+    "" | -h | --help)
+      usage
+      [ -n "${1:-}" ]
+      exit $?
+      ;;
+    --rehearse)
+      shift
+      rehearse "$@"
+      exit $?
+      ;;
+  esac
+  STAGE_LIST=("$@")
+  local s total=0
+  for s in "${STAGE_LIST[@]}"; do
+    if ! budget_of "$s" > /dev/null; then
+      echo "gpu_run.sh: unknown stage '$s' (stages: ${ALL_STAGES[*]})" >&2
+      exit 1
+    fi
+    total=$(( total + ${LIPSYNC_STAGE_SECONDS:-$(budget_of "$s")} ))
+  done
+  if [ ${#STAGE_LIST[@]} -gt $MAX_STAGES ]; then
+    echo "gpu_run.sh: ${#STAGE_LIST[@]} stages in one command: at most $MAX_STAGES (8 files" \
+      "come back from one command); split them over several calls (docs/GPU-RUN.md)" >&2
+    exit 1
+  fi
+  if [ $total -gt $CALL_SECONDS ]; then
+    echo "gpu_run.sh: warning: these budgets add up to $total s, over the $CALL_SECONDS s a" \
+      "command should take (10 minutes at most per call)" >&2
+  fi
+  OUT=${OUT:-bench-out}
+  WORK=${LIPSYNC_WORK:-/tmp/lipsync-gpu}
+  CARRY=${LIPSYNC_CARRY_DIR:-$ROOT/target/gpu-carry}
+  mkdir -p "$OUT" "$WORK"
+  OUT=$(cd "$OUT" && pwd)
+  WORK=$(cd "$WORK" && pwd)
+  export OUT WORK CARRY
+  set_sizes
+  local failed=0
+  for s in "${STAGE_LIST[@]}"; do
+    run_stage "$s" || failed=1
+  done
+  exit $failed
+}
+
+# ---------------------------------------------------------------------------------------------
+# The rehearsal: every stage with the CPU build, tiny sizes, a temporary $OUT, in the groups
+# docs/GPU-RUN.md runs them, then the output rules and the time guard checked.
+rehearse() {
+  local t_start=$SECONDS
+  local want=("$@")
+  if [ ${#want[@]} = 0 ] || [ "${want[0]}" = all ]; then want=("${ALL_STAGES[@]}"); fi
+  local s
+  for s in "${want[@]}"; do
+    budget_of "$s" > /dev/null || { echo "gpu_run.sh: unknown stage '$s'" >&2; return 1; }
+  done
+  has() { local x; for x in "${want[@]}"; do [ "$x" = "$1" ] && return 0; done; return 1; }
+  local tmp
+  tmp=$(mktemp -d /tmp/lipsync-rehearsal.XXXXXX)
+  local errors=0
+  bad() { echo "REHEARSAL: $*" >&2; errors=$((errors + 1)); }
+  say "rehearsal in $tmp: ${want[*]}"
+
+  # What the GPU run carries, built for the CPU and packed the same way (xz, tar.xz): the
+  # release binary (scripts/test.sh builds it); the load client and the CPU test binary in the
+  # test profile, which scripts/test.sh's `cargo test` has built already (a release build of
+  # the dev-dependencies would add minutes on 2 cores).
+  # LIPSYNC_REHEARSE_BUILD=0 takes the binaries already built (to rehearse script changes).
+  say "building the CPU release binary, the load client and the CPU test binary"
+  local build=${LIPSYNC_REHEARSE_BUILD:-1}
+  [ "$build" = 0 ] || cargo build --release --locked || return 1
+  local carry=$tmp/carry
+  mkdir -p "$carry"
+  python3 "$HELPER" xz target/release/lipsync "$carry/lipsync.xz" || return 1
+  if has service || has live; then
+    local client=target/debug/examples/service_load
+    [ "$build" = 0 ] || cargo build --locked --example service_load || return 1
+    [ "$build" != 0 ] || [ -x "$client" ] || client=target/release/examples/service_load
+    python3 "$HELPER" xz "$client" "$carry/service_load.xz" || return 1
+  fi
+  if has test; then
+    local test_bin
+    if [ "$build" = 0 ]; then
+      # shellcheck disable=SC2010,SC2012 # file names of cargo's own making
+      test_bin=$(ls -t target/debug/deps/model-* | grep -v '[.]d$' | head -1)
+    else
+      test_bin=$(cargo test --locked --test model --no-run --message-format=json 2>/dev/null \
+      | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "model" and m.get("executable"):
+        print(m["executable"])' | tail -1)
+    fi
+    [ -x "$test_bin" ] || { bad "the CPU test binary (tests/model.rs) was not built"; return 1; }
+    python3 "$HELPER" xz "$test_bin" "$carry/gpu-test.xz" || return 1
+  fi
+  if has model || has service || has live; then
+    local ff fp
+    ff=$(command -v ffmpeg) fp=$(command -v ffprobe)
+    if [ -z "$ff" ] || [ -z "$fp" ]; then
+      bad "ffmpeg and ffprobe are needed on the PATH (scripts/test.sh installs them)"
+      return 1
+    fi
+    python3 "$HELPER" tar-xz "$carry/ffmpeg.tar.xz" "$ff" "$fp" || return 1
+  fi
+  local python=python3
+  if has torch; then
+    python=$(rehearsal_torch) || { bad "no CPU PyTorch for the torch stage"; return 1; }
+  fi
+  local t_built=$SECONDS
+  say "built and packed in $((t_built - t_start)) s"
+
+  local env=(LIPSYNC_REHEARSE=1 LIPSYNC_CARRY_DIR="$carry" LIPSYNC_WORK="$tmp/work"
+    LIPSYNC_PYTHON="$python" LIPSYNC_BIN= LIPSYNC_GPU_TEST= LIPSYNC_LOAD_CLIENT= LIPSYNC_FFMPEG=
+    LIPSYNC_STAGE_SECONDS= )
+  local groups=("check test" "model torch" "service live") g i=0
+  for g in "${groups[@]}"; do
+    local stages=() x
+    for x in $g; do has "$x" && stages+=("$x"); done
+    [ ${#stages[@]} -gt 0 ] || continue
+    i=$((i + 1))
+    local out=$tmp/out$i t0=$SECONDS rc
+    mkdir -p "$out"
+    say "call $i: bench/gpu_run.sh ${stages[*]}"
+    env "${env[@]}" OUT="$out" "$SELF" "${stages[@]}"
+    rc=$?
+    say "call $i took $((SECONDS - t0)) s, exit status $rc"
+    [ $rc = 0 ] || bad "bench/gpu_run.sh ${stages[*]} exited with status $rc"
+    python3 "$HELPER" check-out "$out" "${stages[@]}" || bad "output rules broken in call $i"
+    for x in "${stages[@]}"; do
+      if grep -q 'FAILED' "$out/$x.md"; then
+        bad "$x.md reports a failure:"
+        grep 'FAILED' "$out/$x.md" >&2
+      fi
+      if grep -q '^Stopped by the time guard' "$out/$x.md"; then
+        bad "$x was stopped by its time guard in the rehearsal"
+      fi
+      measured "$x" "$out/$x.md" || bad "$x.md: the rows measured by the CPU build are missing"
+      echo "----- $x.md -----"
+      cat "$out/$x.md"
+    done
+  done
+
+  # The time guard: a stage that takes longer than 5 s is stopped, exits 0, keeps two files
+  # whose .md begins with the guard's line, and its server is gone.
+  if has service; then
+    local out=$tmp/guard
+    mkdir -p "$out"
+    say "time guard: LIPSYNC_STAGE_SECONDS=5 bench/gpu_run.sh service"
+    env "${env[@]}" LIPSYNC_STAGE_SECONDS=5 OUT="$out" "$SELF" service
+    local rc=$?
+    [ $rc = 0 ] || bad "a stage stopped by the guard exited with status $rc"
+    python3 "$HELPER" check-out "$out" service || bad "output rules broken by the guarded stage"
+    head -1 "$out/service.md" | grep -qx 'Stopped by the time guard after 5 s' \
+      || bad "service.md does not begin with 'Stopped by the time guard after 5 s': $(head -1 "$out/service.md")"
+    local p
+    sleep 1
+    while read -r p; do
+      if alive "$p"; then
+        bad "the guarded stage's server (pid $p) is still running"
+        kill -KILL "$p" 2>/dev/null
+      fi
+    done < <(cat "$tmp/work/stage-service/server.pids" 2>/dev/null)
+    [ -s "$tmp/work/stage-service/server.pids" ] || bad "the guarded stage started no server in 5 s (nothing to check)"
+  fi
+  # More than 4 stages in one command are refused.
+  if env "${env[@]}" OUT="$tmp/five" "$SELF" check check check check check > /dev/null 2>&1; then
+    bad "five stages in one command were not refused"
+  fi
+
+  say "rehearsal: $((SECONDS - t_start)) s in all ($((SECONDS - t_built)) s running stages)," \
+    "$errors problem(s)"
+  if [ $errors = 0 ]; then
+    rm -rf "$tmp"
+    return 0
+  fi
+  echo "rehearsal files kept in $tmp" >&2
+  return 1
+}
+
+# Rows that only a real run on the CPU build writes, per stage (the rehearsal's sizes).
+measured() {
+  local n='[0-9]+(\.[0-9]+)?' f=$2
+  case $1 in
+    check) grep -qE "ready after $n s" "$f" && grep -qE '^\| device \| cpu \|' "$f" ;;
+    test) grep -qE '^\| [a-z0-9_]+ \| ok \|' "$f" && ! grep -qE '^\| [a-z0-9_]+ \| (FAILED|did not finish) \|' "$f" ;;
+    model)
+      grep -qE "^\| f32 \| cpu \| $n \| $n \|" "$f" \
+        && grep -qE "^\| 2 \| 1 \| 2 \| $n \|" "$f" \
+        && grep -qE "^\| f32 \| cpu \| $n dB \|" "$f" \
+        && grep -qE "^\| cold \|" "$f" && grep -q '^## Encoder only' "$f" \
+        && grep -qE "^\| 2 \| 1 \| $n \| $n \|" "$f" \
+        && grep -qE "^\| 1 s \| [0-9]+ \| 25 \| $n s \| $n s \|" "$f"
+      ;;
+    torch) grep -qE "^\| f32 \| nchw \| eager \| 1 \| $n \|" "$f" ;;
+    service)
+      grep -qE '^\| 512x512 photo, 1 s \| 1 \| 1 \| 1 \| 0 \|' "$f" \
+        && grep -qE '^\| 1280x720 photo, 2 s \| 1 \| 2 \| 1 \| 0 \|' "$f" \
+        && grep -qE '^\| clip \(carphone.mp4\), 2 s \| 1 \| 2 \| 1 \| 0 \|' "$f" \
+        && grep -qE "^\| inference \| [0-9]+ \| $n \|" "$f" \
+        && grep -qE "^\| 2 at once \| 2 \| 1 \| 2 \| 0 \| 0 \| 0 \| 50 \| $n \|.* \| $n \|$" "$f" \
+        && grep -qE '^\| limit [0-9]+M \| 1 \| 1 \| 1 \| 0 \|' "$f" \
+        && grep -qE '^\| lipsync_oom_splits_total \| [0-9]' "$f" \
+        && grep -qE 'out of memory; batches limited to [0-9]+ frames' "$f"
+      ;;
+    live) grep -qE "^\| 1 sessions \| 1 \| 1 \| 0 \| 0 \| [1-9][0-9]* \| $n \|" "$f" ;;
+  esac
+}
+
+# Whether a process runs (a zombie waiting for its reaper does not).
+alive() {
+  local st
+  st=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)
+  [ -n "$st" ] && [ "$st" != Z ] && [ "$st" != X ]
+}
+
+# A python with CPU PyTorch and numpy for the torch stage's rehearsal: a venv under target/.
+rehearsal_torch() {
+  local venv=$ROOT/target/gpu-rehearsal-venv
+  if "$venv/bin/python" -c 'import torch, numpy' 2>/dev/null; then
+    echo "$venv/bin/python"
+    return 0
+  fi
+  python3 -m venv "$venv" >&2 || return 1
+  "$venv/bin/pip" install -q --disable-pip-version-check --upgrade pip >&2 || true
+  # The CPU wheel where its index is reachable, else PyPI's (which brings CUDA libraries).
+  "$venv/bin/pip" install -q --disable-pip-version-check torch numpy \
+    --index-url https://download.pytorch.org/whl/cpu >&2 2>/dev/null \
+    || "$venv/bin/pip" install -q --disable-pip-version-check torch numpy >&2 || return 1
+  "$venv/bin/python" -c 'import torch, numpy' >&2 || return 1
+  echo "$venv/bin/python"
+}
+
+main "$@"
