@@ -19,8 +19,9 @@
 #   live    240 s  live sessions at 25 fps: 1, 10, 50, 100 (or the most the server takes)
 #
 # Each stage writes exactly two files, $OUT/<stage>.md (Markdown tables: command, device, date,
-# results) and $OUT/<stage>.log.gz; everything else (weights, unpacked binaries, speech, videos)
-# lives under $LIPSYNC_WORK (/tmp/lipsync-gpu). A stage runs in its own process group; when
+# results) and $OUT/<stage>.log.gz ($OUT: the device tool sets it; /tmp/lipsync-gpu-out if
+# unset); everything else (weights, unpacked binaries, speech, videos) lives under
+# $LIPSYNC_WORK (/tmp/lipsync-gpu). A stage runs in its own process group; when
 # its budget is spent the whole group (servers and clients included) is killed, the stage
 # counts as done (exit 0) and its .md begins with "Stopped by the time guard after N s" and
 # keeps what it had measured. A required tool that is missing fails its stage at once with a
@@ -55,7 +56,7 @@ budget_of() {
 }
 
 usage() {
-  sed -n '2,/^set -uo/p' "$SELF" | sed '$d' | sed 's/^# \{0,1\}//'
+  sed -n '2,/^# shellcheck/p' "$SELF" | sed '$d' | sed 's/^# \{0,1\}//'
 }
 
 say() { echo "[$(date -u +%H:%M:%S)] $*"; }
@@ -205,10 +206,16 @@ speech() {
 stage_check() {
   md "## GPU" ""
   if command -v nvidia-smi >/dev/null; then
-    md "| name | driver | memory | compute capability |" "|---|---|---|---|"
-    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader \
-      | sed 's/, / | /g; s/^/| /; s/$/ |/' >> "$BODY" \
-      || fail_line "nvidia-smi failed"
+    local q
+    if q=$(nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader 2>&1); then
+      md "| name | driver | memory | compute capability |" "|---|---|---|---|"
+    elif q=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1); then
+      md "| name | driver | memory |" "|---|---|---|"
+    else
+      fail_line "nvidia-smi failed: $q"
+      q=""
+    fi
+    [ -z "$q" ] || printf '%s\n' "$q" | sed 's/, / | /g; s/^/| /; s/$/ |/' >> "$BODY"
   else
     md "| nvidia-smi | |" "|---|---|" "| not found | no NVIDIA driver here${LIPSYNC_REHEARSE:+ (CPU rehearsal)} |"
   fi
@@ -240,11 +247,15 @@ stage_check() {
     md "\`${RUN[*]}\` sets LD_LIBRARY_PATH=\`$libpath\`" ""
   fi
   local ldd_out
-  ldd_out=$("${RUN[@]}" ldd "$BIN" 2>&1)
-  printf '%s\n' "$ldd_out"
-  printf '%s\n' "$ldd_out" | python3 "$HELPER" ldd-md >> "$BODY"
-  if grep -q 'not found' <<< "$ldd_out"; then
-    fail_line "libraries not found: $(grep 'not found' <<< "$ldd_out" | awk '{print $1}' | xargs)"
+  if ! command -v ldd > /dev/null; then
+    md "ldd is not installed: library resolution not shown (the binary's start below tells)."
+  else
+    ldd_out=$("${RUN[@]}" ldd "$BIN" 2>&1)
+    printf '%s\n' "$ldd_out"
+    printf '%s\n' "$ldd_out" | python3 "$HELPER" ldd-md >> "$BODY"
+    if grep -q '=> not found' <<< "$ldd_out"; then
+      fail_line "libraries not found: $(grep '=> not found' <<< "$ldd_out" | awk '{print $1}' | xargs)"
+    fi
   fi
 
   md "" "## The binary starts and reports its device" ""
@@ -472,7 +483,7 @@ stage_live() {
   new_table
   for n in "${levels[@]}"; do
     rows=$(client_rows_with_mem "s$n" live --url "$URL" --audio "$(speech "$LIVE_SECONDS")" \
-      --image tests/media/astronaut.png --sessions "$n" --label "$n sessions") \
+      --image tests/media/astronaut.png --sessions "$n" --label "$n session$([ "$n" = 1 ] || echo s)") \
       || fail_line "service_load live with $n sessions failed"
     add_rows "$rows"
   done
@@ -637,7 +648,7 @@ main() {
     echo "gpu_run.sh: warning: these budgets add up to $total s, over the $CALL_SECONDS s a" \
       "command should take (10 minutes at most per call)" >&2
   fi
-  OUT=${OUT:-bench-out}
+  OUT=${OUT:-/tmp/lipsync-gpu-out}
   WORK=${LIPSYNC_WORK:-/tmp/lipsync-gpu}
   CARRY=${LIPSYNC_CARRY_DIR:-$ROOT/target/gpu-carry}
   mkdir -p "$OUT" "$WORK"
@@ -812,7 +823,7 @@ measured() {
         && grep -qE '^\| lipsync_oom_splits_total \| [0-9]' "$f" \
         && grep -qE 'out of memory; batches limited to [0-9]+ frames' "$f"
       ;;
-    live) grep -qE "^\| 1 sessions \| 1 \| 1 \| 0 \| 0 \| [1-9][0-9]* \| $n \|" "$f" ;;
+    live) grep -qE "^\| 1 session \| 1 \| 1 \| 0 \| 0 \| [1-9][0-9]* \| $n \|" "$f" ;;
   esac
 }
 
