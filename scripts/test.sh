@@ -3,8 +3,8 @@
 # tests/load.rs and the browser tests run), then the OpenAPI contract test (schemathesis
 # against a running server), then the browser tests (the page at / in headless Chromium).
 # Installs what the tests need when it is missing (ffmpeg with libx264 and ffprobe,
-# python3-venv, apache2-utils for ab, chromium, from Debian/Ubuntu packages; schemathesis and
-# Playwright from PyPI into target/), so a fresh machine needs only this command and a Rust
+# python3-venv, apache2-utils for ab, chromium, from Debian/Ubuntu packages; schemathesis,
+# Playwright and PyTorch from PyPI into target/), so a fresh machine needs only this command and a Rust
 # toolchain.
 #
 #   ./scripts/test.sh [extra cargo test args]
@@ -32,6 +32,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
+
+# PyTorch for the tests that run the PyTorch yardstick (tests/bench.rs): with the variable set,
+# they fail rather than skip when torch is missing.
+LIPSYNC_TORCH_PYTHON=${LIPSYNC_TORCH_PYTHON:-$(scripts/torch-venv.sh)}
+export LIPSYNC_TORCH_PYTHON
 
 # The load and fault suite (tests/load.rs) runs against the release server binary.
 cargo build --release --locked
