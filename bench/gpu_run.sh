@@ -723,9 +723,12 @@ for l in sys.stdin:
     fi
     python3 "$HELPER" tar-xz "$carry/ffmpeg.tar.xz" "$ff" "$fp" || return 1
   fi
+  # CPU PyTorch for the torch stage: the venv scripts/test.sh made (scripts/torch-venv.sh makes
+  # it when missing), or LIPSYNC_TORCH_PYTHON.
   local python=python3
   if has torch; then
-    python=$(rehearsal_torch) || { bad "no CPU PyTorch for the torch stage"; return 1; }
+    python=${LIPSYNC_TORCH_PYTHON:-$(scripts/torch-venv.sh)} \
+      || { bad "no CPU PyTorch for the torch stage (scripts/torch-venv.sh failed)"; return 1; }
   fi
   local t_built=$SECONDS
   say "built and packed in $((t_built - t_start)) s"
@@ -832,23 +835,6 @@ alive() {
   local st
   st=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)
   [ -n "$st" ] && [ "$st" != Z ] && [ "$st" != X ]
-}
-
-# A python with CPU PyTorch and numpy for the torch stage's rehearsal: a venv under target/.
-rehearsal_torch() {
-  local venv=$ROOT/target/gpu-rehearsal-venv
-  if "$venv/bin/python" -c 'import torch, numpy' 2>/dev/null; then
-    echo "$venv/bin/python"
-    return 0
-  fi
-  python3 -m venv "$venv" >&2 || return 1
-  "$venv/bin/pip" install -q --disable-pip-version-check --upgrade pip >&2 || true
-  # The CPU wheel where its index is reachable, else PyPI's (which brings CUDA libraries).
-  "$venv/bin/pip" install -q --disable-pip-version-check torch numpy \
-    --index-url https://download.pytorch.org/whl/cpu >&2 2>/dev/null \
-    || "$venv/bin/pip" install -q --disable-pip-version-check torch numpy >&2 || return 1
-  "$venv/bin/python" -c 'import torch, numpy' >&2 || return 1
-  echo "$venv/bin/python"
 }
 
 main "$@"
