@@ -599,15 +599,22 @@ impl Instance<'_> {
     /// reference path and starts over.
     fn warm_up(&mut self) -> Result<Option<BatchCost>, String> {
         'again: loop {
-            for n in self.sizes.clone() {
-                if n > self.cap {
-                    break;
-                }
+            // Every size up to the cap, and the cap itself: after an out-of-memory result the
+            // cap is half the size that failed, which need not be one of the sizes (without
+            // padding) and need not fit either, so it is run again until one does.
+            let mut sizes: Vec<usize> = self
+                .sizes
+                .iter()
+                .copied()
+                .filter(|&n| n < self.cap)
+                .collect();
+            sizes.push(self.cap);
+            for n in sizes {
                 match self.forward_raw(&Zeros(n)) {
                     Ok(_) => {}
                     Err(e) if is_out_of_memory(&e) && n > 1 => {
                         self.lower_cap(n / 2);
-                        break;
+                        continue 'again;
                     }
                     Err(e) => {
                         if self.model.use_reference_path() {
@@ -1364,6 +1371,32 @@ mod tests {
             .unwrap_err();
         assert!(is_out_of_memory(&e), "{e}");
         assert!(predicts(&log, DType::F32).is_empty());
+    }
+
+    #[test]
+    fn warm_up_lowers_the_cap_until_a_batch_fits_the_memory_limit() {
+        // Without padding the sizes are 2 and 16: 16 is over the limit, and so is half of it
+        // (8, never one of the sizes); the cap halves again to 4, which fits, and the
+        // instance starts instead of failing its warm-up.
+        let log = Log::default();
+        let loader = Arc::new(ScriptedLoader { log: log.clone() });
+        let mut cfg = config(true);
+        cfg.limits.max_batch = 16;
+        cfg.memory_limit = Some(estimated_bytes(5, DType::F32));
+        let pool = Pool::start(loader, cfg);
+        pool.wait_ready().unwrap();
+        pool.shutdown();
+        let sizes: Vec<usize> = log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|s| match s {
+                Seen::Predict { size, .. } => Some(*size),
+                _ => None,
+            })
+            .collect();
+        assert!(sizes.contains(&4), "{sizes:?}");
+        assert!(sizes.iter().all(|&n| n <= 5), "{sizes:?}");
     }
 
     #[test]
