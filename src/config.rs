@@ -238,11 +238,7 @@ impl EngineArgs {
                 self.checkpoint.display()
             );
         }
-        let loader = Wav2LipLoader {
-            weights: std::sync::Arc::new(weights),
-            device: r.device,
-            max_batch: r.max_batch,
-        };
+        let loader = Wav2LipLoader::new(std::sync::Arc::new(weights), r.device, r.max_batch);
         let mut cfg = self.pool_config(r);
         cfg.warm_up = warm_up;
         Ok((Engine::start(std::sync::Arc::new(loader), cfg), summary))

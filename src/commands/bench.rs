@@ -492,11 +492,8 @@ fn end_to_end(
     );
     println!("| speech | model frames | video frames | total | time to first byte |");
     println!("|---|---|---|---|---|");
-    let loader = lipsync::engine::backend::Wav2LipLoader {
-        weights: weights.clone(),
-        device: r.device,
-        max_batch: r.max_batch,
-    };
+    let loader =
+        lipsync::engine::backend::Wav2LipLoader::new(weights.clone(), r.device, r.max_batch);
     let mut cfg = args.pool_config(&r);
     cfg.limits.max_queue = usize::MAX;
     let engine = Engine::start(Arc::new(loader), cfg);

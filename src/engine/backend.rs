@@ -5,12 +5,13 @@
 //! [`Wav2LipLoader`] is the production backend: the candle generator (own CPU pass, own cuDNN
 //! path or candle's operations) on the configured device.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Tensor};
 
 use super::Error;
 use crate::model::arch::{FACE_CHANNELS, FACE_SIZE, MEL_BINS, MEL_STEPS};
+use crate::model::wav2lip::ActivationRanges;
 use crate::model::{self, DeviceKind, GeneratorWeights, Precision, Wav2Lip};
 
 /// Values in one frame's mel window, face input and prediction.
@@ -58,19 +59,46 @@ pub trait Loader: Send + Sync {
 
 /// The Wav2Lip generator on a device.
 pub struct Wav2LipLoader {
-    pub weights: Arc<GeneratorWeights>,
-    pub device: DeviceKind,
+    weights: Arc<GeneratorWeights>,
+    device: DeviceKind,
     /// The largest batch the instances run (start-up checks never run a larger one).
-    pub max_batch: usize,
+    max_batch: usize,
+    /// The checkpoint's activation ranges, measured by the first half-precision load and
+    /// shared by every instance, restart and f32 copy after it (the same weights every time).
+    ranges: Mutex<Option<Arc<ActivationRanges>>>,
+}
+
+impl Wav2LipLoader {
+    pub fn new(weights: Arc<GeneratorWeights>, device: DeviceKind, max_batch: usize) -> Self {
+        Wav2LipLoader {
+            weights,
+            device,
+            max_batch,
+            ranges: Mutex::new(None),
+        }
+    }
+
+    /// The activation ranges, measured on first need.
+    fn ranges(&self) -> Result<Arc<ActivationRanges>, model::Error> {
+        // Held while measuring: instances loading at once wait for one measurement.
+        let mut ranges = self.ranges.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(r) = ranges.as_ref() {
+            return Ok(r.clone());
+        }
+        let r = Arc::new(ActivationRanges::measure(&self.weights)?);
+        *ranges = Some(r.clone());
+        Ok(r)
+    }
 }
 
 impl Loader for Wav2LipLoader {
     fn load(&self, precision: Precision, check_batch: usize) -> Result<Box<dyn Model>, Error> {
-        Ok(Box::new(load_wav2lip(
+        Ok(Box::new(load_wav2lip_with(
             &self.weights,
             self.device,
             precision,
             check_batch.clamp(1, self.max_batch.max(1)),
+            || self.ranges(),
         )?))
     }
 }
@@ -85,11 +113,24 @@ pub fn load_wav2lip(
     precision: Precision,
     max_batch: usize,
 ) -> Result<Wav2Lip, model::Error> {
+    load_wav2lip_with(weights, device, precision, max_batch, || {
+        ActivationRanges::measure(weights).map(Arc::new)
+    })
+}
+
+/// [`load_wav2lip`] with the activation ranges from `ranges` (asked only in f16/bf16).
+fn load_wav2lip_with(
+    weights: &GeneratorWeights,
+    device: DeviceKind,
+    precision: Precision,
+    max_batch: usize,
+    ranges: impl FnOnce() -> Result<Arc<ActivationRanges>, model::Error>,
+) -> Result<Wav2Lip, model::Error> {
     let device = device.open_instance()?;
     let dtype = model::compute_dtype(&device, precision);
     let mut model = Wav2Lip::load(weights, &device, dtype)?;
     if dtype != DType::F32 {
-        let ranges = model::wav2lip::ActivationRanges::measure(weights)?;
+        let ranges = ranges()?;
         model.check_overflow(&ranges);
         tracing::info!(
             "{dtype:?} model: overflow checked at {}",

@@ -513,11 +513,7 @@ pub(super) fn autotune_probe(plan: &Plan, weights: Arc<GeneratorWeights>) -> Res
     ]
     .map(String::from);
     let (args, r) = serve_settings(plan.device, &flags)?;
-    let loader = Wav2LipLoader {
-        weights,
-        device: r.device,
-        max_batch: r.max_batch,
-    };
+    let loader = Wav2LipLoader::new(weights, r.device, r.max_batch);
     let start = Instant::now();
     let engine = Engine::start(Arc::new(loader), args.pool_config(&r));
     let ready = engine.wait_ready();
