@@ -154,11 +154,8 @@ impl Model for Wav2Lip {
         let dev = self.device().clone();
         let mel = Tensor::from_vec(mel, (n, 1, MEL_BINS, MEL_STEPS), &dev)?;
         let face = Tensor::from_vec(face, (n, FACE_CHANNELS, FACE_SIZE, FACE_SIZE), &dev)?;
-        let (pred, overflow) = self.forward_guarded(&mel, &face)?;
-        Ok(Prediction {
-            faces: pred.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
-            overflow,
-        })
+        let (faces, overflow) = self.forward_guarded_to_host(&mel, &face)?;
+        Ok(Prediction { faces, overflow })
     }
 
     fn use_reference_path(&mut self) -> bool {
@@ -183,14 +180,18 @@ mod tests {
     fn a_half_precision_model_reports_the_overflow_that_its_output_hides() {
         // A hidden layer overflows in f16: the faces come back finite, flagged.
         let weights = fixture_weights(Some(("face_encoder_blocks.3.0.conv_block.0.weight", 1e5)));
-        let (mel, face) = one_frame();
-        let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let (mel, face) = (flat(mel), flat(face));
+        let (mel_t, face_t) = one_frame();
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (mel, face) = (flat(&mel_t), flat(&face_t));
         let mut half = load_wav2lip(&weights, DeviceKind::Cpu, Precision::F16, 2).unwrap();
         let p = half.predict(1, mel.clone(), face.clone()).unwrap();
         assert!(p.overflow);
         assert_eq!(p.faces.len(), PRED_LEN);
         assert!(p.faces.iter().all(|v| v.is_finite()));
+        // The one-copy host path gives exactly the faces and verdict of the tensor path.
+        let (faces, overflow) = half.forward_guarded(&mel_t, &face_t).unwrap();
+        assert!(overflow);
+        assert_eq!(flat(&faces.to_dtype(DType::F32).unwrap()), p.faces);
         // f32 checks nothing (there is nothing to recompute in).
         let mut full = load_wav2lip(&weights, DeviceKind::Cpu, Precision::F32, 2).unwrap();
         assert!(full.checked_layers().is_empty());

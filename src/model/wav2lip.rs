@@ -559,8 +559,36 @@ impl Wav2Lip {
     /// scalar, the scalars of a batch come to the host together once the pass is queued, and
     /// [`overflow_suspected`] decides. Without checked layers this is `forward` and `false`.
     pub fn forward_guarded(&self, mel: &Tensor, face: &Tensor) -> Result<(Tensor, bool)> {
+        let (y, maxima) = self.forward_checked(mel, face)?;
+        let overflow = match maxima {
+            Some(m) => overflow_suspected(&m.to_dtype(DType::F32)?.to_vec1()?, self.dtype),
+            None => false,
+        };
+        Ok((y, overflow))
+    }
+
+    /// [`Self::forward_guarded`] with the faces on the host (f32, `n * 3 * 96 * 96` values):
+    /// the faces and the checked layers' maxima come back in one copy, so a batch waits for
+    /// the device once.
+    pub fn forward_guarded_to_host(&self, mel: &Tensor, face: &Tensor) -> Result<(Vec<f32>, bool)> {
+        let (y, maxima) = self.forward_checked(mel, face)?;
+        let faces = y.to_dtype(DType::F32)?.flatten_all()?;
+        let Some(maxima) = maxima else {
+            return Ok((faces.to_vec1()?, false));
+        };
+        let k = maxima.dim(0)?;
+        let mut all: Vec<f32> =
+            Tensor::cat(&[&faces, &maxima.to_dtype(DType::F32)?], 0)?.to_vec1()?;
+        let overflow = overflow_suspected(&all[all.len() - k..], self.dtype);
+        all.truncate(all.len() - k);
+        Ok((all, overflow))
+    }
+
+    /// The forward pass and, where layers are checked, their largest absolute values stacked
+    /// on the device (not copied yet).
+    fn forward_checked(&self, mel: &Tensor, face: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
         if self.overflow.layers.is_empty() || self.cpu.is_some() {
-            return Ok((self.forward(mel, face)?, false));
+            return Ok((self.forward(mel, face)?, None));
         }
         let mut maxima: Vec<Tensor> = Vec::new();
         let mut checked = |block: &ConvBlock, y: Tensor| -> Result<Tensor> {
@@ -578,10 +606,9 @@ impl Wav2Lip {
         #[cfg(not(feature = "cuda"))]
         let y = self.forward_with(mel, face, &mut |b, x| checked(b, b.forward(x)?))?;
         if maxima.is_empty() {
-            return Ok((y, false));
+            return Ok((y, None));
         }
-        let maxima: Vec<f32> = Tensor::stack(&maxima, 0)?.to_dtype(DType::F32)?.to_vec1()?;
-        Ok((y, overflow_suspected(&maxima, self.dtype)))
+        Ok((y, Some(Tensor::stack(&maxima, 0)?)))
     }
 
     /// The forward pass in candle's operations on any device (the reference for the CPU
