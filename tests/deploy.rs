@@ -1,5 +1,6 @@
-//! The deployment files and the README speak the CLI's language: every `LIPSYNC_*` variable
-//! and every `lipsync serve` flag they use exists in `lipsync serve --help`.
+//! The deployment files (docker/, every file under deploy/k8s/) and the README speak the CLI's
+//! language: every `LIPSYNC_*` variable and every `lipsync serve` flag they use exists in
+//! `lipsync serve --help`.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -7,6 +8,28 @@ use std::process::Command;
 
 fn read(rel: &str) -> String {
     std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)).unwrap()
+}
+
+/// Every file under `rel` (a directory of the repository), recursively, as repository paths.
+fn files_under(rel: &str) -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    let mut dirs = vec![root.join(rel)];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                if !path.ends_with("__pycache__") {
+                    dirs.push(path);
+                }
+            } else {
+                let rel = path.strip_prefix(root).unwrap();
+                files.push(rel.to_str().unwrap().to_string());
+            }
+        }
+    }
+    files.sort();
+    files
 }
 
 fn env_vars(text: &str) -> BTreeSet<String> {
@@ -44,13 +67,22 @@ fn docker_compose_and_readme_use_only_existing_serve_settings() {
 
     let mut used_env = BTreeSet::new();
     let mut used_flags = BTreeSet::new();
-    for file in [
+    let k8s = files_under("deploy/k8s");
+    assert!(
+        k8s.iter().any(|f| f.ends_with("deployment.yaml")),
+        "{k8s:?}"
+    );
+    let files = [
         "docker/Dockerfile",
         "docker/Dockerfile.cpu",
         "docker/compose.yaml",
         "README.md",
-    ] {
-        let text = read(file);
+    ]
+    .map(String::from)
+    .into_iter()
+    .chain(k8s);
+    for file in files {
+        let text = read(&file);
         used_env.extend(env_vars(&text));
         for line in text
             .lines()
