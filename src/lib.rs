@@ -1,6 +1,7 @@
 //! lipsync: Wav2Lip inference — speech and an avatar photo in, a talking-head video out.
 //!
 //! Layers, each depending only on those above it in this list:
+//! - [`fsutil`]: small file helpers (atomic replace) that any layer may use;
 //! - [`model`]: the Wav2Lip generator in candle and checkpoint reading;
 //! - [`media`]: audio decoding, the mel front end and the frame plan; images, faces,
 //!   compositing; video encoding;
@@ -13,6 +14,7 @@
 
 pub mod config;
 pub mod engine;
+pub mod fsutil;
 pub mod media;
 pub mod model;
 pub mod server;

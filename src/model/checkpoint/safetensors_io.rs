@@ -148,12 +148,5 @@ pub fn write_safetensors(
     let meta: HashMap<String, String> = metadata.clone().into_iter().collect();
     let bytes = safetensors::serialize(cpu.iter().map(|(k, t)| (k.as_str(), t)), Some(meta))
         .map_err(|e| Error::Corrupt(format!("cannot serialise safetensors: {e}")))?;
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".partial");
-    let tmp = std::path::PathBuf::from(tmp);
-    std::fs::write(&tmp, bytes).map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        io(e)
-    })
+    crate::fsutil::write_atomic(path, &bytes).map_err(io)
 }

@@ -216,7 +216,11 @@ impl Autotune {
         })
     }
 
-    /// Writes the cache file (a temporary file renamed over it) if it lacks choices.
+    /// Writes the cache file if it lacks choices: replaced atomically through a temporary
+    /// file of its own ([`crate::fsutil::write_atomic`]), so processes sharing the file on one
+    /// volume never see a part of one and never write through each other's temporary file.
+    /// A reader (the next process's [`Autotune::get`]) reads the whole file at once: it gets
+    /// the old file or the new one.
     fn save(&mut self) {
         let Some(path) = &settings().cache_file else {
             return;
@@ -232,9 +236,7 @@ impl Autotune {
             if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
                 std::fs::create_dir_all(dir)?;
             }
-            let tmp = path.with_extension("tmp");
-            std::fs::write(&tmp, serde_json::to_vec_pretty(&file)?)?;
-            std::fs::rename(&tmp, path)
+            crate::fsutil::write_atomic(path, &serde_json::to_vec_pretty(&file)?)
         };
         match write() {
             Ok(()) => self.dirty = false,
