@@ -158,7 +158,9 @@ impl Avatar {
         a
     }
 
-    fn from_parts(
+    /// An avatar from its decoded frame, boxes and detection: the crop, the model input and
+    /// the mask are derived (deterministically) here.
+    pub(super) fn from_parts(
         frame: Frame,
         face: FaceBox,
         source_face: FaceBox,

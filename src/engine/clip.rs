@@ -168,6 +168,36 @@ impl Clip {
     pub fn jpeg_bytes(&self) -> usize {
         self.frames.iter().map(|f| f.jpeg.len()).sum()
     }
+
+    /// Frame `i`'s stored JPEG (what the avatar directory writes).
+    pub(super) fn jpeg(&self, i: usize) -> &[u8] {
+        &self.frames[i].jpeg
+    }
+
+    /// A clip from its stored parts: per frame the box (output pixels), the 96×96 BGR crop
+    /// and the JPEG (the avatar directory reads them back).
+    pub(super) fn from_stored(
+        fps: Fps,
+        duration: f64,
+        (width, height): (u32, u32),
+        frames: Vec<(FaceBox, Vec<u8>, Vec<u8>)>,
+    ) -> Clip {
+        let frames = frames
+            .into_iter()
+            .map(|(face, crop_bgr, jpeg)| ClipFrame {
+                face,
+                crop_bgr: Arc::new(crop_bgr),
+                jpeg,
+            })
+            .collect();
+        Clip {
+            fps,
+            duration,
+            width,
+            height,
+            frames,
+        }
+    }
 }
 
 /// The frame as a JPEG at the best quality within the size budget.

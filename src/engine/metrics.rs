@@ -19,6 +19,7 @@ pub const AVATAR_CACHE_HITS: &str = "lipsync_avatar_cache_hits_total";
 pub const AVATAR_CACHE_MISSES: &str = "lipsync_avatar_cache_misses_total";
 pub const AVATAR_CACHE_BYTES: &str = "lipsync_avatar_cache_bytes";
 pub const AVATAR_CACHE_ENTRIES: &str = "lipsync_avatar_cache_entries";
+pub const AVATAR_DIR_BYTES: &str = "lipsync_avatar_dir_bytes";
 pub const RESIDENT_MEMORY: &str = "process_resident_memory_bytes";
 pub const GPU_MEMORY_USED: &str = "lipsync_gpu_memory_used_bytes";
 pub const GPU_MEMORY_TOTAL: &str = "lipsync_gpu_memory_total_bytes";

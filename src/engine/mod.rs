@@ -6,6 +6,7 @@
 //! threads, never on an async runtime.
 
 pub mod avatar;
+pub mod avatar_store;
 pub mod backend;
 pub mod batcher;
 pub mod cache;
