@@ -330,6 +330,29 @@ def test_least_connections_spreads_requests_over_every_replica(stack, avatar):
     assert len(by_header) == REPLICAS, by_header
 
 
+def test_a_response_streams_through_the_balancer(stack, avatar):
+    """The video arrives while it is made, not all at once when it is done: the balancer
+    passes fragments on as the replica writes them."""
+    body, ctype = multipart([("audio", SPEECH, media(SPEECH))], [("avatar_id", avatar)])
+    u = urllib.parse.urlsplit(stack.base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    try:
+        start = time.monotonic()
+        conn.request("POST", "/v1/lipsync", body=body, headers={"Content-Type": ctype})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        reads = []
+        while chunk := resp.read1(1 << 16):
+            reads.append((time.monotonic() - start, len(chunk)))
+    finally:
+        conn.close()
+    first, last = reads[0][0], reads[-1][0]
+    print(f"1 s of speech: first body bytes at {first:.2f} s, last at {last:.2f} s, "
+          f"{len(reads)} reads")
+    # The init segment comes with the first frames; the other 25 frames take seconds more.
+    assert len(reads) >= 3 and first <= 0.6 * last, reads
+
+
 def test_an_avatar_created_once_is_served_by_every_replica(stack):
     # A different photo from the module's avatar, so only one replica has seen it.
     avatar_id = create_avatar(stack.base, image="grace_hopper.jpg")
