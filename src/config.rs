@@ -28,6 +28,11 @@ pub struct EngineArgs {
     /// Where the model runs [default: cuda when built with CUDA and a GPU is present, else cpu].
     #[arg(long, env = "LIPSYNC_DEVICE", value_parser = choice::<DeviceKind>(DeviceKind::NAMES))]
     pub device: Option<DeviceKind>,
+    /// The GPU the model instances run on and whose memory /metrics reports, numbered from 0
+    /// as CUDA numbers them (after CUDA_VISIBLE_DEVICES); a number with no GPU stops
+    /// start-up. Accepted and ignored on the CPU (--device cpu, or a build without CUDA).
+    #[arg(long, env = "LIPSYNC_CUDA_DEVICE", default_value_t = 0)]
+    pub cuda_device: usize,
     /// Model precision [default: f16 on CUDA, f32 on CPU; bf16 on the CPU computes in f32].
     #[arg(long, env = "LIPSYNC_DTYPE", value_parser = choice::<Precision>(Precision::NAMES))]
     pub dtype: Option<Precision>,
@@ -159,6 +164,8 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 #[derive(Debug, Clone)]
 pub struct Resolved {
     pub device: DeviceKind,
+    /// The GPU (`--cuda-device`), used only when `device` is CUDA.
+    pub cuda_device: usize,
     pub precision: Precision,
     pub instances: usize,
     pub max_batch: usize,
@@ -183,6 +190,7 @@ impl EngineArgs {
             .min(max_batch);
         Resolved {
             device,
+            cuda_device: self.cuda_device,
             precision: self.dtype.unwrap_or(device.default_precision()),
             instances: self
                 .instances
@@ -220,13 +228,14 @@ impl EngineArgs {
         }
     }
 
-    /// Reads the checkpoint and starts the engine's instances (they load and warm up in the
-    /// background). Logs a warning for random test weights.
+    /// Checks that the device exists, reads the checkpoint and starts the engine's instances
+    /// (they load and warm up in the background). Logs a warning for random test weights.
     pub fn start_engine(
         &self,
         r: &Resolved,
         warm_up: bool,
     ) -> Result<(Engine, model::weights::Summary), model::Error> {
+        r.device.check(r.cuda_device)?;
         self.conv.apply();
         let (mut weights, summary) = GeneratorWeights::from_file(&self.checkpoint)?;
         if !weights.is_folded() {
@@ -238,7 +247,12 @@ impl EngineArgs {
                 self.checkpoint.display()
             );
         }
-        let loader = Wav2LipLoader::new(std::sync::Arc::new(weights), r.device, r.max_batch);
+        let loader = Wav2LipLoader::new(
+            std::sync::Arc::new(weights),
+            r.device,
+            r.cuda_device,
+            r.max_batch,
+        );
         let mut cfg = self.pool_config(r);
         cfg.warm_up = warm_up;
         Ok((Engine::start(std::sync::Arc::new(loader), cfg), summary))
@@ -287,7 +301,63 @@ impl MediaArgs {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_bytes;
+    use clap::Parser;
+
+    use super::{parse_bytes, EngineArgs, MediaArgs};
+    use crate::model::DeviceKind;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        engine: EngineArgs,
+        #[command(flatten)]
+        media: MediaArgs,
+    }
+
+    fn parse(args: &[&str]) -> Cli {
+        Cli::try_parse_from(
+            ["lipsync", "--checkpoint", "w.safetensors"]
+                .iter()
+                .chain(args),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn the_cuda_device_is_0_unless_a_flag_or_variable_says_otherwise() {
+        // One test sets and clears the variable, so no other test sees it.
+        std::env::remove_var("LIPSYNC_CUDA_DEVICE");
+        let cli = parse(&["--device", "cuda"]);
+        assert_eq!(cli.engine.cuda_device, 0);
+        assert_eq!(cli.engine.resolve(&cli.media).cuda_device, 0);
+
+        let cli = parse(&["--device", "cuda", "--cuda-device", "3"]);
+        let r = cli.engine.resolve(&cli.media);
+        assert_eq!((r.device, r.cuda_device), (DeviceKind::Cuda, 3));
+
+        std::env::set_var("LIPSYNC_CUDA_DEVICE", "2");
+        let from_env = parse(&["--device", "cuda"]);
+        let flag_wins = parse(&["--device", "cuda", "--cuda-device", "1"]);
+        std::env::remove_var("LIPSYNC_CUDA_DEVICE");
+        assert_eq!(from_env.engine.resolve(&from_env.media).cuda_device, 2);
+        assert_eq!(flag_wins.engine.cuda_device, 1);
+
+        assert!(
+            Cli::try_parse_from(["lipsync", "--checkpoint", "w", "--cuda-device", "-1"]).is_err()
+        );
+        assert!(
+            Cli::try_parse_from(["lipsync", "--checkpoint", "w", "--cuda-device", "gpu1"]).is_err()
+        );
+    }
+
+    #[test]
+    fn the_cuda_device_is_accepted_and_ignored_on_the_cpu() {
+        let cli = parse(&["--device", "cpu", "--cuda-device", "7"]);
+        let r = cli.engine.resolve(&cli.media);
+        assert_eq!((r.device, r.cuda_device), (DeviceKind::Cpu, 7));
+        // Nothing to check: the CPU starts whatever the number.
+        assert!(r.device.check(r.cuda_device).is_ok());
+    }
 
     #[test]
     fn sizes_parse_with_suffixes() {

@@ -45,7 +45,7 @@ const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 /// A device as a model instance opens it (its own stream, cudarc's event tracking off).
 fn gpu() -> (Device, CudaDevice) {
     let dev = DeviceKind::Cuda
-        .open_instance()
+        .open_instance(0)
         .expect("these tests need a CUDA GPU");
     let Device::Cuda(cuda) = &dev else {
         unreachable!("open_instance(Cuda) gives a CUDA device")

@@ -37,6 +37,10 @@ pub struct BenchArgs {
     /// Where the model runs [default: cuda when built with CUDA and a GPU is present, else cpu].
     #[arg(long, value_parser = choice::<DeviceKind>(DeviceKind::NAMES))]
     pub device: Option<DeviceKind>,
+    /// The GPU to measure, numbered from 0 as CUDA numbers them, as `serve --cuda-device`
+    /// (ignored on the CPU).
+    #[arg(long, env = "LIPSYNC_CUDA_DEVICE", default_value_t = 0)]
+    pub cuda_device: usize,
     /// Parts to run, comma-separated (they run in this order whatever the order given):
     /// model (frames/s and device memory by dtype, convolution path and batch), instances
     /// (one instance against several at the same frames in flight), accuracy (every dtype and
@@ -163,6 +167,8 @@ impl std::str::FromStr for Section {
 #[derive(Debug, Clone, PartialEq)]
 struct Plan {
     device: DeviceKind,
+    /// The GPU on CUDA (`--cuda-device`).
+    cuda_device: usize,
     sections: Vec<Section>,
     dtypes: Vec<Precision>,
     /// The precision of the instance, autotune and end-to-end runs.
@@ -223,10 +229,11 @@ impl Plan {
         }
         let service = match a.service_dtype {
             Some(p) => p,
-            None => serve_settings(device, &[])?.1.precision,
+            None => serve_settings(device, a.cuda_device, &[])?.1.precision,
         };
         Ok(Plan {
             device,
+            cuda_device: a.cuda_device,
             sections,
             dtypes,
             service,
@@ -278,6 +285,7 @@ fn device_name(d: DeviceKind) -> &'static str {
 /// defaults, or from the `LIPSYNC_*` variables serve reads): one source for the defaults.
 fn serve_settings(
     device: DeviceKind,
+    cuda_device: usize,
     flags: &[String],
 ) -> Result<(EngineArgs, Resolved), CliError> {
     #[derive(Parser)]
@@ -293,6 +301,8 @@ fn serve_settings(
         "-",
         "--device",
         device_name(device),
+        "--cuda-device",
+        &cuda_device.to_string(),
     ]
     .map(String::from)
     .to_vec();
@@ -421,7 +431,9 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
 
 /// x264 alone on frames of the avatar, by encoder worker count (and serve's count).
 fn encoder(a: &BenchArgs, plan: &Plan, avatar: &Avatar) -> Result<serde_json::Value, CliError> {
-    let serve_workers = serve_settings(plan.device, &[])?.1.encoder_workers;
+    let serve_workers = serve_settings(plan.device, plan.cuda_device, &[])?
+        .1
+        .encoder_workers;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut workers: Vec<usize> = a.encoder_workers.iter().map(|&w| w as usize).collect();
     if workers.is_empty() {
@@ -481,7 +493,7 @@ fn end_to_end(
     avatar: &Avatar,
 ) -> Result<serde_json::Value, CliError> {
     let dtype = plan.service.dtype().as_str().to_string();
-    let (args, r) = serve_settings(plan.device, &["--dtype".into(), dtype])?;
+    let (args, r) = serve_settings(plan.device, plan.cuda_device, &["--dtype".into(), dtype])?;
     println!(
         "\n## End to end ({}, {} instance(s), batches up to {}; pool, batcher, compositor, \
          encoder with {} worker(s); no HTTP)\n",
@@ -492,8 +504,12 @@ fn end_to_end(
     );
     println!("| speech | model frames | video frames | total | time to first byte |");
     println!("|---|---|---|---|---|");
-    let loader =
-        lipsync::engine::backend::Wav2LipLoader::new(weights.clone(), r.device, r.max_batch);
+    let loader = lipsync::engine::backend::Wav2LipLoader::new(
+        weights.clone(),
+        r.device,
+        r.cuda_device,
+        r.max_batch,
+    );
     let mut cfg = args.pool_config(&r);
     cfg.limits.max_queue = usize::MAX;
     let engine = Engine::start(Arc::new(loader), cfg);

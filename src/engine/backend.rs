@@ -61,6 +61,8 @@ pub trait Loader: Send + Sync {
 pub struct Wav2LipLoader {
     weights: Arc<GeneratorWeights>,
     device: DeviceKind,
+    /// The GPU on CUDA (ignored on the CPU).
+    cuda_device: usize,
     /// The largest batch the instances run (start-up checks never run a larger one).
     max_batch: usize,
     /// The checkpoint's activation ranges, measured by the first half-precision load and
@@ -69,10 +71,17 @@ pub struct Wav2LipLoader {
 }
 
 impl Wav2LipLoader {
-    pub fn new(weights: Arc<GeneratorWeights>, device: DeviceKind, max_batch: usize) -> Self {
+    /// `cuda_device`: the GPU on CUDA (ignored on the CPU).
+    pub fn new(
+        weights: Arc<GeneratorWeights>,
+        device: DeviceKind,
+        cuda_device: usize,
+        max_batch: usize,
+    ) -> Self {
         Wav2LipLoader {
             weights,
             device,
+            cuda_device,
             max_batch,
             ranges: Mutex::new(None),
         }
@@ -96,6 +105,7 @@ impl Loader for Wav2LipLoader {
         Ok(Box::new(load_wav2lip_with(
             &self.weights,
             self.device,
+            self.cuda_device,
             precision,
             check_batch.clamp(1, self.max_batch.max(1)),
             || self.ranges(),
@@ -107,13 +117,15 @@ impl Loader for Wav2LipLoader {
 /// measures the checkpoint's activation ranges in f32 and checks the layers at risk of
 /// overflow in every batch ([`Wav2Lip::check_overflow`]). Then it checks the own cuDNN path
 /// against an exact reference at batch 2 and `max_batch` (no larger) before it serves.
+/// `cuda_device`: the GPU on CUDA (ignored on the CPU).
 pub fn load_wav2lip(
     weights: &GeneratorWeights,
     device: DeviceKind,
+    cuda_device: usize,
     precision: Precision,
     max_batch: usize,
 ) -> Result<Wav2Lip, model::Error> {
-    load_wav2lip_with(weights, device, precision, max_batch, || {
+    load_wav2lip_with(weights, device, cuda_device, precision, max_batch, || {
         ActivationRanges::measure(weights).map(Arc::new)
     })
 }
@@ -122,11 +134,12 @@ pub fn load_wav2lip(
 fn load_wav2lip_with(
     weights: &GeneratorWeights,
     device: DeviceKind,
+    cuda_device: usize,
     precision: Precision,
     max_batch: usize,
     ranges: impl FnOnce() -> Result<Arc<ActivationRanges>, model::Error>,
 ) -> Result<Wav2Lip, model::Error> {
-    let device = device.open_instance()?;
+    let device = device.open_instance(cuda_device)?;
     let dtype = model::compute_dtype(&device, precision);
     let mut model = Wav2Lip::load(weights, &device, dtype)?;
     if dtype != DType::F32 {
@@ -183,7 +196,7 @@ mod tests {
         let (mel_t, face_t) = one_frame();
         let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let (mel, face) = (flat(&mel_t), flat(&face_t));
-        let mut half = load_wav2lip(&weights, DeviceKind::Cpu, Precision::F16, 2).unwrap();
+        let mut half = load_wav2lip(&weights, DeviceKind::Cpu, 0, Precision::F16, 2).unwrap();
         let p = half.predict(1, mel.clone(), face.clone()).unwrap();
         assert!(p.overflow);
         assert_eq!(p.faces.len(), PRED_LEN);
@@ -193,7 +206,7 @@ mod tests {
         assert!(overflow);
         assert_eq!(flat(&faces.to_dtype(DType::F32).unwrap()), p.faces);
         // f32 checks nothing (there is nothing to recompute in).
-        let mut full = load_wav2lip(&weights, DeviceKind::Cpu, Precision::F32, 2).unwrap();
+        let mut full = load_wav2lip(&weights, DeviceKind::Cpu, 0, Precision::F32, 2).unwrap();
         assert!(full.checked_layers().is_empty());
         assert!(!full.predict(1, mel, face).unwrap().overflow);
     }

@@ -214,15 +214,107 @@ impl DeviceKind {
         }
     }
 
-    /// Opens the device (GPU 0 for CUDA).
-    pub fn open(self) -> Result<Device> {
+    /// Opens the device: for CUDA the GPU numbered `cuda_device` (CUDA's numbering, from 0;
+    /// ignored on the CPU).
+    pub fn open(self, cuda_device: usize) -> Result<Device> {
         match self {
             DeviceKind::Cpu => Ok(Device::Cpu),
-            DeviceKind::Cuda if !cfg!(feature = "cuda") => Err(Error::Device(
-                "this lipsync binary was built without CUDA support (cargo feature `cuda`)".into(),
-            )),
-            DeviceKind::Cuda => Device::new_cuda(0).map_err(cuda_error),
+            DeviceKind::Cuda if !cfg!(feature = "cuda") => Err(no_cuda_support()),
+            DeviceKind::Cuda => {
+                Device::new_cuda(cuda_device).map_err(|e| cuda_error(cuda_device, e))
+            }
         }
+    }
+
+    /// Checks, without opening it, that the device exists: for CUDA that GPU `cuda_device`
+    /// is one of the GPUs the CUDA driver sees, so a wrong number fails at start-up with the
+    /// number of GPUs there are. Nothing to check on the CPU.
+    pub fn check(self, cuda_device: usize) -> Result<()> {
+        match self {
+            DeviceKind::Cpu => Ok(()),
+            DeviceKind::Cuda if !cfg!(feature = "cuda") => Err(no_cuda_support()),
+            DeviceKind::Cuda => match cuda_device_count() {
+                Ok(count) => match missing_cuda_device(cuda_device, count) {
+                    Some(message) => Err(Error::Device(message)),
+                    None => Ok(()),
+                },
+                Err(e) => Err(Error::Device(format!(
+                    "cannot open CUDA device {cuda_device}: cannot count the GPUs ({e})"
+                ))),
+            },
+        }
+    }
+}
+
+fn no_cuda_support() -> Error {
+    Error::Device(
+        "this lipsync binary was built without CUDA support (cargo feature `cuda`)".into(),
+    )
+}
+
+/// GPUs the CUDA driver sees (after `CUDA_VISIBLE_DEVICES`).
+#[cfg(feature = "cuda")]
+fn cuda_device_count() -> std::result::Result<usize, String> {
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    CudaContext::device_count()
+        .map(|n| usize::try_from(n).unwrap_or(0))
+        .map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device_count() -> std::result::Result<usize, String> {
+    Err("built without CUDA support".into())
+}
+
+/// The UUID of CUDA device `ordinal` as NVML writes it (`GPU-` and 32 hex digits grouped
+/// 8-4-4-4-12): how to find that GPU in NVML, whose numbering is not CUDA's (NVML ignores
+/// `CUDA_VISIBLE_DEVICES`). `None` without CUDA or without that device.
+pub fn cuda_device_uuid(ordinal: usize) -> Option<String> {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::cudarc::driver::result;
+        result::init().ok()?;
+        let device = result::device::get(i32::try_from(ordinal).ok()?).ok()?;
+        let uuid = result::device::get_uuid(device).ok()?;
+        Some(nvml_uuid(&uuid.bytes.map(|b| b as u8)))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        None
+    }
+}
+
+/// 16 UUID bytes in NVML's text form.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn nvml_uuid(bytes: &[u8; 16]) -> String {
+    let hex = |r: std::ops::Range<usize>| -> String {
+        bytes[r].iter().map(|b| format!("{b:02x}")).collect()
+    };
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        hex(0..4),
+        hex(4..6),
+        hex(6..8),
+        hex(8..10),
+        hex(10..16)
+    )
+}
+
+/// Why GPU `ordinal` cannot be used on a machine with `count` GPUs (`None`: it can).
+fn missing_cuda_device(ordinal: usize, count: usize) -> Option<String> {
+    match count {
+        _ if ordinal < count => None,
+        0 => Some(format!(
+            "CUDA device {ordinal} does not exist: the CUDA driver sees no GPU"
+        )),
+        1 => Some(format!(
+            "CUDA device {ordinal} does not exist: there is 1 GPU (device 0)"
+        )),
+        n => Some(format!(
+            "CUDA device {ordinal} does not exist: there are {n} GPUs (devices 0 to {})",
+            n - 1
+        )),
     }
 }
 
@@ -236,12 +328,15 @@ impl DeviceKind {
     /// copies them on the destination's stream, which nothing would order after this one's
     /// work. Move data between instances through host memory (as the engine does: inputs and
     /// outputs are host vectors).
-    pub fn open_instance(self) -> Result<Device> {
+    ///
+    /// `cuda_device`: which GPU, as in [`DeviceKind::open`].
+    pub fn open_instance(self, cuda_device: usize) -> Result<Device> {
         match self {
             DeviceKind::Cpu => Ok(Device::Cpu),
-            DeviceKind::Cuda if !cfg!(feature = "cuda") => self.open(),
+            DeviceKind::Cuda if !cfg!(feature = "cuda") => self.open(cuda_device),
             DeviceKind::Cuda => {
-                let device = Device::new_cuda_with_stream(0).map_err(cuda_error)?;
+                let device = Device::new_cuda_with_stream(cuda_device)
+                    .map_err(|e| cuda_error(cuda_device, e))?;
                 #[cfg(feature = "cuda")]
                 if let Device::Cuda(cuda) = &device {
                     // SAFETY: cudarc's contract for turning tracking off is that no buffer is
@@ -249,7 +344,7 @@ impl DeviceKind {
                     // caller ordering the two (freed before a use elsewhere ends, used
                     // elsewhere before its allocation ends, written by two streams at once).
                     // - The switch is scoped to this instance: candle's `new_with_stream` calls
-                    //   `CudaContext::new(0)`, which retains the GPU's primary context but
+                    //   `CudaContext::new(cuda_device)`, which retains the GPU's primary context but
                     //   returns a new `CudaContext` object with its own tracking flag and
                     //   stream count, held only by this device and its buffers. Other
                     //   instances (and `Device::new_cuda` devices) keep their own flags.
@@ -272,11 +367,18 @@ impl DeviceKind {
     }
 }
 
-/// A CUDA device error in one line (candle's text may carry a backtrace).
-fn cuda_error(e: candle_core::Error) -> Error {
+/// A CUDA device error in one line (candle's text may carry a backtrace), saying how many
+/// GPUs there are when `ordinal` is not one of them.
+fn cuda_error(ordinal: usize, e: candle_core::Error) -> Error {
+    if let Some(message) = cuda_device_count()
+        .ok()
+        .and_then(|n| missing_cuda_device(ordinal, n))
+    {
+        return Error::Device(message);
+    }
     let text = e.to_string();
     let first = text.lines().next().unwrap_or("unknown error");
-    Error::Device(format!("cannot open CUDA device 0: {first}"))
+    Error::Device(format!("cannot open CUDA device {ordinal}: {first}"))
 }
 
 /// The dtype the model will actually compute in on `device`. candle's CPU backend has no bf16
@@ -302,6 +404,36 @@ mod tests {
             status: status.into(),
             code,
         }
+    }
+
+    #[test]
+    fn a_missing_cuda_device_is_named_with_the_gpus_there_are() {
+        use super::missing_cuda_device;
+        assert_eq!(missing_cuda_device(0, 1), None);
+        assert_eq!(missing_cuda_device(7, 8), None);
+        assert_eq!(
+            missing_cuda_device(2, 2).as_deref(),
+            Some("CUDA device 2 does not exist: there are 2 GPUs (devices 0 to 1)")
+        );
+        assert_eq!(
+            missing_cuda_device(1, 1).as_deref(),
+            Some("CUDA device 1 does not exist: there is 1 GPU (device 0)")
+        );
+        assert_eq!(
+            missing_cuda_device(0, 0).as_deref(),
+            Some("CUDA device 0 does not exist: the CUDA driver sees no GPU")
+        );
+        // The CPU needs no GPU, whatever the number.
+        assert!(super::DeviceKind::Cpu.check(5).is_ok());
+    }
+
+    #[test]
+    fn cuda_uuids_are_written_as_nvml_writes_them() {
+        let bytes: [u8; 16] = std::array::from_fn(|i| (i as u8) * 17);
+        assert_eq!(
+            super::nvml_uuid(&bytes),
+            "GPU-00112233-4455-6677-8899-aabbccddeeff"
+        );
     }
 
     #[test]

@@ -220,6 +220,7 @@ async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
         "conv_path": status.as_ref().and_then(|s| s.conv_path()),
         "autotune_cache": e.conv.autotune_cache,
         "instances": c.instances,
+        "cuda_device": (c.device == crate::model::DeviceKind::Cuda).then_some(c.cuda_device),
         "instances_ready": status.as_ref().map_or(0, |s| s.ready()),
         "max_batch": c.max_batch,
         "first_batch": c.first_batch,
@@ -275,9 +276,14 @@ fn resident_memory() -> Option<f64> {
     Some(kb * 1024.0)
 }
 
-/// Used and total memory of GPU 0, from NVML (loaded at run time; `None` without it).
+/// Used and total memory of CUDA device `index` (`--cuda-device`), from NVML (loaded at run
+/// time; `None` without it). NVML numbers every GPU of the machine, CUDA only those in
+/// `CUDA_VISIBLE_DEVICES` (and maybe in another order), so the GPU is found by its UUID, by
+/// number only when the UUID cannot be read.
 #[cfg(feature = "cuda")]
-fn gpu_memory() -> Option<(u64, u64)> {
+fn gpu_memory(index: usize) -> Option<(u64, u64)> {
+    static UUID: OnceLock<Option<String>> = OnceLock::new();
+    let uuid = UUID.get_or_init(|| model::cuda_device_uuid(index));
     static NVML: OnceLock<Option<nvml_wrapper::Nvml>> = OnceLock::new();
     let nvml = NVML
         .get_or_init(|| match nvml_wrapper::Nvml::init() {
@@ -288,12 +294,16 @@ fn gpu_memory() -> Option<(u64, u64)> {
             }
         })
         .as_ref()?;
-    let info = nvml.device_by_index(0).ok()?.memory_info().ok()?;
+    let device = match uuid.as_deref().map(|u| nvml.device_by_uuid(u)) {
+        Some(Ok(d)) => d,
+        _ => nvml.device_by_index(u32::try_from(index).ok()?).ok()?,
+    };
+    let info = device.memory_info().ok()?;
     Some((info.used, info.total))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn gpu_memory() -> Option<(u64, u64)> {
+fn gpu_memory(_index: usize) -> Option<(u64, u64)> {
     None
 }
 
@@ -302,7 +312,7 @@ async fn metrics_text(State(app): State<Arc<App>>) -> impl IntoResponse {
         metrics::gauge!(m::RESIDENT_MEMORY).set(rss);
     }
     if app.cfg.device == crate::model::DeviceKind::Cuda {
-        if let Some((used, total)) = gpu_memory() {
+        if let Some((used, total)) = gpu_memory(app.cfg.cuda_device) {
             metrics::gauge!(m::GPU_MEMORY_USED).set(used as f64);
             metrics::gauge!(m::GPU_MEMORY_TOTAL).set(total as f64);
         }

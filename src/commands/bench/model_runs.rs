@@ -136,7 +136,7 @@ pub(super) fn model(
     let mut notes = Vec::new();
     let mut ranges = None;
     for &p in &plan.dtypes {
-        let dev = plan.device.open_instance()?;
+        let dev = plan.device.open_instance(plan.cuda_device)?;
         let meter = Meter::new(&dev);
         let before = meter.in_use();
         let dtype = model::compute_dtype(&dev, p);
@@ -285,7 +285,13 @@ pub(super) fn instances(
                 s.spawn(|| {
                     let run = || -> Result<(), CliError> {
                         let ready = (|| {
-                            let m = load_wav2lip(weights, plan.device, plan.service, batch)?;
+                            let m = load_wav2lip(
+                                weights,
+                                plan.device,
+                                plan.cuda_device,
+                                plan.service,
+                                batch,
+                            )?;
                             let (mel, face) = inputs(batch, m.device())?;
                             forward_sync(&m, &mel, &face, true)?;
                             Ok::<_, CliError>((m, mel, face))
@@ -386,7 +392,7 @@ pub(super) fn accuracy(
     );
     println!("| dtype | convolutions | PSNR | max difference |");
     println!("|---|---|---|---|");
-    let dev = plan.device.open_instance()?;
+    let dev = plan.device.open_instance(plan.cuda_device)?;
     let (mel_dev, face_dev) = (
         mel_in.to_device(&dev).map_err(model::Error::from)?,
         face_in.to_device(&dev).map_err(model::Error::from)?,
@@ -453,6 +459,7 @@ pub(super) fn autotune(a: &BenchArgs, plan: &Plan, checkpoint: &Path) -> Result<
             .arg("--checkpoint")
             .arg(checkpoint)
             .args(["--device", device_name(plan.device)])
+            .args(["--cuda-device", plan.cuda_device.to_string().as_str()])
             .args(["--service-dtype", plan.service.dtype().as_str()])
             .args(["--conv-engine", engine.as_str()])
             .arg("--autotune-cache")
@@ -512,8 +519,8 @@ pub(super) fn autotune_probe(plan: &Plan, weights: Arc<GeneratorWeights>) -> Res
         max_batch.as_str(),
     ]
     .map(String::from);
-    let (args, r) = serve_settings(plan.device, &flags)?;
-    let loader = Wav2LipLoader::new(weights, r.device, r.max_batch);
+    let (args, r) = serve_settings(plan.device, plan.cuda_device, &flags)?;
+    let loader = Wav2LipLoader::new(weights, r.device, r.cuda_device, r.max_batch);
     let start = Instant::now();
     let engine = Engine::start(Arc::new(loader), args.pool_config(&r));
     let ready = engine.wait_ready();
