@@ -186,7 +186,11 @@ fn run(args: &Args, rate: f64) -> Row {
     let speed = args.speed;
     let real = move |ms: f64| Duration::from_secs_f64((ms / 1000.0 / speed).max(0.0));
     let sim_ms = move |d: Duration| d.as_secs_f64() * 1000.0 * speed;
-    let sched = Arc::new(Scheduler::new(limits(args), real(args.fill_wait_ms)));
+    let sched = Arc::new(Scheduler::new(
+        limits(args),
+        real(args.fill_wait_ms),
+        args.instances,
+    ));
     let record = Arc::new(Mutex::new(Record::default()));
     let busy_ns = Arc::new(AtomicUsize::new(0));
 

@@ -91,7 +91,11 @@ fn run(args: &Args, sessions: usize) -> String {
         max_queue: 1_000_000,
         max_ahead: 1_000_000,
     };
-    let sched = Arc::new(Scheduler::new(limits, real(args.fill_wait_ms)));
+    let sched = Arc::new(Scheduler::new(
+        limits,
+        real(args.fill_wait_ms),
+        args.instances,
+    ));
     // As the pool does after warm-up (in real time: the clock runs `speed` times faster).
     sched.set_batch_cost(BatchCost {
         fixed: args.a_ms / 1e3 / args.speed,

@@ -130,6 +130,16 @@ impl<T> Batcher<T> {
         self.queued
     }
 
+    /// Items of real-time requests queued (the rest of [`Batcher::queued`] is other
+    /// requests').
+    pub fn queued_realtime(&self) -> usize {
+        self.lanes
+            .iter()
+            .filter(|l| l.realtime)
+            .map(|l| l.items.len())
+            .sum()
+    }
+
     /// Requests admitted and not yet finished.
     pub fn requests(&self) -> usize {
         self.lanes.len()

@@ -1,7 +1,9 @@
 //! Faults injected on cue, for tests only: debug builds read `LIPSYNC_TEST_FAULTS`
 //! (comma-separated `point:n`, e.g. `instance_panic:2` panics in the second batch an instance
-//! runs; `job_panic:10` in a request's job after 10 frames). Release builds compile every
-//! check to `false`: this is a test hook, not a production flag.
+//! runs; `job_panic:10` in a request's job after 10 frames; `batch_delay_ms:300` stalls every
+//! batch an instance serves by 300 ms, so work stays queued long enough to observe). Release
+//! builds compile every check to `false` (and no delay): this is a test hook, not a production
+//! flag.
 
 /// Whether fault `point` fires now: its counter reaches the configured `n` (once).
 #[cfg(debug_assertions)]
@@ -34,4 +36,23 @@ pub fn hit(point: &str) -> bool {
 #[inline(always)]
 pub fn hit(_point: &str) -> bool {
     false
+}
+
+/// How long to stall at `point` every time it is passed (`point:ms`), if configured.
+#[cfg(debug_assertions)]
+pub fn delay(point: &str) -> Option<std::time::Duration> {
+    use std::sync::OnceLock;
+    static SPEC: OnceLock<String> = OnceLock::new();
+    let spec = SPEC.get_or_init(|| std::env::var("LIPSYNC_TEST_FAULTS").unwrap_or_default());
+    spec.split(',')
+        .filter_map(|p| p.trim().split_once(':'))
+        .find(|(name, _)| *name == point)
+        .and_then(|(_, ms)| ms.parse().ok())
+        .map(std::time::Duration::from_millis)
+}
+
+#[cfg(not(debug_assertions))]
+#[inline(always)]
+pub fn delay(_point: &str) -> Option<std::time::Duration> {
+    None
 }

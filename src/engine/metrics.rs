@@ -13,6 +13,8 @@ pub const BATCH_REQUESTS: &str = "lipsync_batch_requests";
 pub const FRAMES_TOTAL: &str = "lipsync_frames_total";
 pub const DROPPED_FRAMES_TOTAL: &str = "lipsync_dropped_frames_total";
 pub const QUEUE_FRAMES: &str = "lipsync_queue_frames";
+/// Model work waiting, in seconds, by `class` ([`QUEUE_CLASSES`]): see [`queue_seconds`].
+pub const QUEUE_SECONDS: &str = "lipsync_queue_seconds";
 pub const INSTANCES_BUSY: &str = "lipsync_instances_busy";
 pub const INSTANCES_READY: &str = "lipsync_instances_ready";
 pub const AVATAR_CACHE_HITS: &str = "lipsync_avatar_cache_hits_total";
@@ -57,6 +59,22 @@ pub fn stage(stage: &'static str, d: Duration) {
 
 pub fn queue_frames(n: usize) {
     metrics::gauge!(QUEUE_FRAMES).set(n as f64);
+}
+
+/// The `class` label of [`QUEUE_SECONDS`]: `live`, frames of live sessions (deadlines, served
+/// first); `interactive`, frames of `POST /v1/lipsync` requests and renders.
+pub const QUEUE_CLASSES: [&str; 2] = ["live", "interactive"];
+
+/// What [`QUEUE_SECONDS`] says (the `# HELP` line of `/metrics`).
+pub const QUEUE_SECONDS_HELP: &str = "Model work waiting, in seconds: the frames queued in the \
+     class times the per-frame cost measured at warm-up, plus the fixed cost per batch they \
+     need, divided by the instances (0 until warm-up has measured the cost). Independent of \
+     the GPU model, unlike utilisation.";
+
+/// Sets [`QUEUE_SECONDS`] for `class` (one of [`QUEUE_CLASSES`]).
+pub fn queue_seconds(class: &'static str, seconds: f64) {
+    debug_assert!(QUEUE_CLASSES.contains(&class), "{class}");
+    metrics::gauge!(QUEUE_SECONDS, "class" => class).set(seconds);
 }
 
 pub fn dropped_frames(n: usize) {

@@ -90,6 +90,17 @@ impl BatchCost {
         self.fixed + self.per_frame * n as f64
     }
 
+    /// Seconds of model work that `frames` waiting frames stand for when `instances` share
+    /// them: `(frames · per_frame + batches · fixed) / instances`, with
+    /// `batches = ⌈frames / max_batch⌉` (the fewest batches that hold them).
+    pub fn queue_seconds(&self, frames: usize, max_batch: usize, instances: usize) -> f64 {
+        if frames == 0 {
+            return 0.0;
+        }
+        let batches = frames.div_ceil(max_batch.max(1));
+        (frames as f64 * self.per_frame + batches as f64 * self.fixed) / instances.max(1) as f64
+    }
+
     /// The largest batch in `lo..=hi` done within `latency` (at least `lo`).
     pub fn largest_within(&self, latency: Duration, lo: usize, hi: usize) -> usize {
         if self.per_frame <= 0.0 {
@@ -270,7 +281,7 @@ pub struct Pool {
 impl Pool {
     /// Starts the instances (returns at once; they load and warm up in the background).
     pub fn start(loader: Arc<dyn Loader>, cfg: PoolConfig) -> Pool {
-        let scheduler = Arc::new(Scheduler::new(cfg.limits, cfg.batch_wait));
+        let scheduler = Arc::new(Scheduler::new(cfg.limits, cfg.batch_wait, cfg.instances));
         let status = Arc::new(PoolStatus {
             instances: cfg.instances,
             ..Default::default()
@@ -789,6 +800,9 @@ impl Instance<'_> {
         if super::faults::hit("instance_panic") {
             panic!("injected fault: instance_panic");
         }
+        if let Some(stall) = super::faults::delay("batch_delay_ms") {
+            std::thread::sleep(stall);
+        }
         let t = Instant::now();
         let n = items.len();
         match self.forward_raw(&Items(&items)) {
@@ -1019,6 +1033,24 @@ mod tests {
             assert!(rx.recv_timeout(Duration::from_secs(5)).unwrap().is_ok());
         }
         pool.shutdown();
+    }
+
+    #[test]
+    fn queued_frames_cost_their_frames_and_the_batches_they_need_shared_by_the_instances() {
+        let c = BatchCost {
+            fixed: 0.040,
+            per_frame: 0.005,
+        };
+        assert_eq!(c.queue_seconds(0, 512, 3), 0.0);
+        // One frame: one batch.
+        assert!((c.queue_seconds(1, 512, 1) - 0.045).abs() < 1e-12);
+        // 1000 frames at batches of 512: two batches; three instances share the work.
+        let want = (1000.0 * 0.005 + 2.0 * 0.040) / 3.0;
+        assert!((c.queue_seconds(1000, 512, 3) - want).abs() < 1e-12);
+        // Exactly full batches need no extra one.
+        assert!((c.queue_seconds(1024, 512, 1) - (1024.0 * 0.005 + 2.0 * 0.040)).abs() < 1e-12);
+        // Degenerate settings do not divide by zero.
+        assert!((c.queue_seconds(2, 0, 0) - (2.0 * 0.005 + 2.0 * 0.040)).abs() < 1e-12);
     }
 
     #[test]

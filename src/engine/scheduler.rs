@@ -47,8 +47,34 @@ struct State {
     /// The instances' measured batch cost, once known: real-time batches wait for more
     /// frames as long as their earliest deadline allows.
     cost: Option<super::pool::BatchCost>,
+    /// Model instances sharing the queue (for the queue time).
+    instances: usize,
     lanes: HashMap<RequestId, Lane>,
     shutdown: bool,
+}
+
+impl State {
+    /// Publishes the queue's size: frames, and per class the seconds of model work they
+    /// stand for at the measured batch cost ([`super::pool::BatchCost::queue_seconds`]; 0
+    /// while no cost is measured). Called whenever the queue changes.
+    fn publish_queue(&self) {
+        m::queue_frames(self.batcher.queued());
+        let (live, interactive) = self.queue_seconds();
+        m::queue_seconds("live", live);
+        m::queue_seconds("interactive", interactive);
+    }
+
+    /// Seconds of model work queued: live sessions' frames, other requests' frames.
+    fn queue_seconds(&self) -> (f64, f64) {
+        let live = self.batcher.queued_realtime();
+        let other = self.batcher.queued().saturating_sub(live);
+        let max_batch = self.batcher.limits().max_batch;
+        let seconds = |frames: usize| {
+            self.cost
+                .map_or(0.0, |c| c.queue_seconds(frames, max_batch, self.instances))
+        };
+        (seconds(live), seconds(other))
+    }
 }
 
 /// See the module documentation.
@@ -59,13 +85,15 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// `fill_wait`: how long a batch may wait for more frames before it runs short.
-    pub fn new(limits: Limits, fill_wait: Duration) -> Self {
+    /// `fill_wait`: how long a batch may wait for more frames before it runs short;
+    /// `instances`: the model instances taking batches (they share the queue time).
+    pub fn new(limits: Limits, fill_wait: Duration, instances: usize) -> Self {
         Scheduler {
             state: Mutex::new(State {
                 batcher: Batcher::new(limits),
                 epoch: Instant::now(),
                 cost: None,
+                instances: instances.max(1),
                 lanes: HashMap::new(),
                 shutdown: false,
             }),
@@ -96,7 +124,9 @@ impl Scheduler {
 
     /// The measured cost of a batch (from the warm-up).
     pub fn set_batch_cost(&self, cost: super::pool::BatchCost) {
-        self.lock().cost = Some(cost);
+        let mut s = self.lock();
+        s.cost = Some(cost);
+        s.publish_queue();
     }
 
     /// Sets the largest batch formed while a new request waits for its first frames.
@@ -128,7 +158,7 @@ impl Scheduler {
                 first_taken: false,
             },
         );
-        m::queue_frames(s.batcher.queued());
+        s.publish_queue();
         drop(s);
         self.work.notify_all();
     }
@@ -229,7 +259,7 @@ impl Scheduler {
                 reply: lane.reply.clone(),
             });
         }
-        m::queue_frames(s.batcher.queued());
+        s.publish_queue();
         Some(items)
     }
 
@@ -244,7 +274,7 @@ impl Scheduler {
         let mut s = self.lock();
         s.lanes.remove(&id);
         let dropped = s.batcher.cancel(id);
-        m::queue_frames(s.batcher.queued());
+        s.publish_queue();
         m::dropped_frames(dropped);
         dropped
     }
@@ -254,7 +284,7 @@ impl Scheduler {
         let mut s = self.lock();
         s.lanes.remove(&id);
         s.batcher.finish(id);
-        m::queue_frames(s.batcher.queued());
+        s.publish_queue();
     }
 
     /// Wakes every instance and makes [`Scheduler::next_batch`] return `None`.
@@ -291,7 +321,7 @@ mod tests {
 
     #[test]
     fn a_batch_waits_briefly_to_fill_then_runs() {
-        let s = Arc::new(Scheduler::new(limits(), Duration::from_millis(300)));
+        let s = Arc::new(Scheduler::new(limits(), Duration::from_millis(300), 1));
         let (a, _ra) = s.admit(frames(1)).unwrap();
         // The first batch is capped at first_batch (2): it waits for a second frame...
         let s2 = s.clone();
@@ -305,7 +335,7 @@ mod tests {
 
     #[test]
     fn shutdown_releases_waiting_instances() {
-        let s = Arc::new(Scheduler::new(limits(), Duration::from_millis(10)));
+        let s = Arc::new(Scheduler::new(limits(), Duration::from_millis(10), 1));
         let s2 = s.clone();
         let waiter = std::thread::spawn(move || s2.next_batch().is_none());
         std::thread::sleep(Duration::from_millis(30));
@@ -315,7 +345,7 @@ mod tests {
 
     #[test]
     fn cancelled_requests_lose_their_queued_frames() {
-        let s = Scheduler::new(limits(), Duration::ZERO);
+        let s = Scheduler::new(limits(), Duration::ZERO, 1);
         let (a, ra) = s.admit(frames(10)).unwrap();
         let batch = s.next_batch().unwrap();
         assert_eq!(batch.len(), 2);
@@ -327,8 +357,36 @@ mod tests {
     }
 
     #[test]
+    fn queue_time_counts_each_class_at_the_measured_cost() {
+        let s = Scheduler::new(limits(), Duration::ZERO, 2);
+        let (_a, _ra) = s.admit(frames(10)).unwrap();
+        // No cost measured yet: no time.
+        assert_eq!(s.lock().queue_seconds(), (0.0, 0.0));
+        let cost = crate::engine::pool::BatchCost {
+            fixed: 0.01,
+            per_frame: 0.001,
+        };
+        s.set_batch_cost(cost);
+        // 10 frames at batches of 8: 2 batches, over 2 instances.
+        let want = (10.0 * 0.001 + 2.0 * 0.01) / 2.0;
+        let (live, interactive) = s.lock().queue_seconds();
+        assert_eq!(live, 0.0);
+        assert!((interactive - want).abs() < 1e-12);
+        let due = Instant::now() + Duration::from_secs(10);
+        let (_b, _rb) = s.admit_realtime(frames(3).into_iter().map(|f| (f, due)).collect());
+        let (live, interactive) = s.lock().queue_seconds();
+        assert!((live - cost.queue_seconds(3, 8, 2)).abs() < 1e-12);
+        assert!((interactive - want).abs() < 1e-12);
+        // Live frames go first; everything taken leaves nothing queued.
+        while s.queued() > 0 {
+            s.next_batch().unwrap();
+        }
+        assert_eq!(s.lock().queue_seconds(), (0.0, 0.0));
+    }
+
+    #[test]
     fn real_time_batches_grow_while_their_deadline_allows() {
-        let s = Arc::new(Scheduler::new(limits(), Duration::ZERO));
+        let s = Arc::new(Scheduler::new(limits(), Duration::ZERO, 1));
         s.set_batch_cost(crate::engine::pool::BatchCost {
             fixed: 0.01,
             per_frame: 0.001,

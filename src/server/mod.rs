@@ -477,6 +477,14 @@ fn install_metrics() -> Result<PrometheusHandle, ServeError> {
     metrics::gauge!(m::AVATAR_CACHE_BYTES).set(0.0);
     metrics::gauge!(m::AVATAR_CACHE_ENTRIES).set(0.0);
     Ok(handle)
+    metrics::describe_gauge!(
+        m::QUEUE_SECONDS,
+        metrics::Unit::Seconds,
+        m::QUEUE_SECONDS_HELP
+    );
+    for class in m::QUEUE_CLASSES {
+        m::queue_seconds(class, 0.0);
+    }
 }
 
 async fn shutdown_signal() {
