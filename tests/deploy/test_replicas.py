@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -183,12 +184,12 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(image, weights_dir, tmp_path_factory):
+def stack(image, weights_dir):
     # The balancer's image (Debian's HAProxy; a cached rebuild is a second).
     docker("build", "-q", "-t", BALANCER_IMAGE, str(ROOT / "docker" / "balancer"), timeout=600)
-    override = tmp_path_factory.mktemp("compose") / "test.override.yaml"
-    override.write_text(OVERRIDE)
-    s = Stack(image, weights_dir, override)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(OVERRIDE)
+    s = Stack(image, weights_dir, f.name)
     try:
         s.compose("up", "-d", "--no-build", "--scale", f"lipsync={REPLICAS}", timeout=300)
         replicas = s.containers()
@@ -201,6 +202,7 @@ def stack(image, weights_dir, tmp_path_factory):
         raise
     finally:
         s.compose("down", "-v", "--remove-orphans", "-t", "5", check=False, timeout=300)
+        os.unlink(f.name)
         left = docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={s.project}").stdout
         assert not left.strip(), f"containers left behind: {left}"
 
