@@ -13,9 +13,9 @@
 //! derived from them as when it was prepared), and for a clip its rate, duration, size and per
 //! frame the box, the crop and the JPEG.
 //!
-//! Writes go to a temporary file with a unique name in the same directory (`.<id>.<pid>.<n>.
-//! <nanos>.tmp`), are synced, then renamed over `<id>.avatar`: a reader sees the old file or
-//! the new one, never a part. Ids are content-derived (SHA-256 of the upload and its options),
+//! Writes go through [`crate::fsutil::write_atomic`]: a temporary file of a name no other writer
+//! uses (`.<id>.avatar.<pid>.<random>.tmp`) in the same directory, synced, then renamed over
+//! `<id>.avatar`: a reader sees the old file or the new one, never a part. Ids are content-derived (SHA-256 of the upload and its options),
 //! so replicas writing the same id at once write the same avatar and either rename may win.
 //! A file that fails its checks (cut short, a flipped byte) is logged, removed and reads as
 //! absent. Recency is the file's modification time, refreshed when the avatar is used (at most
@@ -25,9 +25,8 @@
 //! Plain `std::fs`, blocking: the server calls it from blocking threads.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, Write};
+use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -88,7 +87,6 @@ pub enum Unreadable {
 pub struct AvatarStore {
     dir: PathBuf,
     max_bytes: u64,
-    writes: AtomicU64,
 }
 
 /// An id is used as a file name: letters, digits, `-` and `_` only (a SHA-256 in hex, as the
@@ -108,7 +106,6 @@ impl AvatarStore {
         let store = AvatarStore {
             dir: dir.into(),
             max_bytes,
-            writes: AtomicU64::new(0),
         };
         fs::create_dir_all(&store.dir).map_err(io_error(&store.dir))?;
         let now = SystemTime::now();
@@ -163,23 +160,8 @@ impl AvatarStore {
                 max_bytes: self.max_bytes,
             });
         }
-        let tmp = self.dir.join(format!(
-            ".{id}.{}.{}.{}.tmp",
-            std::process::id(),
-            self.writes.fetch_add(1, Ordering::Relaxed),
-            SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos())
-        ));
-        if let Err(e) = write_then_rename(&tmp, &bytes, &path) {
-            let _ = fs::remove_file(&tmp);
-            return Err(StoreError::Io { path, source: e });
-        }
-        // The rename itself is durable once the directory is synced (not every platform or
-        // file system lets a directory be opened for that; the file is complete either way).
-        if let Ok(d) = File::open(&self.dir) {
-            let _ = d.sync_all();
-        }
+        // A temporary file of its own beside `path`, synced, renamed over it.
+        crate::fsutil::write_atomic(&path, &bytes).map_err(io_error(&path))?;
         self.evict(Some(id))?;
         Ok(size)
     }
@@ -350,15 +332,6 @@ struct Listed {
     id: String,
     bytes: u64,
     used: SystemTime,
-}
-
-/// Writes `bytes` to the new file `tmp`, syncs it and renames it to `path`.
-fn write_then_rename(tmp: &Path, bytes: &[u8], path: &Path) -> io::Result<()> {
-    let mut f = OpenOptions::new().write(true).create_new(true).open(tmp)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    drop(f);
-    fs::rename(tmp, path)
 }
 
 /// The file's bytes and its metadata (from the open file: what was read, not what the path

@@ -63,15 +63,7 @@ impl AvatarCache {
     /// entries) is not kept: the error says why, and the cache is left as it was.
     pub fn insert(&mut self, id: String, avatar: Arc<Avatar>) -> Result<(), NotKept> {
         let size = avatar.bytes() as u64;
-        if self.max_entries == 0 {
-            return Err(NotKept::Disabled);
-        }
-        if size > self.max_bytes {
-            return Err(NotKept::TooLarge {
-                bytes: size,
-                max_bytes: self.max_bytes,
-            });
-        }
+        self.admits(size)?;
         self.remove(&id);
         while !self.entries.is_empty()
             && (self.entries.len() >= self.max_entries || self.bytes + size > self.max_bytes)
@@ -88,6 +80,21 @@ impl AvatarCache {
         self.bytes += size;
         self.entries.insert(id, (avatar, self.tick));
         self.publish();
+        Ok(())
+    }
+
+    /// Whether an avatar of `size` bytes ([`Avatar::bytes`]) would be kept (what
+    /// [`AvatarCache::insert`] checks first).
+    pub fn admits(&self, size: u64) -> Result<(), NotKept> {
+        if self.max_entries == 0 {
+            return Err(NotKept::Disabled);
+        }
+        if size > self.max_bytes {
+            return Err(NotKept::TooLarge {
+                bytes: size,
+                max_bytes: self.max_bytes,
+            });
+        }
         Ok(())
     }
 

@@ -4,6 +4,10 @@
 //! The id is the SHA-256 (hex) of the uploaded bytes and the box or pads given (and, for a
 //! clip, whether boxes are smoothed), so uploading the same file with the same options again
 //! finds the same avatar (`200` instead of `201`).
+//!
+//! With `--avatar-dir` every avatar is also a file there ([`crate::engine::avatar_store`]):
+//! lookups by id check the directory (another replica sharing it may have written, deleted or
+//! evicted the avatar) and load what memory lacks, on a blocking thread.
 
 use std::sync::Arc;
 
@@ -17,6 +21,7 @@ use sha2::{Digest, Sha256};
 
 use super::error::ApiError;
 use super::{form, App};
+use crate::engine::avatar_store::StoreError;
 use crate::engine::cache::NotKept;
 use crate::engine::{clip, Avatar};
 use crate::media::face::{Blend, FaceBox, Pads};
@@ -125,9 +130,58 @@ fn unknown(id: &str) -> ApiError {
     )
 }
 
-/// A cached avatar by id.
-pub fn lookup(app: &App, id: &str) -> Result<Arc<Avatar>, ApiError> {
-    app.avatars().get(id).ok_or_else(|| unknown(id))
+/// An avatar by id: from the memory cache, or with `--avatar-dir` from the directory (which
+/// another replica may have written), then kept in memory. With a directory, the file must
+/// still be there (another replica may have deleted or evicted it): the disk is the truth.
+pub async fn lookup(app: &Arc<App>, id: &str) -> Result<Arc<Avatar>, ApiError> {
+    find(app, id).await?.ok_or_else(|| unknown(id))
+}
+
+/// [`lookup`], `None` for an unknown id.
+async fn find(app: &Arc<App>, id: &str) -> Result<Option<Arc<Avatar>>, ApiError> {
+    if app.avatar_store.is_none() {
+        return Ok(app.avatars().get(id));
+    }
+    let (app, id) = (app.clone(), id.to_string());
+    tokio::task::spawn_blocking(move || load(&app, &id))
+        .await
+        .map_err(|e| ApiError::internal(format!("avatar lookup panicked: {e}")))?
+}
+
+/// [`find`] with a directory, on a blocking thread (file system calls, and a read and a
+/// checksum of up to the avatar's size when memory does not hold it).
+fn load(app: &App, id: &str) -> Result<Option<Arc<Avatar>>, ApiError> {
+    let store = app.avatar_store.as_ref().expect("called with a directory");
+    if !store.touch(id).map_err(store_failed)? {
+        app.avatars().remove(id);
+        return Ok(None);
+    }
+    if let Some(a) = app.avatars().get(id) {
+        return Ok(Some(a));
+    }
+    let Some(a) = store.get(id).map_err(store_failed)? else {
+        return Ok(None);
+    };
+    let a = Arc::new(a);
+    if let Err(e) = app.avatars().insert(id.to_string(), a.clone()) {
+        tracing::debug!("avatar {id} read from the directory is not kept in memory: {e}");
+    }
+    Ok(Some(a))
+}
+
+/// The directory failed (not the avatar: a damaged file reads as absent).
+fn store_failed(e: StoreError) -> ApiError {
+    match e {
+        StoreError::TooLarge { .. } => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "avatar_too_large",
+            format!(
+                "{e}; send a smaller photo or a shorter clip, or send the file with each \
+                 /v1/lipsync request"
+            ),
+        ),
+        StoreError::Io { .. } => ApiError::internal(e),
+    }
 }
 
 /// `POST /v1/avatars`
@@ -149,7 +203,7 @@ pub async fn create(
         )
     })?;
     let id = upload.id();
-    if let Some(a) = app.avatars().get(&id) {
+    if let Some(a) = find(&app, &id).await? {
         return Ok((StatusCode::OK, Json(describe(&id, &a))).into_response());
     }
     // Preparing runs face detection on a blocking thread: it takes one of the request slots
@@ -166,9 +220,19 @@ pub async fn create(
         .with_retry_after(app.retry_after())
     })?;
     let app2 = app.clone();
+    let id2 = id.clone();
     let avatar = tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        upload.prepare(&app2, Blend::Feather)
+        let avatar = upload.prepare(&app2, Blend::Feather)?;
+        // Written to the directory (when there is one) only if memory will keep it too, so
+        // the answer does not depend on which replica reads it.
+        if let Some(store) = &app2.avatar_store {
+            app2.avatars()
+                .admits(avatar.bytes() as u64)
+                .map_err(not_kept)?;
+            store.put(&id2, &avatar).map_err(store_failed)?;
+        }
+        Ok::<_, ApiError>(avatar)
     })
     .await
     .map_err(|e| ApiError::internal(format!("avatar preparation panicked: {e}")))??;
@@ -203,16 +267,27 @@ pub async fn get(
     State(app): State<Arc<App>>,
     Path(id): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let a = lookup(&app, &id)?;
+    let a = lookup(&app, &id).await?;
     Ok(Json(describe(&id, &a)))
 }
 
-/// `DELETE /v1/avatars/{id}`
+/// `DELETE /v1/avatars/{id}`: from memory and from the directory.
 pub async fn delete(
     State(app): State<Arc<App>>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    if app.avatars().remove(&id) {
+    let in_memory = app.avatars().remove(&id);
+    let on_disk = match app.avatar_store.clone() {
+        Some(store) => {
+            let id = id.clone();
+            tokio::task::spawn_blocking(move || store.remove(&id))
+                .await
+                .map_err(|e| ApiError::internal(format!("avatar removal panicked: {e}")))?
+                .map_err(store_failed)?
+        }
+        None => false,
+    };
+    if in_memory || on_disk {
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(unknown(&id))

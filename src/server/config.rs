@@ -2,8 +2,10 @@
 //! the HTTP ones, every field a flag with a `LIPSYNC_*` environment variable; its doc comments
 //! are the `--help`.
 
+use std::path::PathBuf;
+
 pub use crate::config::Resolved;
-use crate::config::{EngineArgs, MediaArgs};
+use crate::config::{parse_bytes, EngineArgs, MediaArgs};
 
 #[derive(Clone, clap::Args)]
 pub struct ServeArgs {
@@ -38,6 +40,15 @@ pub struct ServeArgs {
     /// Memory for prepared avatars, in bytes.
     #[arg(long, env = "LIPSYNC_AVATAR_CACHE_BYTES", default_value_t = 1 << 30)]
     pub avatar_cache_bytes: u64,
+    /// Directory that keeps every prepared avatar (photo or clip) on disk: found again after a
+    /// restart, and shared by replicas that mount the same volume (the memory cache sits on
+    /// top). Without it avatars live in memory only.
+    #[arg(long, env = "LIPSYNC_AVATAR_DIR")]
+    pub avatar_dir: Option<PathBuf>,
+    /// Disk for --avatar-dir, in bytes (e.g. 10G, 512M): least recently used avatars are
+    /// removed first; one larger than this is refused with 413.
+    #[arg(long, env = "LIPSYNC_AVATAR_DIR_BYTES", default_value = "10G", value_parser = parse_bytes)]
+    pub avatar_dir_bytes: u64,
     /// Seconds to let in-flight streams finish after SIGTERM/SIGINT before exiting.
     #[arg(long, env = "LIPSYNC_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,

@@ -137,7 +137,7 @@ pub async fn lipsync(
     let req = parse(multipart, &app).await.map_err(refused)?;
 
     let cached = match &req.avatar {
-        AvatarSource::Cached(id) => Some(avatars::lookup(&app, id).map_err(refused)?),
+        AvatarSource::Cached(id) => Some(avatars::lookup(&app, id).await.map_err(refused)?),
         AvatarSource::Upload(_) => None,
     };
     let app2 = app.clone();

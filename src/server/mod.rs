@@ -32,6 +32,7 @@ use config::Resolved;
 pub use config::ServeArgs;
 use error::ApiError;
 
+use crate::engine::avatar_store::{AvatarStore, StoreError};
 use crate::engine::cache::AvatarCache;
 use crate::engine::metrics as m;
 use crate::engine::Engine;
@@ -55,6 +56,8 @@ pub enum ServeError {
     Media(#[from] media::Error),
     #[error("cannot load the model: {0}")]
     Model(#[from] model::Error),
+    #[error("cannot open the avatar directory: {0}")]
+    AvatarDir(#[from] StoreError),
     #[error("cannot set up metrics: {0}")]
     Metrics(String),
     #[error("server error: {0}")]
@@ -68,6 +71,8 @@ pub struct App {
     engine: OnceLock<Engine>,
     summary: OnceLock<Summary>,
     avatars: Mutex<AvatarCache>,
+    /// `--avatar-dir`: the prepared avatars on disk, under the memory cache.
+    avatar_store: Option<Arc<AvatarStore>>,
     prometheus: PrometheusHandle,
     requests: Arc<Semaphore>,
     sessions: Arc<stream::Sessions>,
@@ -513,6 +518,21 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
     crate::media::video::check_ffmpeg(&args.media.ffmpeg)?;
     let prometheus = install_metrics()?;
     let cfg = args.resolve();
+    // Opened before listening: a directory that cannot be used ends the server at once.
+    let avatar_store = match &args.avatar_dir {
+        Some(dir) => {
+            let store = AvatarStore::open(dir, args.avatar_dir_bytes)?;
+            tracing::info!(
+                "avatar directory {}: {} avatars, {} of {} bytes",
+                dir.display(),
+                store.ids()?.len(),
+                store.bytes()?,
+                args.avatar_dir_bytes
+            );
+            Some(Arc::new(store))
+        }
+        None => None,
+    };
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
@@ -532,6 +552,7 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
             args.avatar_cache_entries,
             args.avatar_cache_bytes,
         )),
+        avatar_store,
         requests: Arc::new(Semaphore::new(args.max_requests.max(1))),
         sessions: Arc::default(),
         args,

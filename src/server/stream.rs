@@ -428,7 +428,7 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
         Ok(o) => o,
         Err((kind, msg)) => return fail(&mut socket, POLICY, kind, &msg).await,
     };
-    let avatar = match avatars::lookup(&app, &opened.avatar_id) {
+    let avatar = match avatars::lookup(&app, &opened.avatar_id).await {
         Ok(a) => a,
         Err(e) => return fail(&mut socket, UNKNOWN_AVATAR, e.kind, &e.message).await,
     };

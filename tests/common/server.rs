@@ -17,7 +17,7 @@ pub struct Server {
     pub child: Child,
     pub base: String,
     log: std::sync::Arc<Mutex<Vec<String>>>,
-    _serial: MutexGuard<'static, ()>,
+    _serial: Option<MutexGuard<'static, ()>>,
 }
 
 impl Server {
@@ -36,6 +36,26 @@ impl Server {
     /// With environment variables too (e.g. `LIPSYNC_TEST_FAULTS`).
     pub fn start_with(checkpoint: &str, extra: &[&str], env: &[(&str, &str)]) -> Server {
         let serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        Self::spawn(checkpoint, extra, env, Some(serial))
+    }
+
+    /// A second server beside this one (replicas sharing something): it runs under this
+    /// one's turn, so it must be dropped first.
+    pub fn start_beside(&self, extra: &[&str]) -> Server {
+        Self::spawn(
+            &super::checkpoint("zip_bare.pt").display().to_string(),
+            extra,
+            &[],
+            None,
+        )
+    }
+
+    fn spawn(
+        checkpoint: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        serial: Option<MutexGuard<'static, ()>>,
+    ) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_lipsync"))
             .arg("serve")
             .arg("--checkpoint")
