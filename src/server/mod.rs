@@ -220,12 +220,12 @@ async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
         "folded": summary.map(|s| s.folded),
         "random_weights": summary.map(|s| s.random_init_seed.is_some()),
         "device": c.device,
+        "cuda_device": (c.device == crate::model::DeviceKind::Cuda).then_some(c.cuda_device),
         "dtype": c.precision,
         "compute_dtype": status.as_ref().and_then(|s| s.dtype()).map(|d| d.as_str()),
         "conv_path": status.as_ref().and_then(|s| s.conv_path()),
         "autotune_cache": e.conv.autotune_cache,
         "instances": c.instances,
-        "cuda_device": (c.device == crate::model::DeviceKind::Cuda).then_some(c.cuda_device),
         "instances_ready": status.as_ref().map_or(0, |s| s.ready()),
         "max_batch": c.max_batch,
         "first_batch": c.first_batch,
@@ -477,11 +477,6 @@ fn install_metrics() -> Result<PrometheusHandle, ServeError> {
     metrics::counter!(m::AVATAR_CACHE_HITS).absolute(0);
     metrics::counter!(m::AVATAR_CACHE_MISSES).absolute(0);
     metrics::gauge!(m::QUEUE_FRAMES).set(0.0);
-    metrics::gauge!(m::INSTANCES_BUSY).set(0.0);
-    metrics::gauge!(m::INSTANCES_READY).set(0.0);
-    metrics::gauge!(m::AVATAR_CACHE_BYTES).set(0.0);
-    metrics::gauge!(m::AVATAR_CACHE_ENTRIES).set(0.0);
-    Ok(handle)
     metrics::describe_gauge!(
         m::QUEUE_SECONDS,
         metrics::Unit::Seconds,
@@ -490,6 +485,11 @@ fn install_metrics() -> Result<PrometheusHandle, ServeError> {
     for class in m::QUEUE_CLASSES {
         m::queue_seconds(class, 0.0);
     }
+    metrics::gauge!(m::INSTANCES_BUSY).set(0.0);
+    metrics::gauge!(m::INSTANCES_READY).set(0.0);
+    metrics::gauge!(m::AVATAR_CACHE_BYTES).set(0.0);
+    metrics::gauge!(m::AVATAR_CACHE_ENTRIES).set(0.0);
+    Ok(handle)
 }
 
 async fn shutdown_signal() {
