@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs lipsync's test suite: `cargo test` (after a release build, which the load suite
 # tests/load.rs and the browser tests run), then the OpenAPI contract test (schemathesis
-# against a running server), then the browser tests (the page at / in headless Chromium).
+# against a running server), then the browser tests (the page at / in headless Chromium),
+# then the deployment tests (tests/deploy/run.sh: images, replicas, Kubernetes manifests).
 # Installs what the tests need when it is missing (ffmpeg with libx264 and ffprobe,
 # python3-venv, apache2-utils for ab, chromium, from Debian/Ubuntu packages; schemathesis,
 # Playwright and PyTorch from PyPI into target/), so a fresh machine needs only this command and a Rust
@@ -46,3 +47,6 @@ cargo test --locked "$@"
 tests/contract/schemathesis.sh
 # The page at / in headless Chromium against the release server (built above).
 tests/browser/run.sh
+# The images built and run for real (the CPU image from the release binary above), three
+# replicas behind the balancer, the Kubernetes manifests validated: needs a Docker Engine.
+tests/deploy/run.sh

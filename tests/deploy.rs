@@ -72,15 +72,15 @@ fn docker_compose_and_readme_use_only_existing_serve_settings() {
         k8s.iter().any(|f| f.ends_with("deployment.yaml")),
         "{k8s:?}"
     );
-    let files = [
-        "docker/Dockerfile",
-        "docker/Dockerfile.cpu",
-        "docker/compose.yaml",
-        "README.md",
-    ]
-    .map(String::from)
-    .into_iter()
-    .chain(k8s);
+    // Every file under docker/ (Dockerfiles, compose files, the balancer) and deploy/k8s.
+    let docker = files_under("docker");
+    assert!(
+        docker.iter().any(|f| f.ends_with("compose.replicas.yaml")),
+        "{docker:?}"
+    );
+    let files = std::iter::once("README.md".to_string())
+        .chain(docker)
+        .chain(k8s);
     for file in files {
         let text = read(&file);
         used_env.extend(env_vars(&text));

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The deployment tests: the CPU image built and run for real, three replicas behind the
+# balancer (docker/compose.replicas.yaml), and the Kubernetes manifests validated offline.
+# Needs a Docker Engine (no registry: docker/local-base.sh makes the Debian base) and the
+# release binary (scripts/test.sh builds it first; the image takes it with PREBUILT=1).
+#
+#   tests/deploy/run.sh [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+t0=$(date +%s)
+lap() { echo "deploy tests: $1 ($(( $(date +%s) - t0 )) s)"; }
+
+if ! docker info >/dev/null 2>&1; then
+  echo "tests/deploy/run.sh: the deployment tests need a running Docker Engine (docker info failed)" >&2
+  exit 1
+fi
+if ! command -v docker-compose >/dev/null && ! docker compose version >/dev/null 2>&1; then
+  echo "tests/deploy/run.sh: installing docker-compose" >&2
+  sudo=""; if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
+  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq docker-compose >/dev/null
+fi
+test -x target/release/lipsync || cargo build --release --locked
+
+docker/local-base.sh
+lap "bases ready"
+docker build -q -f docker/Dockerfile.cpu --build-arg PREBUILT=1 -t lipsync:cpu . >/dev/null
+lap "lipsync:cpu built ($(docker image inspect -f '{{.Size}}' lipsync:cpu | awk '{printf "%.0f MB", $1/1e6}'))"
+
+venv=target/deploy-venv
+if ! "$venv/bin/python" -c 'import pytest, websockets' 2>/dev/null; then
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check "pytest==8.3.4" "websockets==17.4"
+fi
+PYTHONDONTWRITEBYTECODE=1 timeout 1800 "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+  --durations=0 tests/deploy "$@"
+lap "container and replica tests passed"
+
+deploy/k8s/validate.sh
+lap "Kubernetes manifests valid"
