@@ -15,6 +15,7 @@
 pub mod config;
 pub mod engine;
 pub mod fsutil;
+pub mod jobs;
 pub mod media;
 pub mod model;
 pub mod server;
