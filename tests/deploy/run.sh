@@ -14,10 +14,14 @@ if ! docker info >/dev/null 2>&1; then
   echo "tests/deploy/run.sh: the deployment tests need a running Docker Engine (docker info failed)" >&2
   exit 1
 fi
-if ! command -v docker-compose >/dev/null && ! docker compose version >/dev/null 2>&1; then
-  echo "tests/deploy/run.sh: installing docker-compose" >&2
+# docker-compose runs the replicas; ffprobe (ffmpeg) checks the videos the containers render.
+missing=()
+if ! command -v docker-compose >/dev/null && ! docker compose version >/dev/null 2>&1; then missing+=(docker-compose); fi
+if ! command -v ffprobe >/dev/null; then missing+=(ffmpeg); fi
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "tests/deploy/run.sh: installing ${missing[*]}" >&2
   sudo=""; if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
-  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq docker-compose >/dev/null
+  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 test -x target/release/lipsync || cargo build --release --locked
 
