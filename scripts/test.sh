@@ -26,6 +26,9 @@ if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then missing+=(python3-ven
 # Headless Chromium for the browser tests (tests/browser/run.sh), Debian's build: it plays
 # H.264/AAC through Media Source Extensions.
 if [ ! -x "${LIPSYNC_CHROMIUM:-/usr/bin/chromium}" ]; then missing+=(chromium); fi
+# PostgreSQL for the job store's tests (tests/job_store.rs): they start throwaway clusters
+# from its binaries (the system service need not run) and fail when it is missing.
+if ! compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null; then missing+=(postgresql); fi
 if [ ${#missing[@]} -gt 0 ]; then
   echo "test.sh: installing ${missing[*]}" >&2
   sudo=""

@@ -18,7 +18,8 @@ use std::time::Instant;
 use candle_core::{DType, Tensor};
 use clap::Parser;
 use lipsync::config::{choice, EngineArgs, MediaArgs, Resolved};
-use lipsync::engine::{Avatar, Engine, Job};
+use lipsync::engine::pipeline::{self, Options, Speech, Work};
+use lipsync::engine::{Avatar, Engine};
 use lipsync::media::audio::{self, Fps};
 use lipsync::media::face::{Blend, Pads};
 use lipsync::media::image::ImageLimits;
@@ -516,6 +517,12 @@ fn end_to_end(
     engine.wait_ready().map_err(CliError::Jobs)?;
     let conv_path = engine.status().conv_path().unwrap_or("unknown");
     let clip = audio::load(&read_file(&a.audio)?, 3600.0)?.samples;
+    let settings = pipeline::Settings::new(3600.0, |w, h, fps| {
+        let mut s = EncoderSettings::new(w, h, fps);
+        s.ffmpeg = a.ffmpeg.clone();
+        s.workers = r.encoder_workers;
+        s
+    });
     let mut rows = Vec::new();
     for &seconds in &plan.e2e {
         let n = (seconds * 16_000.0) as usize;
@@ -525,34 +532,26 @@ fn end_to_end(
             .tempfile()
             .map_err(|e| CliError::Jobs(e.to_string()))?;
         write_wav(wav.path(), &samples)?;
-        let bytes = read_file(wav.path())?;
+        let speech = Speech::file(wav.path()).map_err(|source| CliError::Read {
+            path: wav.path().to_path_buf(),
+            source,
+        })?;
         let start = Instant::now();
-        let speech = audio::load(&bytes, 3600.0)?;
-        let face = avatar.crop(0);
-        let planned = lipsync::engine::plan(&speech, Fps::DEFAULT, &|_| face.clone())?;
-        let model_frames = planned.frames.len();
-        let submission = engine
-            .submit(planned.frames)
-            .map_err(|_| CliError::Jobs("queue full".into()))?;
-        let mut settings =
-            EncoderSettings::new(avatar.frame.width, avatar.frame.height, Fps::DEFAULT);
-        settings.audio = Some(wav.path().to_path_buf());
-        settings.ffmpeg = a.ffmpeg.clone();
-        settings.workers = r.encoder_workers;
         let first = Arc::new(Mutex::new(None));
         let sink = FirstByte {
             start,
             first: first.clone(),
         };
-        let encoder = video::spawn(settings, Box::new(sink))?;
-        let job = Job {
-            submission,
-            video_frames: planned.video_frames,
+        let work = Work {
+            speech,
             avatar: Arc::new(avatar.clone()),
-            loop_mode: lipsync::engine::Loop::default(),
+            options: Options::default(),
             faces_dir: None,
         };
-        let summary = job.run(encoder, &|| false, &mut |_, _| {})?.summary;
+        let started = pipeline::start(&engine, &settings, work, Box::new(sink))
+            .map_err(|e| CliError::Jobs(e.to_string()))?;
+        let model_frames = started.model_frames();
+        let summary = started.run(&|| false, &mut |_, _| {})?.summary;
         let total = start.elapsed().as_secs_f64();
         let ttfb = first.lock().unwrap().unwrap_or(f64::NAN);
         println!(

@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use lipsync::config::{choice, EngineArgs, MediaArgs, Resolved as EngineConfig};
+use lipsync::engine::pipeline::{self, Options, Speech, StartError, Work};
 use lipsync::engine::{self, Avatar, Engine, Loop};
-use lipsync::media::audio::{self, Fps};
+use lipsync::media::audio::Fps;
 use lipsync::media::face::{self, Blend, FaceBox, Pads};
 use lipsync::media::image::DEFAULT_MAX_PIXELS;
 use lipsync::media::video;
@@ -276,7 +277,10 @@ fn render_one(
     job: &Resolved,
 ) -> Result<(), CliError> {
     let start = Instant::now();
-    let speech = audio::load(&read_file(&job.audio)?, a.media.max_audio_seconds)?;
+    let speech = Speech {
+        bytes: read_file(&job.audio)?.into(),
+        file: Some(job.audio.clone()),
+    };
     let avatar = match &job.avatar {
         AvatarFile::Image(path) => Avatar::prepare(
             &read_file(path)?,
@@ -293,52 +297,55 @@ fn render_one(
             job.blend,
         )?,
     };
-    let fps = avatar.fps().unwrap_or(job.fps);
-    let planned = engine::plan(&speech, fps, &avatar.crops(job.loop_mode))?;
-    let video_frames = planned.video_frames;
-    let model_frames = planned.frames.len();
-    let submission = engine.submit(planned.frames).map_err(|o| {
-        CliError::Jobs(format!(
-            "the engine's queue is full ({} frames waiting)",
-            o.queued
-        ))
-    })?;
-    let mut settings = a.media.encoder(
-        avatar.frame.width,
-        avatar.frame.height,
-        fps,
-        cfg.encoder_workers,
-    );
-    settings.preset = job.preset.clone();
-    settings.crf = job.crf;
-    settings.audio = Some(job.audio.clone());
+    let source_face = avatar.source_face;
+    let work = Work {
+        speech,
+        avatar: Arc::new(avatar),
+        options: Options {
+            fps: job.fps,
+            loop_mode: job.loop_mode,
+            blend: job.blend,
+            crf: Some(job.crf),
+            preset: Some(job.preset.clone()),
+        },
+        faces_dir: job.faces_dir.clone(),
+    };
+    let settings = pipeline::Settings::new(a.media.max_audio_seconds, |w, h, fps| {
+        a.media.encoder(w, h, fps, cfg.encoder_workers)
+    });
     let partial = partial_path(&job.out);
     let file = std::fs::File::create(&partial).map_err(|source| engine::Error::Output {
         path: partial.clone(),
         source,
     })?;
-    let encoder = video::spawn(settings, Box::new(std::io::BufWriter::new(file)))?;
-    let source_face = avatar.source_face;
-    let work = engine::Job {
-        submission,
-        video_frames,
-        avatar: Arc::new(avatar),
-        loop_mode: job.loop_mode,
-        faces_dir: job.faces_dir.clone(),
-    };
+    let sink = Box::new(std::io::BufWriter::new(file));
     let bar = progress_bar(&job.out);
-    let result = work
-        .run(encoder, &|| false, &mut |done, total| {
-            if let Some(b) = &bar {
-                b.set_length(total as u64);
-                b.set_position(done as u64);
-            }
+    let result = pipeline::start(engine, &settings, work, sink)
+        .map_err(|e| match e {
+            StartError::Overloaded(o) => CliError::Jobs(format!(
+                "the engine's queue is full ({} frames waiting)",
+                o.queued
+            )),
+            StartError::Failed(e) => e.into(),
         })
-        .map_err(CliError::from);
+        .and_then(|started| {
+            let about = (
+                started.fps(),
+                started.speech_seconds(),
+                started.model_frames(),
+            );
+            let stats = started.run(&|| false, &mut |done, total| {
+                if let Some(b) = &bar {
+                    b.set_length(total as u64);
+                    b.set_position(done as u64);
+                }
+            })?;
+            Ok((about, stats))
+        });
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
-    let stats = match result {
+    let ((fps, speech_seconds, model_frames), stats) = match result {
         Ok(r) => r,
         Err(e) => {
             let _ = std::fs::remove_file(&partial);
@@ -355,7 +362,7 @@ fn render_one(
         job.out.display(),
         stats.video_frames,
         fps,
-        speech.seconds(),
+        speech_seconds,
         stats.summary.bytes as f64 / 1e6,
         start.elapsed().as_secs_f64(),
         stats.model_wait.as_secs_f64(),

@@ -1,6 +1,7 @@
 //! Running the model on speech and avatars: avatar preparation and cache, the engine front
 //! (one way in for the CLI, the service and the benchmarks), the model instances and the
-//! cross-request batcher, and per-request jobs (faces composited back, frames to the encoder).
+//! cross-request batcher, per-request jobs (faces composited back, frames to the encoder), and
+//! the one render call every door uses ([`pipeline`]).
 //!
 //! Uses `model` and `media`; knows nothing of HTTP. Model work runs on the instances' own OS
 //! threads, never on an async runtime.
@@ -16,6 +17,7 @@ pub mod faults;
 pub mod front;
 pub mod job;
 pub mod metrics;
+pub mod pipeline;
 pub mod pool;
 pub mod render;
 pub mod scheduler;

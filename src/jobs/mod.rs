@@ -12,8 +12,10 @@
 //! The names here are the batch job's own: `engine::Job` is one admitted render in the engine,
 //! not a batch job.
 
+pub mod postgres;
+mod sql;
+pub mod sqlite;
 pub mod store;
-
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

@@ -24,9 +24,10 @@ use super::conn::ConnInfo;
 use super::error::ApiError;
 use super::{form, App};
 use crate::engine::metrics as m;
+use crate::engine::pipeline::{self, Speech, StartError};
 use crate::engine::pool::panic_message;
-use crate::engine::{self, Avatar, Job, Loop, Planned};
-use crate::media::audio::{self, Fps};
+use crate::engine::{self, Avatar, Loop};
+use crate::media::audio::Fps;
 use crate::media::face::Blend;
 use crate::media::video;
 
@@ -121,10 +122,9 @@ pub async fn lipsync(
     let started = Instant::now();
     let request_id = super::request_id_of(&req);
     // Refusals before the body is read drain it first (see `refuse_unread`).
-    let engine = match app.ready_engine() {
-        Ok(e) => e,
-        Err(e) => return Ok(refuse_unread(req, &app, e).await),
-    };
+    if let Err(e) = app.ready_engine() {
+        return Ok(refuse_unread(req, &app, e).await);
+    }
     // Slots are limited; take one before buffering the body or decoding anything.
     let permit = match app.requests.clone().try_acquire_owned() {
         Ok(p) => p,
@@ -140,11 +140,19 @@ pub async fn lipsync(
         AvatarSource::Cached(id) => Some(avatars::lookup(&app, id).await.map_err(refused)?),
         AvatarSource::Upload(_) => None,
     };
+    // The encoder writes into the body channel; the render starts (or is refused) before
+    // the first byte.
+    let (tx, body) = mpsc::channel::<Result<Bytes, std::io::Error>>(BODY_CHUNKS);
+    let sink = ChannelSink {
+        tx: tx.clone(),
+        started,
+        first: false,
+    };
     let app2 = app.clone();
     let span = tracing::Span::current();
-    let (planned, avatar, req) = tokio::task::spawn_blocking(move || {
+    let render = tokio::task::spawn_blocking(move || {
         let _enter = span.enter();
-        prepare(&app2, req, cached)
+        start(&app2, req, cached, Box::new(sink))
     })
     .await
     .map_err(|e| {
@@ -153,29 +161,9 @@ pub async fn lipsync(
         )))
     })?
     .map_err(refused)?;
+    let speech_seconds = render.speech_seconds();
+    let video_frames = render.video_frames();
 
-    let speech_seconds = planned.speech_seconds;
-    let video_frames = planned.video_frames;
-    let submission = engine.submit(planned.frames).map_err(|o| {
-        refused(overloaded(
-            &app,
-            &format!("{} frames are already waiting", o.queued),
-        ))
-    })?;
-
-    // The encoder reads the speech from a file, which lives as long as the job. If it cannot
-    // start, dropping the submission takes the request's frames back out of the queue.
-    let (tx, body) = mpsc::channel::<Result<Bytes, std::io::Error>>(BODY_CHUNKS);
-    let (audio_file, encoder) =
-        start_encoder(&app, &req, &avatar, &tx, started).map_err(refused)?;
-
-    let job = Job {
-        submission,
-        video_frames,
-        avatar,
-        loop_mode: req.loop_mode,
-        faces_dir: None,
-    };
     let complete = Arc::new(AtomicBool::new(false));
     let completed = complete.clone();
     let span = tracing::Span::current();
@@ -184,18 +172,16 @@ pub async fn lipsync(
         .spawn(move || {
             let _enter = span.enter();
             let _permit = permit;
-            let _audio_file = audio_file;
             // The body stream dropped its receiver: the client is gone.
             let gone = || tx.is_closed();
-            let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                job.run(encoder, &gone, &mut |_, _| {})
-            }))
-            .unwrap_or_else(|panic| {
-                Err(engine::Error::Inference(format!(
-                    "the request's job panicked: {}",
-                    panic_message(&panic)
-                )))
-            });
+            let result =
+                std::panic::catch_unwind(AssertUnwindSafe(|| render.run(&gone, &mut |_, _| {})))
+                    .unwrap_or_else(|panic| {
+                        Err(engine::Error::Inference(format!(
+                            "the request's job panicked: {}",
+                            panic_message(&panic)
+                        )))
+                    });
             let outcome = match &result {
                 Ok(stats) => {
                     completed.store(true, Ordering::SeqCst);
@@ -267,12 +253,13 @@ pub async fn lipsync(
 /// `X-Video-Frames` of a `POST /v1/lipsync` response: the frames the video will hold.
 pub(super) const VIDEO_FRAMES: HeaderName = HeaderName::from_static("x-video-frames");
 
-/// Decodes the avatar (or takes the cached one) and the speech, and plans the frames.
-fn prepare(
+/// Prepares the avatar (or takes the cached one) and starts the render into `sink`.
+fn start(
     app: &App,
     req: Request,
     cached: Option<Arc<Avatar>>,
-) -> Result<(Planned, Arc<Avatar>, Request), ApiError> {
+    sink: video::Sink,
+) -> Result<pipeline::Started, ApiError> {
     let avatar = match (&req.avatar, cached) {
         (AvatarSource::Upload(upload), _) => {
             let t = Instant::now();
@@ -280,60 +267,36 @@ fn prepare(
             m::stage("decode", t.elapsed());
             Arc::new(a)
         }
-        (AvatarSource::Cached(_), Some(a)) if a.blend == req.blend => a,
-        (AvatarSource::Cached(_), Some(a)) => Arc::new(a.with_blend(req.blend)),
+        (AvatarSource::Cached(_), Some(a)) => a,
         (AvatarSource::Cached(id), None) => {
             return Err(ApiError::internal(format!("avatar {id} was not looked up")))
         }
     };
-    let t = Instant::now();
-    let speech = audio::load(&req.audio, app.args.media.max_audio_seconds)?;
-    m::stage("decode", t.elapsed());
-    let t = Instant::now();
-    let planned = engine::plan(
-        &speech,
-        video_fps(&req, &avatar),
-        &avatar.crops(req.loop_mode),
-    )?;
-    m::stage("mel", t.elapsed());
-    Ok((planned, avatar, req))
-}
-
-/// The video's frame rate: a clip's own, else the request's.
-fn video_fps(req: &Request, avatar: &Avatar) -> Fps {
-    avatar.fps().unwrap_or(req.fps)
-}
-
-/// The encoder for a request, writing into the body channel, with the speech in a file.
-fn start_encoder(
-    app: &App,
-    req: &Request,
-    avatar: &Avatar,
-    tx: &mpsc::Sender<Result<Bytes, std::io::Error>>,
-    started: Instant,
-) -> Result<(tempfile::NamedTempFile, Box<dyn video::VideoEncoder>), ApiError> {
-    let mut audio_file = tempfile::Builder::new()
-        .prefix("lipsync-audio-")
-        .tempfile()
-        .map_err(ApiError::internal)?;
-    audio_file
-        .write_all(&req.audio)
-        .map_err(ApiError::internal)?;
-    let frame = &avatar.frame;
-    let fps = video_fps(req, avatar);
-    let mut settings =
-        app.args
-            .media
-            .encoder(frame.width, frame.height, fps, app.cfg.encoder_workers);
-    settings.crf = req.crf;
-    settings.audio = Some(audio_file.path().to_path_buf());
-    let sink = ChannelSink {
-        tx: tx.clone(),
-        started,
-        first: false,
+    // Checked ready before the body was read.
+    let engine = app
+        .engine
+        .get()
+        .ok_or_else(|| ApiError::internal("the engine is gone"))?;
+    let media = &app.args.media;
+    let settings = pipeline::Settings::new(media.max_audio_seconds, |w, h, fps| {
+        media.encoder(w, h, fps, app.cfg.encoder_workers)
+    });
+    let work = pipeline::Work {
+        speech: Speech::bytes(req.audio),
+        avatar,
+        options: pipeline::Options {
+            fps: req.fps,
+            loop_mode: req.loop_mode,
+            blend: req.blend,
+            crf: Some(req.crf),
+            preset: None,
+        },
+        faces_dir: None,
     };
-    let encoder = video::spawn(settings, Box::new(sink)).map_err(ApiError::from)?;
-    Ok((audio_file, encoder))
+    pipeline::start(engine, &settings, work, sink).map_err(|e| match e {
+        StartError::Overloaded(_) => overloaded(app, &e.to_string()),
+        StartError::Failed(e) => e.into(),
+    })
 }
 
 /// A refusal sent before the request body was read: the body is drained first (up to the

@@ -2,6 +2,7 @@
 //! `tests/reference/wav2lip_reference.py`.
 #![allow(dead_code)]
 
+pub mod pg;
 pub mod server;
 
 use std::path::PathBuf;
