@@ -11,6 +11,7 @@ use common::server::{decoded_frames, Server};
 
 const LIVE: &str = "lipsync_queue_seconds{class=\"live\"}";
 const INTERACTIVE: &str = "lipsync_queue_seconds{class=\"interactive\"}";
+const BATCH: &str = "lipsync_queue_seconds{class=\"batch\"}";
 
 #[tokio::test(flavor = "multi_thread")]
 async fn queue_seconds_rise_while_a_request_waits_and_return_to_zero() {
@@ -25,6 +26,7 @@ async fn queue_seconds_rise_while_a_request_waits_and_return_to_zero() {
     assert!(text.contains("# TYPE lipsync_queue_seconds gauge"));
     assert_eq!(s.metric(LIVE).await, 0.0);
     assert_eq!(s.metric(INTERACTIVE).await, 0.0);
+    assert_eq!(s.metric(BATCH).await, 0.0);
 
     let url = s.url("/v1/lipsync");
     let request = tokio::spawn(async move {
@@ -48,8 +50,9 @@ async fn queue_seconds_rise_while_a_request_waits_and_return_to_zero() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(seen > 0.0, "the queued frames never showed as queue time");
-    // No live session: nothing queued there.
+    // No live session, no batch job: nothing queued there.
     assert_eq!(s.metric(LIVE).await, 0.0);
+    assert_eq!(s.metric(BATCH).await, 0.0);
 
     let body = request.await.unwrap();
     assert_eq!(decoded_frames(&body), 25);

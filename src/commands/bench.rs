@@ -18,7 +18,7 @@ use std::time::Instant;
 use candle_core::{DType, Tensor};
 use clap::Parser;
 use lipsync::config::{choice, EngineArgs, MediaArgs, Resolved};
-use lipsync::engine::pipeline::{self, Options, Speech, Work};
+use lipsync::engine::pipeline::{self, Class, Options, Speech, Work};
 use lipsync::engine::{Avatar, Engine};
 use lipsync::media::audio::{self, Fps};
 use lipsync::media::face::{Blend, Pads};
@@ -546,6 +546,7 @@ fn end_to_end(
             speech,
             avatar: Arc::new(avatar.clone()),
             options: Options::default(),
+            class: Class::Interactive,
             faces_dir: None,
         };
         let started = pipeline::start(&engine, &settings, work, Box::new(sink))

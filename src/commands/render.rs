@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use lipsync::config::{choice, EngineArgs, MediaArgs, Resolved as EngineConfig};
-use lipsync::engine::pipeline::{self, Options, Speech, StartError, Work};
+use lipsync::engine::pipeline::{self, Class, Options, Speech, StartError, Work};
 use lipsync::engine::{self, Avatar, Engine, Loop};
 use lipsync::media::audio::Fps;
 use lipsync::media::face::{self, Blend, FaceBox, Pads};
@@ -308,6 +308,7 @@ fn render_one(
             crf: Some(job.crf),
             preset: Some(job.preset.clone()),
         },
+        class: Class::Interactive,
         faces_dir: job.faces_dir.clone(),
     };
     let settings = pipeline::Settings::new(a.media.max_audio_seconds, |w, h, fps| {

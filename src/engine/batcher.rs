@@ -20,6 +20,14 @@
 //! - Real-time requests (live sessions) carry a deadline per item, in any monotonic unit the
 //!   caller picks. They are admitted outside the queue bound (sessions have their own
 //!   admission) and served first, earliest deadline first; other requests fill what is left.
+//! - Background requests (batch jobs) come last: their items only fill what is left of a
+//!   batch after real-time and interactive items, so an interactive request that arrives
+//!   while background work is queued waits at most for the batches already taken. They are
+//!   never refused and count neither against `max_queue` nor as new requests: they wait. The
+//!   caller bounds them (each holds all its planned items, as an interactive request does).
+//!   Among themselves they are served oldest first, so the oldest job finishes soonest
+//!   instead of every job crawling; each still takes at most `max_ahead` unacknowledged
+//!   items, and the next one takes the rest.
 
 use std::collections::VecDeque;
 
@@ -59,6 +67,7 @@ struct Lane<T> {
     /// Real-time requests: each queued item's deadline, front first (empty otherwise).
     deadlines: VecDeque<u64>,
     realtime: bool,
+    background: bool,
 }
 
 impl<T> Lane<T> {
@@ -120,7 +129,7 @@ impl<T> Batcher<T> {
     pub fn load(&self) -> usize {
         self.lanes
             .iter()
-            .filter(|l| !l.realtime)
+            .filter(|l| !l.realtime && !l.background)
             .map(|l| l.items.len().min(self.limits.max_ahead))
             .sum()
     }
@@ -140,6 +149,15 @@ impl<T> Batcher<T> {
             .sum()
     }
 
+    /// Items of background requests queued.
+    pub fn queued_background(&self) -> usize {
+        self.lanes
+            .iter()
+            .filter(|l| l.background)
+            .map(|l| l.items.len())
+            .sum()
+    }
+
     /// Requests admitted and not yet finished.
     pub fn requests(&self) -> usize {
         self.lanes.len()
@@ -153,7 +171,7 @@ impl<T> Batcher<T> {
         if load > 0 && load + items.len().min(self.limits.max_ahead) > self.limits.max_queue {
             return Err(Overloaded { queued: load });
         }
-        Ok(self.push_lane(items, None))
+        Ok(self.push_lane(items, None, false))
     }
 
     /// Admits a real-time request: `(item, deadline)` pairs in the order they are to be
@@ -161,11 +179,22 @@ impl<T> Batcher<T> {
     /// request, earliest deadline first.
     pub fn admit_realtime(&mut self, items: impl IntoIterator<Item = (T, u64)>) -> RequestId {
         let (items, deadlines): (VecDeque<T>, VecDeque<u64>) = items.into_iter().unzip();
-        self.push_lane(items, Some(deadlines))
+        self.push_lane(items, Some(deadlines), false)
+    }
+
+    /// Admits a background request: never refused, outside the queue bound; its items only
+    /// fill what real-time and interactive items leave of a batch.
+    pub fn admit_background(&mut self, items: impl IntoIterator<Item = T>) -> RequestId {
+        self.push_lane(items.into_iter().collect(), None, true)
     }
 
     /// A new lane (real-time when it has deadlines) under a new id.
-    fn push_lane(&mut self, items: VecDeque<T>, deadlines: Option<VecDeque<u64>>) -> RequestId {
+    fn push_lane(
+        &mut self,
+        items: VecDeque<T>,
+        deadlines: Option<VecDeque<u64>>,
+        background: bool,
+    ) -> RequestId {
         let id = RequestId(self.next_id);
         self.next_id += 1;
         self.queued += items.len();
@@ -174,10 +203,12 @@ impl<T> Batcher<T> {
             id,
             items,
             outstanding: 0,
-            // A real-time lane's deadlines, not the first-batch rule, decide when it runs.
-            started: realtime,
+            // A real-time lane's deadlines, not the first-batch rule, decide when it runs; a
+            // background lane never hurries.
+            started: realtime || background,
             deadlines: deadlines.unwrap_or_default(),
             realtime,
+            background,
         });
         id
     }
@@ -250,6 +281,17 @@ impl<T> Batcher<T> {
     /// The next batch, at most `limit` items (an instance that ran out of memory asks for
     /// less than the configured maximum).
     pub fn next_batch_within(&mut self, limit: usize) -> Vec<(RequestId, T)> {
+        self.next_batch_filled(limit, usize::MAX)
+    }
+
+    /// The next batch, at most `limit` items, of which background items only fill it up to
+    /// `background_up_to` items (so a batch holding real-time items stays small enough to
+    /// meet their deadline).
+    pub fn next_batch_filled(
+        &mut self,
+        limit: usize,
+        background_up_to: usize,
+    ) -> Vec<(RequestId, T)> {
         let ahead = self.limits.max_ahead;
         let fresh = self.fresh_waiting();
         let cap = self.batch_cap().min(limit.max(1));
@@ -295,7 +337,8 @@ impl<T> Batcher<T> {
         let mut i = self.cursor % n.max(1);
         while batch.len() < cap && idle_in_a_row < n {
             let lane = &mut self.lanes[i];
-            if !lane.realtime && (lane.started || !fresh) && lane.eligible(ahead) {
+            let interactive = !lane.realtime && !lane.background;
+            if interactive && (lane.started || !fresh) && lane.eligible(ahead) {
                 let item = lane.take().expect("eligible lane has items");
                 batch.push((lane.id, item));
                 idle_in_a_row = 0;
@@ -303,6 +346,14 @@ impl<T> Batcher<T> {
                 idle_in_a_row += 1;
             }
             i = (i + 1) % n;
+        }
+        // Background requests fill what is left, oldest first.
+        let cap = cap.min(background_up_to);
+        for lane in self.lanes.iter_mut().filter(|l| l.background) {
+            while batch.len() < cap && lane.eligible(ahead) {
+                let item = lane.take().expect("eligible lane has items");
+                batch.push((lane.id, item));
+            }
         }
         for (id, _) in &batch {
             if let Some(l) = self.lanes.iter_mut().find(|l| l.id == *id) {
@@ -557,5 +608,106 @@ mod tests {
         assert_eq!(batch[1..].iter().filter(|(id, _)| *id == file).count(), 2);
         assert_eq!(b.earliest_deadline(), None);
         assert_eq!(b.cancel(early), 0);
+    }
+
+    #[test]
+    fn interactive_items_come_first_and_background_fills_the_rest() {
+        let mut b = Batcher::new(limits(8, 8, 100, 100));
+        let job = b.admit_background(0..100u32);
+        let live = b.admit_realtime([(500u32, 5u64)]);
+        let req = b.admit(200..203u32).unwrap();
+        let batch = b.next_batch();
+        assert_eq!(
+            ids(&batch),
+            vec![live.0, req.0, req.0, req.0, job.0, job.0, job.0, job.0]
+        );
+        // The background request's items stay in order.
+        let of_job: Vec<u32> = batch
+            .iter()
+            .filter(|(r, _)| *r == job)
+            .map(|(_, i)| *i)
+            .collect();
+        assert_eq!(of_job, vec![0, 1, 2, 3]);
+        assert_eq!(b.queued_background(), 96);
+        // Alone, it gets whole batches.
+        assert_eq!(ids(&b.next_batch()), vec![job.0; 8]);
+    }
+
+    #[test]
+    fn an_interactive_request_waits_at_most_for_the_batch_already_taken() {
+        let mut l = limits(8, 2, 100, 100);
+        l.fill_batch = 4;
+        let mut b = Batcher::new(l);
+        let job = b.admit_background(0..1000u32);
+        // Background alone: full batches (it never counts as a new request).
+        assert_eq!(b.batch_cap(), 8);
+        assert_eq!(ids(&b.next_batch()), vec![job.0; 8]);
+        // An interactive request arrives while that batch runs: the very next batch leads
+        // with its first frames, and is capped as any new request's first batch is.
+        let req = b.admit(0..20u32).unwrap();
+        let batch = b.next_batch();
+        assert_eq!(ids(&batch), vec![req.0, req.0, job.0, job.0]);
+        // Then the interactive request takes what it can and background fills the rest.
+        let batch = b.next_batch();
+        assert_eq!(&ids(&batch)[..], &[req.0; 8][..]);
+        b.cancel(req);
+        assert_eq!(ids(&b.next_batch()), vec![job.0; 8]);
+    }
+
+    #[test]
+    fn background_requests_wait_instead_of_being_refused() {
+        let mut b = Batcher::new(limits(4, 4, 4, 4));
+        b.admit(0..8u32).unwrap();
+        // The interactive bound is full...
+        assert_eq!(b.admit(0..4u32), Err(Overloaded { queued: 4 }));
+        // ...yet background work is admitted, however much, and does not count against it.
+        let job = b.admit_background(0..10_000u32);
+        let other = b.admit_background(0..10_000u32);
+        assert_ne!(job, other);
+        assert_eq!(b.load(), 4);
+        assert_eq!(b.admit(0..4u32), Err(Overloaded { queued: 4 }));
+        assert_eq!(b.queued_background(), 20_000);
+        assert_eq!(b.queued(), 20_008);
+    }
+
+    #[test]
+    fn background_requests_are_served_oldest_first_within_their_look_ahead() {
+        let mut b = Batcher::new(limits(8, 8, 100, 5));
+        let old = b.admit_background(0..100u32);
+        let new = b.admit_background(0..100u32);
+        // The oldest takes its look-ahead (5), the next one the rest of the batch.
+        assert_eq!(
+            ids(&b.next_batch()),
+            vec![old.0, old.0, old.0, old.0, old.0, new.0, new.0, new.0]
+        );
+        b.ack(old, 5);
+        b.ack(new, 3);
+        assert_eq!(&ids(&b.next_batch())[..5], &[old.0; 5][..]);
+    }
+
+    #[test]
+    fn background_fills_only_up_to_the_size_the_caller_allows() {
+        let mut b = Batcher::new(limits(8, 8, 100, 100));
+        let job = b.admit_background(0..100u32);
+        let live = b.admit_realtime([(1u32, 5u64), (2, 6)]);
+        // A batch with live frames stays as small as their deadline needs.
+        let batch = b.next_batch_filled(usize::MAX, 3);
+        assert_eq!(ids(&batch), vec![live.0, live.0, job.0]);
+        // Never below what real-time and interactive items need.
+        b.admit_realtime([(3u32, 7u64), (4, 8)]);
+        assert_eq!(b.next_batch_filled(usize::MAX, 0).len(), 2);
+    }
+
+    #[test]
+    fn cancelling_a_background_request_drops_its_queued_items() {
+        let mut b = Batcher::new(limits(4, 4, 100, 100));
+        let job = b.admit_background(0..10u32);
+        let req = b.admit(0..2u32).unwrap();
+        assert_eq!(ids(&b.next_batch()), vec![req.0, req.0, job.0, job.0]);
+        assert_eq!(b.cancel(job), 8);
+        assert_eq!(b.queued_background(), 0);
+        assert_eq!(b.queued(), 0);
+        assert!(b.next_batch().is_empty());
+        assert!(!b.has_work());
     }
 }

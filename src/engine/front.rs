@@ -59,6 +59,24 @@ impl Engine {
         })
     }
 
+    /// Admits a background render's (a batch job's) frames: never refused and outside the
+    /// interactive admission bound; they wait, and fill only what live sessions' and
+    /// interactive requests' frames leave of each batch (see [`super::batcher`]). What bounds
+    /// them is the number of background renders the caller runs at once.
+    pub fn submit_background(&self, frames: Vec<FrameWork>) -> Submission {
+        let total = frames.len();
+        let scheduler = self.pool.scheduler().clone();
+        let (id, results) = scheduler.admit_background(frames);
+        Submission {
+            scheduler,
+            id,
+            results,
+            pending: BTreeMap::new(),
+            next: 0,
+            total,
+        }
+    }
+
     /// Admits a live session's frames with their delivery deadlines (served first, earliest
     /// deadline first; never refused: sessions are admitted by their own bound).
     pub fn submit_realtime(&self, frames: Vec<(FrameWork, Instant)>) -> Submission {

@@ -62,8 +62,9 @@ pub fn queue_frames(n: usize) {
 }
 
 /// The `class` label of [`QUEUE_SECONDS`]: `live`, frames of live sessions (deadlines, served
-/// first); `interactive`, frames of `POST /v1/lipsync` requests and renders.
-pub const QUEUE_CLASSES: [&str; 2] = ["live", "interactive"];
+/// first); `interactive`, frames of `POST /v1/lipsync` requests and renders; `batch`, frames
+/// of background renders (batch jobs, served in what the others leave of each batch).
+pub const QUEUE_CLASSES: [&str; 3] = ["live", "interactive", "batch"];
 
 /// What [`QUEUE_SECONDS`] says (the `# HELP` line of `/metrics`).
 pub const QUEUE_SECONDS_HELP: &str = "Model work waiting, in seconds: the frames queued in the \

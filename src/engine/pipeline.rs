@@ -13,14 +13,19 @@
 //!    encodes them into the sink, until the video is complete, the caller says its client is
 //!    gone, or something fails.
 //!
+//! A render is [`Class::Interactive`] (a request someone waits for: refused when the engine
+//! is overloaded) or [`Class::Background`] (a batch job: never refused, its frames fill what
+//! live sessions and interactive requests leave of each batch).
+//!
 //! ```no_run
 //! # use std::sync::Arc;
-//! # use lipsync::engine::{pipeline::{self, Options, Speech, Work}, Avatar, Engine};
+//! # use lipsync::engine::{pipeline::{self, Class, Options, Speech, Work}, Avatar, Engine};
 //! # fn f(engine: &Engine, settings: &pipeline::Settings, avatar: Arc<Avatar>) -> Result<(), Box<dyn std::error::Error>> {
 //! let work = Work {
 //!     speech: Speech::file("speech.wav")?,
 //!     avatar,
 //!     options: Options::default(),
+//!     class: Class::Background,
 //!     faces_dir: None,
 //! };
 //! let out = std::fs::File::create("out.mp4")?;
@@ -90,6 +95,18 @@ pub struct Options {
     pub preset: Option<String>,
 }
 
+/// Who waits for a render.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Class {
+    /// Someone waits for it (`POST /v1/lipsync`, `lipsync render`): its frames come before
+    /// batch jobs', and it is refused when the engine's queue is full.
+    #[default]
+    Interactive,
+    /// A batch job: never refused, it waits; its frames only fill what live sessions and
+    /// interactive requests leave of each batch ([`Engine::submit_background`]).
+    Background,
+}
+
 /// What a render does.
 pub struct Work {
     pub speech: Speech,
@@ -97,6 +114,7 @@ pub struct Work {
     /// [`super::clip::prepare`].
     pub avatar: Arc<Avatar>,
     pub options: Options,
+    pub class: Class,
     /// Also write every predicted 96×96 face as `00000.png`, … (RGB) here.
     pub faces_dir: Option<PathBuf>,
 }
@@ -130,7 +148,8 @@ impl Settings {
 /// Why a render did not start. Nothing was written to the sink.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    /// The engine's queue is full: try again later (the service answers 429).
+    /// The engine's queue is full: try again later (the service answers 429). Only
+    /// [`Class::Interactive`] renders are refused so.
     #[error("{} frames are already waiting", .0.queued)]
     Overloaded(Overloaded),
     /// The speech cannot be used (not audio, too long, too short, …), or the encoder cannot
@@ -157,8 +176,8 @@ pub struct Started {
     _audio_file: Option<tempfile::NamedTempFile>,
 }
 
-/// Starts a render: decodes the speech, plans and submits the frames (refused when the
-/// engine is overloaded) and starts the encoder writing into `sink`. Blocking (decoding and
+/// Starts a render: decodes the speech, plans and submits the frames (an interactive one is
+/// refused when the engine is overloaded) and starts the encoder writing into `sink`. Blocking (decoding and
 /// planning take a while for long speech): call it off any async runtime.
 pub fn start(
     engine: &Engine,
@@ -170,6 +189,7 @@ pub fn start(
         speech,
         avatar,
         options,
+        class,
         faces_dir,
     } = work;
     let avatar = if avatar.blend == options.blend {
@@ -185,9 +205,12 @@ pub fn start(
     let planned = super::plan(&decoded, fps, &avatar.crops(options.loop_mode))?;
     m::stage("mel", t.elapsed());
     let video_frames = planned.video_frames;
-    let submission = engine
-        .submit(planned.frames)
-        .map_err(StartError::Overloaded)?;
+    let submission = match class {
+        Class::Interactive => engine
+            .submit(planned.frames)
+            .map_err(StartError::Overloaded)?,
+        Class::Background => engine.submit_background(planned.frames),
+    };
 
     // If the encoder cannot start, dropping the submission takes the frames back out.
     let (audio_path, audio_file) = match speech.file {
@@ -292,5 +315,222 @@ impl Started {
             ..
         } = self;
         job.run(encoder, gone, progress)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Condvar, Mutex};
+    use std::time::Duration;
+
+    use candle_core::DType;
+
+    use super::*;
+    use crate::engine::backend::{Loader, Model, Prediction, PRED_LEN};
+    use crate::engine::batcher::Limits;
+    use crate::engine::pool::PoolConfig;
+    use crate::media::face::FaceBox;
+    use crate::media::image::Frame;
+    use crate::model::Precision;
+
+    /// Closed: every batch waits until it opens.
+    #[derive(Default)]
+    struct Gate {
+        open: Mutex<bool>,
+        opened: Condvar,
+    }
+
+    impl Gate {
+        fn open(&self) {
+            *self.open.lock().unwrap() = true;
+            self.opened.notify_all();
+        }
+    }
+
+    /// A model that draws gray faces once the gate is open.
+    struct Gray(Arc<Gate>);
+
+    impl Model for Gray {
+        fn dtype(&self) -> DType {
+            DType::F32
+        }
+        fn conv_path(&self) -> &'static str {
+            "test"
+        }
+        fn predict(&mut self, n: usize, _: Vec<f32>, _: Vec<f32>) -> Result<Prediction, Error> {
+            let mut open = self.0.open.lock().unwrap();
+            while !*open {
+                open = self.0.opened.wait(open).unwrap();
+            }
+            Ok(Prediction {
+                faces: vec![0.5; n * PRED_LEN],
+                overflow: false,
+            })
+        }
+        fn use_reference_path(&mut self) -> bool {
+            false
+        }
+    }
+
+    struct GrayLoader(Arc<Gate>);
+
+    impl Loader for GrayLoader {
+        fn load(&self, _: Precision, _: usize) -> Result<Box<dyn Model>, Error> {
+            Ok(Box::new(Gray(self.0.clone())))
+        }
+    }
+
+    /// An engine of one gray instance admitting 4 runnable frames.
+    fn engine(gate: &Arc<Gate>) -> Engine {
+        let engine = Engine::start(
+            Arc::new(GrayLoader(gate.clone())),
+            PoolConfig {
+                precision: Precision::F32,
+                instances: 1,
+                limits: Limits {
+                    max_batch: 4,
+                    first_batch: 2,
+                    fill_batch: 2,
+                    max_queue: 4,
+                    max_ahead: 4,
+                },
+                batch_wait: Duration::ZERO,
+                pad_batches: false,
+                memory_limit: None,
+                warm_up: false,
+                fill_latency: Duration::from_millis(150),
+            },
+        );
+        engine.wait_ready().unwrap();
+        engine
+    }
+
+    fn settings() -> Settings {
+        Settings::new(60.0, |w, h, fps| {
+            let mut s = EncoderSettings::new(w, h, fps);
+            s.preset = "ultrafast".into();
+            s
+        })
+    }
+
+    /// One second of a tone at 16 kHz, as a WAV file in `dir`.
+    fn speech(dir: &Path) -> Speech {
+        let path = dir.join("speech.wav");
+        let spec = hound::WavSpec {
+            channels: 1,
+            sample_rate: 16_000,
+            bits_per_sample: 16,
+            sample_format: hound::SampleFormat::Int,
+        };
+        let mut w = hound::WavWriter::create(&path, spec).unwrap();
+        for i in 0..16_000 {
+            let t = i as f32 / 16_000.0;
+            w.write_sample(((t * 440.0 * std::f32::consts::TAU).sin() * 8000.0) as i16)
+                .unwrap();
+        }
+        w.finalize().unwrap();
+        Speech::file(&path).unwrap()
+    }
+
+    fn work(dir: &Path, class: Class) -> Work {
+        let frame = Frame::new(64, 64, vec![128; 64 * 64 * 3]);
+        let face = FaceBox {
+            x1: 16,
+            y1: 16,
+            x2: 48,
+            y2: 48,
+        };
+        Work {
+            speech: speech(dir),
+            avatar: Arc::new(Avatar::from_frame(frame, face, Blend::Feather)),
+            options: Options::default(),
+            class,
+            faces_dir: None,
+        }
+    }
+
+    /// A sink the test can read.
+    #[derive(Clone, Default)]
+    struct Shared(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Shared {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_background_render_waits_instead_of_being_refused_and_completes() {
+        let gate = Arc::new(Gate::default());
+        let engine = engine(&gate);
+        let dir = tempfile::tempdir().unwrap();
+        let first = Shared::default();
+        let interactive = start(
+            &engine,
+            &settings(),
+            work(dir.path(), Class::Interactive),
+            Box::new(first.clone()),
+        )
+        .unwrap();
+        assert_eq!(
+            (interactive.model_frames(), interactive.video_frames()),
+            (22, 25)
+        );
+        // Its look-ahead fills the queue bound (4): another interactive render is refused...
+        let refused = start(
+            &engine,
+            &settings(),
+            work(dir.path(), Class::Interactive),
+            Box::new(Shared::default()),
+        );
+        assert!(matches!(refused, Err(StartError::Overloaded(_))));
+        // ...a background one is not.
+        let out = Shared::default();
+        let background = start(
+            &engine,
+            &settings(),
+            work(dir.path(), Class::Background),
+            Box::new(out.clone()),
+        )
+        .unwrap();
+        gate.open();
+        interactive.run(&|| false, &mut |_, _| {}).unwrap();
+        let mut seen = Vec::new();
+        let stats = background
+            .run(&|| false, &mut |done, total| seen.push((done, total)))
+            .unwrap();
+        assert_eq!((stats.model_frames, stats.video_frames), (22, 25));
+        assert_eq!(seen.last(), Some(&(25, 25)));
+        for sink in [first, out] {
+            let bytes = sink.0.lock().unwrap();
+            assert_eq!(&bytes[4..8], b"ftyp");
+        }
+        assert_eq!(engine.scheduler().queued(), 0);
+        engine.shutdown();
+    }
+
+    #[test]
+    fn a_cancelled_background_render_stops_and_drops_its_frames() {
+        let gate = Arc::new(Gate::default());
+        let engine = engine(&gate);
+        let dir = tempfile::tempdir().unwrap();
+        let background = start(
+            &engine,
+            &settings(),
+            work(dir.path(), Class::Background),
+            Box::new(Shared::default()),
+        )
+        .unwrap();
+        assert_eq!(engine.scheduler().requests(), 1);
+        let result = background.run(&|| true, &mut |_, _| {});
+        assert!(matches!(result, Err(Error::Cancelled)), "{result:?}");
+        assert_eq!(engine.scheduler().requests(), 0);
+        assert_eq!(engine.scheduler().queued(), 0);
+        gate.open();
+        engine.shutdown();
     }
 }

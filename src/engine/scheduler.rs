@@ -2,6 +2,11 @@
 //! condition variable that wakes instances when work arrives, per-request context (where
 //! results go), and a short wait that lets a batch fill up. Each frame carries its own face
 //! input, so a request may change faces from frame to frame (video avatars).
+//!
+//! Three classes share the batches ([`super::batcher`]): live sessions' frames first (with
+//! deadlines), then interactive requests', then background (batch job) frames in what is
+//! left. A batch holding live frames takes background frames only up to the size whose
+//! measured cost still meets the earliest live deadline.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -38,6 +43,8 @@ struct Lane {
     reply: Sender<FrameResult>,
     admitted: Instant,
     first_taken: bool,
+    /// A batch job's: its wait is not a request's queue time.
+    background: bool,
 }
 
 struct State {
@@ -59,22 +66,54 @@ impl State {
     /// while no cost is measured). Called whenever the queue changes.
     fn publish_queue(&self) {
         m::queue_frames(self.batcher.queued());
-        let (live, interactive) = self.queue_seconds();
-        m::queue_seconds("live", live);
-        m::queue_seconds("interactive", interactive);
+        let q = self.queue_seconds();
+        m::queue_seconds("live", q.live);
+        m::queue_seconds("interactive", q.interactive);
+        m::queue_seconds("batch", q.batch);
     }
 
-    /// Seconds of model work queued: live sessions' frames, other requests' frames.
-    fn queue_seconds(&self) -> (f64, f64) {
+    /// Seconds of model work queued per class.
+    fn queue_seconds(&self) -> QueueSeconds {
         let live = self.batcher.queued_realtime();
-        let other = self.batcher.queued().saturating_sub(live);
+        let batch = self.batcher.queued_background();
+        let interactive = self.batcher.queued().saturating_sub(live + batch);
         let max_batch = self.batcher.limits().max_batch;
         let seconds = |frames: usize| {
             self.cost
                 .map_or(0.0, |c| c.queue_seconds(frames, max_batch, self.instances))
         };
-        (seconds(live), seconds(other))
+        QueueSeconds {
+            live: seconds(live),
+            interactive: seconds(interactive),
+            batch: seconds(batch),
+        }
     }
+
+    /// How big a batch may grow with background frames: while live frames are waiting, the
+    /// largest batch whose measured cost (with the same margin as the live batches' own
+    /// wait) ends before the earliest live deadline; unbounded otherwise.
+    fn background_up_to(&self, now: Instant) -> usize {
+        let (Some(cost), Some(due)) = (self.cost, self.batcher.earliest_deadline()) else {
+            return usize::MAX;
+        };
+        let due = self.epoch + Duration::from_micros(due);
+        let left = due
+            .saturating_duration_since(now)
+            .saturating_sub(Duration::from_millis(5));
+        if cost.per_frame <= 0.0 {
+            return usize::MAX;
+        }
+        let n = (left.as_secs_f64() / 1.25 - cost.fixed) / cost.per_frame;
+        n.max(0.0).floor() as usize
+    }
+}
+
+/// [`State::queue_seconds`]: seconds of model work queued in each class.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct QueueSeconds {
+    live: f64,
+    interactive: f64,
+    batch: f64,
 }
 
 /// See the module documentation.
@@ -143,19 +182,36 @@ impl Scheduler {
         let (reply, results) = mpsc::channel();
         let mut s = self.lock();
         let id = s.batcher.admit(frames)?;
-        self.opened(s, id, reply);
+        self.opened(s, id, reply, false);
         Ok((id, results))
+    }
+
+    /// Admits a batch job's frames: never refused and outside the request bound, they wait
+    /// and only fill what live and interactive frames leave of each batch.
+    pub fn admit_background(&self, frames: Vec<FrameWork>) -> (RequestId, Receiver<FrameResult>) {
+        let (reply, results) = mpsc::channel();
+        let mut s = self.lock();
+        let id = s.batcher.admit_background(frames);
+        self.opened(s, id, reply, true);
+        (id, results)
     }
 
     /// Registers the lane of a request just admitted (`s`: the state, still locked) and wakes
     /// the instances.
-    fn opened(&self, mut s: MutexGuard<'_, State>, id: RequestId, reply: Sender<FrameResult>) {
+    fn opened(
+        &self,
+        mut s: MutexGuard<'_, State>,
+        id: RequestId,
+        reply: Sender<FrameResult>,
+        background: bool,
+    ) {
         s.lanes.insert(
             id,
             Lane {
                 reply,
                 admitted: Instant::now(),
                 first_taken: false,
+                background,
             },
         );
         s.publish_queue();
@@ -176,7 +232,7 @@ impl Scheduler {
             let us = due.saturating_duration_since(epoch).as_micros();
             (f, u64::try_from(us).unwrap_or(u64::MAX))
         }));
-        self.opened(s, id, reply);
+        self.opened(s, id, reply, false);
         (id, results)
     }
 
@@ -242,8 +298,9 @@ impl Scheduler {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
-        let batch = s.batcher.next_batch_within(limit);
         let now = Instant::now();
+        let background_up_to = s.background_up_to(now);
+        let batch = s.batcher.next_batch_filled(limit, background_up_to);
         let mut items = Vec::with_capacity(batch.len());
         for (request, work) in batch {
             let Some(lane) = s.lanes.get_mut(&request) else {
@@ -251,7 +308,9 @@ impl Scheduler {
             };
             if !lane.first_taken {
                 lane.first_taken = true;
-                m::stage("queue", now - lane.admitted);
+                if !lane.background {
+                    m::stage("queue", now - lane.admitted);
+                }
             }
             items.push(BatchItem {
                 request,
@@ -361,7 +420,12 @@ mod tests {
         let s = Scheduler::new(limits(), Duration::ZERO, 2);
         let (_a, _ra) = s.admit(frames(10)).unwrap();
         // No cost measured yet: no time.
-        assert_eq!(s.lock().queue_seconds(), (0.0, 0.0));
+        let zero = QueueSeconds {
+            live: 0.0,
+            interactive: 0.0,
+            batch: 0.0,
+        };
+        assert_eq!(s.lock().queue_seconds(), zero);
         let cost = crate::engine::pool::BatchCost {
             fixed: 0.01,
             per_frame: 0.001,
@@ -369,19 +433,22 @@ mod tests {
         s.set_batch_cost(cost);
         // 10 frames at batches of 8: 2 batches, over 2 instances.
         let want = (10.0 * 0.001 + 2.0 * 0.01) / 2.0;
-        let (live, interactive) = s.lock().queue_seconds();
-        assert_eq!(live, 0.0);
-        assert!((interactive - want).abs() < 1e-12);
+        let q = s.lock().queue_seconds();
+        assert_eq!((q.live, q.batch), (0.0, 0.0));
+        assert!((q.interactive - want).abs() < 1e-12);
         let due = Instant::now() + Duration::from_secs(10);
         let (_b, _rb) = s.admit_realtime(frames(3).into_iter().map(|f| (f, due)).collect());
-        let (live, interactive) = s.lock().queue_seconds();
-        assert!((live - cost.queue_seconds(3, 8, 2)).abs() < 1e-12);
-        assert!((interactive - want).abs() < 1e-12);
+        let (_c, _rc) = s.admit_background(frames(20));
+        let q = s.lock().queue_seconds();
+        assert!((q.live - cost.queue_seconds(3, 8, 2)).abs() < 1e-12);
+        assert!((q.interactive - want).abs() < 1e-12);
+        // The same formula for batch jobs' frames: 20 frames, 3 batches, 2 instances.
+        assert!((q.batch - (20.0 * 0.001 + 3.0 * 0.01) / 2.0).abs() < 1e-12);
         // Live frames go first; everything taken leaves nothing queued.
         while s.queued() > 0 {
             s.next_batch().unwrap();
         }
-        assert_eq!(s.lock().queue_seconds(), (0.0, 0.0));
+        assert_eq!(s.lock().queue_seconds(), zero);
     }
 
     #[test]
@@ -412,5 +479,49 @@ mod tests {
         let t = Instant::now();
         assert_eq!(s.next_batch().unwrap().len(), 1);
         assert!(t.elapsed() < Duration::from_millis(50));
+    }
+
+    #[test]
+    fn background_frames_fill_behind_interactive_ones_and_leave_with_their_request() {
+        let s = Scheduler::new(limits(), Duration::ZERO, 1);
+        let (job, _rj) = s.admit_background(frames(50));
+        // Never refused, even beyond the queue bound (100 frames).
+        let (other, _ro) = s.admit_background(frames(500));
+        let (req, _rr) = s.admit(frames(10)).unwrap();
+        // The interactive request's first frames come first (here they fill the first
+        // batch's cap, 2), then its other frames, then background frames.
+        let batch: Vec<RequestId> = s.next_batch().unwrap().iter().map(|i| i.request).collect();
+        assert_eq!(batch, vec![req, req]);
+        let batch: Vec<RequestId> = s.next_batch().unwrap().iter().map(|i| i.request).collect();
+        assert_eq!(batch, vec![req; 8]);
+        let batch: Vec<RequestId> = s.next_batch().unwrap().iter().map(|i| i.request).collect();
+        assert_eq!(batch, vec![job; 8]);
+        // A cancelled batch job's queued frames are dropped.
+        assert_eq!(s.cancel(job), 42);
+        assert_eq!(s.queued(), 500);
+        s.cancel(other);
+        assert_eq!(s.queued(), 0);
+        assert_eq!(s.requests(), 1);
+    }
+
+    #[test]
+    fn background_fill_keeps_a_live_batch_within_its_deadline() {
+        let s = Scheduler::new(limits(), Duration::ZERO, 1);
+        // 10 ms a batch plus 20 ms a frame.
+        s.set_batch_cost(crate::engine::pool::BatchCost {
+            fixed: 0.010,
+            per_frame: 0.020,
+        });
+        let (job, _rj) = s.admit_background(frames(100));
+        // A live frame due in 200 ms: (200 - 5) / 1.25 = 156 ms holds a batch of 7 frames
+        // (fewer if this thread is slow to get there), not a full one (8).
+        let due = Instant::now() + Duration::from_millis(200);
+        let (live, _rl) = s.admit_realtime(frames(1).into_iter().map(|f| (f, due)).collect());
+        let batch: Vec<RequestId> = s.next_batch().unwrap().iter().map(|i| i.request).collect();
+        assert_eq!(batch[0], live);
+        assert!(batch[1..].iter().all(|r| *r == job), "{batch:?}");
+        assert!((4..=7).contains(&batch.len()), "{batch:?}");
+        // Without live frames, background batches are full.
+        assert_eq!(s.next_batch().unwrap().len(), 8);
     }
 }

@@ -24,7 +24,7 @@ use super::conn::ConnInfo;
 use super::error::ApiError;
 use super::{form, App};
 use crate::engine::metrics as m;
-use crate::engine::pipeline::{self, Speech, StartError};
+use crate::engine::pipeline::{self, Class, Speech, StartError};
 use crate::engine::pool::panic_message;
 use crate::engine::{self, Avatar, Loop};
 use crate::media::audio::Fps;
@@ -291,6 +291,7 @@ fn start(
             crf: Some(req.crf),
             preset: None,
         },
+        class: Class::Interactive,
         faces_dir: None,
     };
     pipeline::start(engine, &settings, work, sink).map_err(|e| match e {
