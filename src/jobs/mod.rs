@@ -16,6 +16,7 @@ pub mod postgres;
 mod sql;
 pub mod sqlite;
 pub mod store;
+pub mod webhook;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
