@@ -125,6 +125,26 @@ def check_deployment(dep, device):
     avatar_claim = ((avatars or {}).get("persistentVolumeClaim") or {}).get("claimName")
     check(avatar_claim, "LIPSYNC_AVATAR_DIR is not mounted from a PersistentVolumeClaim")
 
+    # Batch jobs: one queue in PostgreSQL, its URL (a password) from a Secret, never written
+    # in the manifests; the files on a shared claim. Other secrets only from Secrets too.
+    raw_env = {e["name"]: e for e in c.get("env", [])}
+    db_ref = ((raw_env.get("LIPSYNC_JOBS_DB") or {}).get("valueFrom") or {}).get(
+        "secretKeyRef"
+    ) or {}
+    check(
+        db_ref.get("name") and db_ref.get("key") and not db_ref.get("optional", False),
+        "LIPSYNC_JOBS_DB is not read from a required Secret (secretKeyRef): without it the "
+        "pods would share an SQLite file on the network claim",
+    )
+    for name in ("LIPSYNC_JOBS_DB", "LIPSYNC_WEBHOOK_SECRET", "LIPSYNC_API_KEY"):
+        check(
+            "value" not in (raw_env.get(name) or {}),
+            f"{name} is written in the manifest (read it from a Secret)",
+        )
+    data = volume_at(env.get("LIPSYNC_DATA_DIR"))
+    data_claim = ((data or {}).get("persistentVolumeClaim") or {}).get("claimName")
+    check(data_claim, "LIPSYNC_DATA_DIR is not mounted from a PersistentVolumeClaim")
+
     # Resources and the device.
     res = c.get("resources") or {}
     req, lim = res.get("requests") or {}, res.get("limits") or {}
@@ -147,6 +167,8 @@ def check_deployment(dep, device):
     return {
         "pod_labels": pod_labels,
         "avatar_claim": avatar_claim,
+        "data_claim": data_claim,
+        "jobs_db_secret": db_ref.get("name"),
         "weights_claim": (
             (volumes.get(mounts[w[0]]["name"], {}).get("persistentVolumeClaim") or {}).get(
                 "claimName"
@@ -249,6 +271,11 @@ def main():
             "the avatars claim is not ReadWriteMany",
         )
         check(d["weights_claim"] in claims, "the weights are not on a claim of this overlay")
+        dc = claims.get(d["data_claim"])
+        check(
+            dc and dc["spec"]["accessModes"] == ["ReadWriteMany"],
+            "the data claim (LIPSYNC_DATA_DIR) is not ReadWriteMany",
+        )
     pdbs = of_kind(objs, "PodDisruptionBudget")
     check(len(pdbs) == 1, "not one PodDisruptionBudget")
     for p in pdbs:
@@ -286,7 +313,8 @@ def report(overlay, objs, d, target=None, scaler=None):
     print(
         f"checks passed: startup {d['startup_s']} s; preStop "
         f"{d['delay']} s + shutdown {d['shutdown']:g} s < grace {d['grace']} s; {scaler} on "
-        f"{QUEUE_METRIC if scaler == 'HPA' else 'lipsync_queue_seconds'} at {target} s/pod"
+        f"{QUEUE_METRIC if scaler == 'HPA' else 'lipsync_queue_seconds'} at {target} s/pod; "
+        f"jobs in PostgreSQL (Secret {d['jobs_db_secret']}), files on claim {d['data_claim']}"
     )
     return 0
 

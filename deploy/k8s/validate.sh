@@ -2,7 +2,8 @@
 # Renders every overlay under deploy/k8s/overlays with kubectl's built-in kustomize and
 # validates each object offline, strictly, against Kubernetes 1.32's schemas
 # (kubernetes-validate from PyPI, in a venv at target/k8s-venv); then check.py checks what
-# the schemas cannot (probes, grace period, non-root, GPU, the autoscaler and its signal).
+# the schemas cannot (probes, grace period, non-root, GPU, the autoscaler and its signal, the
+# job store's Secret and claims). The examples under deploy/k8s/examples are validated too.
 # Fails on any error and on any warning: kubernetes-validate only warns, exit code 0, about
 # a kind it has no schema for, so `kind: Deploymnet` would pass otherwise. The one warning
 # allowed is KEDA's ScaledObject in an overlay named *-keda.
@@ -65,6 +66,20 @@ for overlay in "${overlays[@]}"; do
     else
         echo "$summary"
         failed=1
+    fi
+done
+# The examples applied by hand (the Secrets the Deployment reads): valid objects too.
+for example in deploy/k8s/examples/*.yaml; do
+    objects=$(grep -c '^kind:' "$example" || true)
+    rc=0
+    "$VENV/bin/kubernetes-validate" -k "$K8S_VERSION" --strict - <"$example" >"$work/out" 2>&1 || rc=$?
+    passed=$(grep -c '^INFO - passed for resource ' "$work/out" || true)
+    if [ "$rc" -ne 0 ] || [ "$passed" -ne "$objects" ] || grep -qv '^INFO - passed for resource ' "$work/out"; then
+        echo "FAIL $example: kubernetes-validate (exit $rc, $passed of $objects objects passed):"
+        sed 's/^/  /' "$work/out"
+        failed=1
+    else
+        echo "$example: $passed/$objects objects valid against Kubernetes $K8S_VERSION (strict)"
     fi
 done
 for o in cpu gpu; do

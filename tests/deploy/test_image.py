@@ -162,7 +162,8 @@ def test_avatar_outlives_its_container_on_a_named_volume(start, volume):
     wait_ready(first.base, timeout=180)
     avatar = create_avatar(first.base)
     assert post_lipsync(first.base, avatar_id=avatar).status == 200
-    docker("rm", "-f", first.name)
+    # -v: the container's anonymous volumes (the data directory), not the named one.
+    docker("rm", "-f", "-v", first.name)
 
     second = start(volume=volume)
     wait_ready(second.base, timeout=180)

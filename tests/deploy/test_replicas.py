@@ -51,6 +51,7 @@ from conftest import (
 
 COMPOSE = ROOT / "docker" / "compose.replicas.yaml"
 BALANCER_IMAGE = "lipsync-balancer"  # `image:` of the balancer service
+POSTGRES_IMAGE = "lipsync-postgres"  # `image:` of the job store's service
 REPLICAS = 3
 SPEECH = "arctic_a0007_1s.wav"
 LOAD_SECONDS = 0.2
@@ -187,6 +188,8 @@ class Stack:
 def stack(image, weights_dir):
     # The balancer's image (Debian's HAProxy; a cached rebuild is a second).
     docker("build", "-q", "-t", BALANCER_IMAGE, str(ROOT / "docker" / "balancer"), timeout=600)
+    # The job store's image (Debian's PostgreSQL 15; about 100 s the first time, then cached).
+    docker("build", "-q", "-t", POSTGRES_IMAGE, str(ROOT / "docker" / "postgres"), timeout=900)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(OVERRIDE)
     s = Stack(image, weights_dir, f.name)
