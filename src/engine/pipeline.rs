@@ -103,7 +103,8 @@ pub enum Class {
     #[default]
     Interactive,
     /// A batch job: never refused, it waits; its frames only fill what live sessions and
-    /// interactive requests leave of each batch ([`Engine::submit_background`]).
+    /// interactive requests leave of each batch ([`Engine::submit_background`]), and its
+    /// encoder runs niced ([`video::BACKGROUND_NICE`]).
     Background,
 }
 
@@ -221,7 +222,7 @@ pub fn start(
         }
     };
     let encoder = video::spawn(
-        encoder_settings(settings, &options, &avatar, fps, audio_path),
+        encoder_settings(settings, &options, class, &avatar, fps, audio_path),
         sink,
     )?;
     Ok(Started {
@@ -243,6 +244,7 @@ pub fn start(
 fn encoder_settings(
     settings: &Settings,
     options: &Options,
+    class: Class,
     avatar: &Avatar,
     fps: Fps,
     audio: PathBuf,
@@ -257,6 +259,9 @@ fn encoder_settings(
     }
     if let Some(preset) = &options.preset {
         s.preset = preset.clone();
+    }
+    if class == Class::Background {
+        s.nice = video::BACKGROUND_NICE;
     }
     s
 }
@@ -413,9 +418,9 @@ mod tests {
         })
     }
 
-    /// One second of a tone at 16 kHz, as a WAV file in `dir`.
-    fn speech(dir: &Path) -> Speech {
-        let path = dir.join("speech.wav");
+    /// One second of a tone at 16 kHz, as a WAV file in `dir`, named after `class`.
+    fn speech(dir: &Path, class: Class) -> Speech {
+        let path = dir.join(format!("speech-{class:?}.wav"));
         let spec = hound::WavSpec {
             channels: 1,
             sample_rate: 16_000,
@@ -441,7 +446,7 @@ mod tests {
             y2: 48,
         };
         Work {
-            speech: speech(dir),
+            speech: speech(dir, class),
             avatar: Arc::new(Avatar::from_frame(frame, face, Blend::Feather)),
             options: Options::default(),
             class,
@@ -531,6 +536,58 @@ mod tests {
         assert_eq!(engine.scheduler().requests(), 0);
         assert_eq!(engine.scheduler().queued(), 0);
         gate.open();
+        engine.shutdown();
+    }
+
+    /// The niceness of process `pid` (`"self"` for this one), and its parent's pid.
+    fn nice_and_parent(pid: &str) -> (i32, u32) {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        // After the command name in parentheses: state, ppid, ..., nice (the 19th field).
+        let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+        (fields[16].parse().unwrap(), fields[1].parse().unwrap())
+    }
+
+    /// The niceness of this process's child whose command line names `file`.
+    fn child_nice(file: &Path) -> i32 {
+        let file = file.to_string_lossy();
+        let me = std::process::id();
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|pid| pid.bytes().all(|b| b.is_ascii_digit()))
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains(file.as_ref()))
+            })
+            .map(|pid| nice_and_parent(&pid))
+            .find(|&(_, parent)| parent == me)
+            .unwrap_or_else(|| panic!("no child process reads {file}"))
+            .0
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_background_renders_encoder_runs_niced() {
+        let gate = Arc::new(Gate::default());
+        gate.open();
+        let engine = engine(&gate);
+        let dir = tempfile::tempdir().unwrap();
+        let own = nice_and_parent("self").0;
+        for (class, want) in [
+            (Class::Interactive, own),
+            (Class::Background, (own + video::BACKGROUND_NICE).min(19)),
+        ] {
+            let work = work(dir.path(), class);
+            let file = work.speech.file.clone().unwrap();
+            let started = start(&engine, &settings(), work, Box::new(Shared::default())).unwrap();
+            let mut seen = None;
+            started
+                .run(&|| false, &mut |_, _| {
+                    seen.get_or_insert_with(|| child_nice(&file));
+                })
+                .unwrap();
+            assert_eq!(seen, Some(want), "{class:?}");
+        }
         engine.shutdown();
     }
 }

@@ -77,6 +77,7 @@ impl LiveEncoder {
         let fifo_arg = fifo.display().to_string();
         let mut process = Process::spawn(
             &settings.ffmpeg,
+            settings.nice,
             &settings.live_args(&fifo_arg),
             "live encoder",
             consume,

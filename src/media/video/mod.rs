@@ -85,7 +85,14 @@ pub struct EncoderSettings {
     pub threads: Option<usize>,
     /// x264 processes encoding segments in parallel (1: a single ffmpeg process).
     pub workers: usize,
+    /// Added to the niceness of every ffmpeg process of this encoder (0: they run at the
+    /// caller's priority): batch jobs' encoders run niced ([`BACKGROUND_NICE`]), so the CPU
+    /// goes to interactive requests' and live sessions' encoders first.
+    pub nice: i32,
 }
+
+/// The niceness added to a background render's encoder processes.
+pub const BACKGROUND_NICE: i32 = 10;
 
 /// Encoder workers for one stream when frames come from a model on a GPU (faster than one
 /// x264 process can take them): half the cores, at most 8; one when they come from the
@@ -123,6 +130,7 @@ impl EncoderSettings {
             ffmpeg: default_ffmpeg(),
             threads: None,
             workers: 1,
+            nice: 0,
         }
     }
 

@@ -25,6 +25,35 @@ pub(super) struct Process {
     stderr: Option<JoinHandle<Vec<u8>>>,
 }
 
+/// Makes `command`'s process start `steps` nicer than this one (nothing for 0 or less: an
+/// encoder is never given more priority than the service).
+#[cfg(unix)]
+fn lower_priority(command: &mut Command, steps: i32) {
+    use std::os::unix::process::CommandExt;
+
+    extern "C" {
+        /// POSIX nice(3): adds `inc` to the calling process's niceness (libc, which the
+        /// standard library links).
+        fn nice(inc: std::ffi::c_int) -> std::ffi::c_int;
+    }
+
+    if steps <= 0 {
+        return;
+    }
+    // SAFETY: the closure runs in the child between fork and exec, where only
+    // async-signal-safe work is allowed: nice(3) is a system call on the child itself (no
+    // allocation, no lock). Failing (already at the lowest priority) leaves it as it is.
+    unsafe {
+        command.pre_exec(move || {
+            nice(steps);
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(unix))]
+fn lower_priority(_: &mut Command, _: i32) {}
+
 pub(super) fn spawn_thread<T: Send + 'static>(
     name: &str,
     f: impl FnOnce() -> T + Send + 'static,
@@ -36,19 +65,23 @@ pub(super) fn spawn_thread<T: Send + 'static>(
 }
 
 impl Process {
+    /// Starts `ffmpeg` with `args`, `nice` added to its niceness (see
+    /// [`super::EncoderSettings::nice`]).
     pub(super) fn spawn(
         ffmpeg: &Path,
+        nice: i32,
         args: &[String],
         role: &str,
         mut consume: StdoutConsumer,
     ) -> Result<Self, Error> {
-        let mut child = Command::new(ffmpeg)
+        let mut command = Command::new(ffmpeg);
+        command
             .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| missing(ffmpeg, &e))?;
+            .stderr(Stdio::piped());
+        lower_priority(&mut command, nice);
+        let mut child = command.spawn().map_err(|e| missing(ffmpeg, &e))?;
         let stdin = child.stdin.take();
         let mut out = child.stdout.take().expect("piped stdout");
         let mut err = child.stderr.take().expect("piped stderr");
@@ -159,5 +192,31 @@ impl Drop for Process {
     /// An unfinished process (an error, a client that left) is killed and reaped.
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+
+    /// The niceness of process `pid` (the 19th field of its stat).
+    fn nice_of(pid: &str) -> i32 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+        fields[16].parse().unwrap()
+    }
+
+    #[test]
+    fn a_niced_process_runs_at_a_lower_priority() {
+        let own = nice_of("self");
+        for steps in [0, 7] {
+            // `cat` waits on its stdin, like an encoder waiting for frames.
+            let p = Process::spawn(Path::new("cat"), steps, &[], "cat", Box::new(|_| {})).unwrap();
+            let pid = p.child.as_ref().unwrap().id().to_string();
+            assert_eq!(nice_of(&pid), (own + steps).min(19), "nice {steps}");
+        }
+        // Never more priority than the caller.
+        let p = Process::spawn(Path::new("cat"), -5, &[], "cat", Box::new(|_| {})).unwrap();
+        assert_eq!(nice_of(&p.child.as_ref().unwrap().id().to_string()), own);
     }
 }

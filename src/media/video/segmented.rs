@@ -73,6 +73,7 @@ impl SegmentedEncoder {
         let sink_error = SinkError::default();
         let mut muxer = Process::spawn(
             &settings.ffmpeg,
+            settings.nice,
             &settings.muxer_args(),
             "the ffmpeg muxer",
             sink_error.consumer(sink),
@@ -91,6 +92,7 @@ impl SegmentedEncoder {
             let au_tx = au_rx.clone();
             let mut process = Process::spawn(
                 &settings.ffmpeg,
+                settings.nice,
                 &worker_args,
                 &format!("encoder worker {i}"),
                 flv_consumer(au_tx),

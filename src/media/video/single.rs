@@ -58,6 +58,7 @@ impl FfmpegEncoder {
         let sink_error = SinkError::default();
         let process = Process::spawn(
             &settings.ffmpeg,
+            settings.nice,
             &settings.single_args(),
             "ffmpeg",
             sink_error.consumer(sink),
