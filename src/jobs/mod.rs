@@ -17,6 +17,7 @@ mod sql;
 pub mod sqlite;
 pub mod store;
 pub mod webhook;
+pub mod worker;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

@@ -210,6 +210,15 @@ impl JobStore for PgStore {
         Ok(done.rows_affected() == 1)
     }
 
+    async fn release(&self, id: &str, owner: &str) -> Result<bool, StoreError> {
+        let done = sqlx::query(sql::RELEASE)
+            .bind(id)
+            .bind(owner)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
     async fn finish(
         &self,
         id: &str,

@@ -111,6 +111,11 @@ pub(crate) const RENEW: &str = "UPDATE lipsync_jobs \
      SET lease_until = $1, frames_done = $2, frames_total = $3 \
      WHERE id = $4 AND status = 'running' AND lease_owner = $5";
 
+/// `$1` id, `$2` owner: the run given back to the queue (its worker is shutting down).
+pub(crate) const RELEASE: &str = "UPDATE lipsync_jobs \
+     SET status = 'queued', lease_owner = NULL, lease_until = NULL, frames_done = 0 \
+     WHERE id = $1 AND status = 'running' AND lease_owner = $2";
+
 /// `$1` final status, `$2` now, `$3` error, `$4` bytes, `$5` webhook event, `$6` id,
 /// `$7` owner.
 pub(crate) const FINISH: &str = "UPDATE lipsync_jobs SET status = $1, finished_at = $2, \

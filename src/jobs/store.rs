@@ -104,6 +104,12 @@ pub trait JobStore: Send + Sync {
         frames_total: u64,
     ) -> Result<bool, StoreError>;
 
+    /// Gives `owner`'s running job back to the queue (`queued`, lease released, progress
+    /// 0; `runs` keeps counting the run that was stopped), so that the next worker claims it
+    /// at once instead of after the lease: a replica shutting down does this for the jobs it
+    /// cannot finish. `false` when the job is not `owner`'s running job.
+    async fn release(&self, id: &str, owner: &str) -> Result<bool, StoreError>;
+
     /// Ends `owner`'s run: `succeeded` (progress set to complete: `frames_done` =
     /// `frames_total`) or `failed` with its error; `bytes` is the job's files now, either
     /// way; `finished_at` is `now`; the lease is released; a job with a webhook gets its

@@ -40,6 +40,14 @@ impl Form {
         self.texts.remove(name).filter(|s| !s.is_empty())
     }
 
+    /// A text field, left in the form (as [`Form::text`] would return it).
+    pub fn peek(&self, name: &str) -> Option<&str> {
+        self.texts
+            .get(name)
+            .map(String::as_str)
+            .filter(|s| !s.is_empty())
+    }
+
     /// Parses a text field with `FromStr`, mapping failures to a 400.
     pub fn parse<T>(&mut self, name: &str) -> Result<Option<T>, ApiError>
     where

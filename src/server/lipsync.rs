@@ -31,8 +31,10 @@ use crate::media::audio::Fps;
 use crate::media::face::Blend;
 use crate::media::video;
 
-const FILES: &[&str] = &["audio", "image", "video"];
-const TEXTS: &[&str] = &[
+/// The file fields of a render request (also of a batch job).
+pub(super) const FILES: &[&str] = &["audio", "image", "video"];
+/// The text fields of a render request (a batch job adds its own).
+pub(super) const TEXTS: &[&str] = &[
     "avatar_id",
     "box",
     "pads",
@@ -60,17 +62,17 @@ pub fn refused(e: ApiError) -> ApiError {
 }
 
 /// What a request asks for, parsed.
-struct Request {
-    audio: Bytes,
-    avatar: AvatarSource,
+pub(super) struct Request {
+    pub audio: Bytes,
+    pub avatar: AvatarSource,
     /// For a photo; a clip runs at its own rate.
-    fps: Fps,
-    loop_mode: Loop,
-    blend: Blend,
-    crf: u8,
+    pub fps: Fps,
+    pub loop_mode: Loop,
+    pub blend: Blend,
+    pub crf: u8,
 }
 
-enum AvatarSource {
+pub(super) enum AvatarSource {
     Upload(Upload),
     Cached(String),
 }
@@ -80,10 +82,15 @@ async fn parse(
     app: &App,
 ) -> Result<Request, ApiError> {
     let mut f = form::read(multipart, FILES, TEXTS, app.args.max_body_bytes).await?;
+    parse_form(&mut f, app)
+}
+
+/// The render request in a form read with [`FILES`] and [`TEXTS`] (and maybe more).
+pub(super) fn parse_form(f: &mut form::Form, app: &App) -> Result<Request, ApiError> {
     let audio = f
         .file("audio")
         .ok_or_else(|| ApiError::bad_request("missing_field", "the form needs an `audio` file"))?;
-    let avatar = match (Upload::from_form(&mut f)?, f.text("avatar_id")) {
+    let avatar = match (Upload::from_form(f)?, f.text("avatar_id")) {
         (Some(upload), None) => AvatarSource::Upload(upload),
         (None, Some(id)) => AvatarSource::Cached(id),
         (Some(_), Some(_)) => {
@@ -253,14 +260,14 @@ pub async fn lipsync(
 /// `X-Video-Frames` of a `POST /v1/lipsync` response: the frames the video will hold.
 pub(super) const VIDEO_FRAMES: HeaderName = HeaderName::from_static("x-video-frames");
 
-/// Prepares the avatar (or takes the cached one) and starts the render into `sink`.
-fn start(
+/// The request's avatar: the upload prepared (blocking: decoding, face detection), or the
+/// one looked up by id (`cached`).
+pub(super) fn prepare_avatar(
     app: &App,
-    req: Request,
+    req: &Request,
     cached: Option<Arc<Avatar>>,
-    sink: video::Sink,
-) -> Result<pipeline::Started, ApiError> {
-    let avatar = match (&req.avatar, cached) {
+) -> Result<Arc<Avatar>, ApiError> {
+    Ok(match (&req.avatar, cached) {
         (AvatarSource::Upload(upload), _) => {
             let t = Instant::now();
             let a = upload.prepare(app, req.blend)?;
@@ -271,16 +278,23 @@ fn start(
         (AvatarSource::Cached(id), None) => {
             return Err(ApiError::internal(format!("avatar {id} was not looked up")))
         }
-    };
+    })
+}
+
+/// Prepares the avatar (or takes the cached one) and starts the render into `sink`.
+fn start(
+    app: &App,
+    req: Request,
+    cached: Option<Arc<Avatar>>,
+    sink: video::Sink,
+) -> Result<pipeline::Started, ApiError> {
+    let avatar = prepare_avatar(app, &req, cached)?;
     // Checked ready before the body was read.
     let engine = app
         .engine
         .get()
         .ok_or_else(|| ApiError::internal("the engine is gone"))?;
-    let media = &app.args.media;
-    let settings = pipeline::Settings::new(media.max_audio_seconds, |w, h, fps| {
-        media.encoder(w, h, fps, app.cfg.encoder_workers)
-    });
+    let settings = app.render_settings();
     let work = pipeline::Work {
         speech: Speech::bytes(req.audio),
         avatar,

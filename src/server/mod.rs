@@ -11,6 +11,7 @@ pub mod config;
 pub mod conn;
 pub mod error;
 pub mod form;
+pub mod jobs;
 pub mod lipsync;
 pub mod stream;
 pub mod ui;
@@ -58,6 +59,8 @@ pub enum ServeError {
     Model(#[from] model::Error),
     #[error("cannot open the avatar directory: {0}")]
     AvatarDir(#[from] StoreError),
+    #[error("batch jobs: {0}")]
+    Jobs(String),
     #[error("cannot set up metrics: {0}")]
     Metrics(String),
     #[error("server error: {0}")]
@@ -78,11 +81,26 @@ pub struct App {
     sessions: Arc<stream::Sessions>,
     shutting_down: AtomicBool,
     started: Instant,
+    /// Batch jobs (`/v1/jobs`): the store, the data directory and the workers.
+    jobs: Option<Arc<crate::jobs::worker::Jobs>>,
 }
 
 impl App {
     fn avatars(&self) -> MutexGuard<'_, AvatarCache> {
         self.avatars.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether SIGTERM/SIGINT arrived.
+    fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    /// The render settings every door shares (from the media flags).
+    fn render_settings(&self) -> crate::engine::pipeline::Settings {
+        let media = &self.args.media;
+        crate::engine::pipeline::Settings::new(media.max_audio_seconds, |w, h, fps| {
+            media.encoder(w, h, fps, self.cfg.encoder_workers)
+        })
     }
 
     /// The engine, if every instance is loaded and warmed up and the server is not stopping.
@@ -129,6 +147,17 @@ impl App {
         } else {
             5
         }
+    }
+}
+
+/// The batch jobs' workers render with this process's engine once it is ready.
+impl crate::jobs::worker::Host for App {
+    fn engine(&self) -> Option<&Engine> {
+        self.ready_engine().ok()
+    }
+
+    fn render_settings(&self) -> crate::engine::pipeline::Settings {
+        App::render_settings(self)
     }
 }
 
@@ -361,6 +390,10 @@ pub fn router(app: Arc<App>) -> Router {
             "/v1/avatars/{id}",
             get(avatars::get).delete(avatars::delete),
         )
+        .route("/v1/jobs", post(jobs::submit).get(jobs::list))
+        .route("/v1/jobs/{id}", get(jobs::get).delete(jobs::delete))
+        .route("/v1/jobs/{id}/video", get(jobs::video))
+        .route("/v1/jobs/{id}/cancel", post(jobs::cancel))
         .route_layer(middleware::from_fn_with_state(app.clone(), require_key));
     let mut router = Router::new()
         .merge(v1)
@@ -405,7 +438,12 @@ pub fn router(app: Arc<App>) -> Router {
                     header::CONTENT_TYPE,
                     REQUEST_ID.clone(),
                 ])
-                .expose_headers([REQUEST_ID.clone(), lipsync::VIDEO_FRAMES]),
+                .expose_headers([
+                    REQUEST_ID.clone(),
+                    lipsync::VIDEO_FRAMES,
+                    header::LOCATION,
+                    header::CONTENT_RANGE,
+                ]),
         );
     }
     if let Some(t) = config::timeout(app.args.read_timeout) {
@@ -485,6 +523,14 @@ fn install_metrics() -> Result<PrometheusHandle, ServeError> {
     for class in m::QUEUE_CLASSES {
         m::queue_seconds(class, 0.0);
     }
+    for status in crate::jobs::JobStatus::ALL {
+        metrics::gauge!(crate::jobs::worker::JOBS, "status" => status.as_str()).set(0.0);
+    }
+    let _ = metrics::histogram!(crate::jobs::worker::JOB_DURATION);
+    for outcome in ["success", "retry", "failed"] {
+        metrics::counter!(crate::jobs::worker::WEBHOOK_DELIVERIES, "outcome" => outcome)
+            .absolute(0);
+    }
     metrics::gauge!(m::INSTANCES_BUSY).set(0.0);
     metrics::gauge!(m::INSTANCES_READY).set(0.0);
     metrics::gauge!(m::AVATAR_CACHE_BYTES).set(0.0);
@@ -513,6 +559,41 @@ async fn shutdown_signal() {
     }
 }
 
+/// Opens the job store and the data directory (before listening: a store that cannot be
+/// used ends the server at once).
+async fn open_jobs(args: &ServeArgs) -> Result<Option<Arc<crate::jobs::worker::Jobs>>, ServeError> {
+    let j = &args.jobs;
+    let data_dir = j.data_dir().map_err(ServeError::Jobs)?;
+    std::fs::create_dir_all(data_dir.join("jobs")).map_err(|e| {
+        ServeError::Jobs(format!(
+            "cannot create the data directory {}: {e}",
+            data_dir.display()
+        ))
+    })?;
+    let store = crate::jobs::store::open(j.jobs_db.as_deref(), &data_dir)
+        .await
+        .map_err(|e| ServeError::Jobs(e.to_string()))?;
+    tracing::info!(
+        "batch jobs: data directory {}, store {}",
+        data_dir.display(),
+        j.jobs_db_redacted()
+            .unwrap_or_else(|| "SQLite (jobs.db)".into())
+    );
+    let cfg = crate::jobs::worker::Config {
+        data_dir,
+        ttl: j.job_ttl(),
+        max_queued: j.max_queued_jobs as u64,
+        data_dir_bytes: j.data_dir_bytes,
+        concurrency: j.job_concurrency,
+        lease: j.job_lease(),
+        webhook_secret: j.webhook_secret.clone().map(String::into_bytes),
+        webhook_retry: j.webhook_retry_seconds.clone(),
+        webhook_allow: j.webhook_allow(),
+        webhook_timeout: crate::jobs::webhook::DEFAULT_TIMEOUT,
+    };
+    Ok(Some(Arc::new(crate::jobs::worker::Jobs::new(store, cfg))))
+}
+
 /// Runs the service until SIGTERM/SIGINT (or a fatal start-up error).
 pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
     crate::media::video::check_ffmpeg(&args.media.ffmpeg)?;
@@ -533,6 +614,7 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
         }
         None => None,
     };
+    let jobs = open_jobs(&args).await?;
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
@@ -562,7 +644,11 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
         prometheus,
         shutting_down: AtomicBool::new(false),
         started: Instant::now(),
+        jobs,
     });
+    if let Some(jobs) = &app.jobs {
+        jobs.start(app.clone());
+    }
 
     // Load in the background: /health answers at once, /ready once the instances are warm.
     // A model that cannot load, or instances that cannot start, end the server with an error
@@ -599,6 +685,10 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
         shutdown_signal().await;
         tracing::info!("shutting down: no new connections; letting in-flight streams finish");
         stopping.shutting_down.store(true, Ordering::SeqCst);
+        // Jobs rendering here go back to the queue, for the next process.
+        if let Some(jobs) = &stopping.jobs {
+            jobs.shutdown().await;
+        }
         let _ = stop_tx.send(());
     });
     let timeout = Duration::from_secs(app.args.shutdown_timeout);

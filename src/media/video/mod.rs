@@ -19,6 +19,7 @@
 pub mod clip;
 pub mod live;
 mod process;
+mod remux;
 mod segmented;
 mod single;
 
@@ -29,6 +30,7 @@ use crate::media::audio::Fps;
 use crate::media::image::Frame;
 use crate::media::Error;
 
+pub use remux::faststart;
 pub use segmented::SegmentedEncoder;
 pub use single::FfmpegEncoder;
 
