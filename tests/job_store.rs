@@ -299,6 +299,25 @@ async fn renew_after_cancel_or_delete(b: Backend) {
     assert!(!s.renew(&q, "w", T0 + 2, LEASE, 1, 2).await.unwrap());
 }
 
+async fn release_requeues_at_once(b: Backend) {
+    let db = Db::new(b);
+    let s = db.open().await;
+    let [a] = insert_n(&*s, 1).await.try_into().unwrap();
+    s.claim("w1", T0, LEASE).await.unwrap().unwrap();
+    assert!(s.renew(&a, "w1", T0 + 1, LEASE, 3, 10).await.unwrap());
+    // Only the owner gives it back.
+    assert!(!s.release(&a, "w2").await.unwrap());
+    assert!(s.release(&a, "w1").await.unwrap());
+    let j = s.get(&a).await.unwrap().unwrap();
+    assert_eq!(j.status, JobStatus::Queued);
+    assert_eq!((j.frames_done, j.lease_owner.clone()), (0, None));
+    assert!(!s.renew(&a, "w1", T0 + 2, LEASE, 4, 10).await.unwrap());
+    // Claimable at once, well before the old lease would have run out; the stopped run counts.
+    let again = s.claim("w2", T0 + 2, LEASE).await.unwrap().unwrap();
+    assert_eq!((again.id.as_str(), again.runs), (a.as_str(), 2));
+    assert!(!s.release(&a, "w1").await.unwrap());
+}
+
 async fn finish_sets_webhook_when_url(b: Backend) {
     let db = Db::new(b);
     let s = db.open().await;
@@ -680,6 +699,7 @@ both_stores!(
     max_queued_refused,
     claim_order_and_lease_expiry,
     renew_after_cancel_or_delete,
+    release_requeues_at_once,
     finish_sets_webhook_when_url,
     cancel_each_status,
     delete_removes,
