@@ -106,6 +106,8 @@ struct Server {
     child: Child,
     addr: SocketAddr,
     log: Arc<Mutex<Vec<String>>>,
+    /// Batch jobs' files and store: a temporary directory, never the user's.
+    _data_dir: tempfile::TempDir,
     _serial: MutexGuard<'static, ()>,
 }
 
@@ -114,10 +116,16 @@ impl Server {
     /// listens.
     fn start(extra: &[&str]) -> Server {
         let serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        let data_dir = tempfile::Builder::new()
+            .prefix("lipsync-data-")
+            .tempdir()
+            .unwrap();
         let mut child = Command::new(release_binary())
             .arg("serve")
             .arg("--checkpoint")
             .arg(weights())
+            .arg("--data-dir")
+            .arg(data_dir.path())
             .args([
                 "--host",
                 "127.0.0.1",
@@ -166,6 +174,7 @@ impl Server {
             child,
             addr,
             log,
+            _data_dir: data_dir,
             _serial: serial,
         }
     }

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -55,15 +56,18 @@ def weights() -> Path:
 
 
 class Server:
-    """`lipsync serve` (release) on a free port; `url` once it listens."""
+    """`lipsync serve` (release) on a free port; `url` once it listens. Batch jobs' files and
+    store go to a temporary data directory of its own, removed by `stop`."""
 
     def __init__(self, *extra: str, ready: bool = True):
         self.log: list[str] = []
+        self.data_dir = tempfile.TemporaryDirectory(prefix="lipsync-data-")
         self.proc = subprocess.Popen(
             [
                 release_binary(), "serve", "--checkpoint", weights(),
                 "--host", "127.0.0.1", "--port", "0",
-                "--max-batch", "8", "--first-batch", "2", *extra,
+                "--max-batch", "8", "--first-batch", "2",
+                "--data-dir", self.data_dir.name, *extra,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -138,6 +142,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        self.data_dir.cleanup()
 
 
 @pytest.fixture(scope="session")

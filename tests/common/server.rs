@@ -1,7 +1,9 @@
 //! `lipsync serve` as a process on a loopback port, for the tests that drive it over HTTP:
-//! started with test weights, its log drained, killed when dropped.
+//! started with test weights and its own temporary data directory (batch jobs' files and
+//! SQLite store), its log drained, killed when dropped.
 
 use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -17,6 +19,10 @@ pub struct Server {
     pub child: Child,
     pub base: String,
     log: std::sync::Arc<Mutex<Vec<String>>>,
+    /// The data directory (`--data-dir`): the test's own, or a temporary one of this
+    /// server's, removed when it is dropped (after the process is gone).
+    data_dir: PathBuf,
+    _temp_data: Option<tempfile::TempDir>,
     _serial: Option<MutexGuard<'static, ()>>,
 }
 
@@ -56,8 +62,37 @@ impl Server {
         env: &[(&str, &str)],
         serial: Option<MutexGuard<'static, ()>>,
     ) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_lipsync"))
-            .arg("serve")
+        // Never the user's data directory (nor another server's): a temporary one, unless
+        // the test names its own.
+        let given = extra
+            .iter()
+            .position(|a| *a == "--data-dir")
+            .and_then(|i| extra.get(i + 1))
+            .map(PathBuf::from)
+            .or_else(|| {
+                extra
+                    .iter()
+                    .find_map(|a| a.strip_prefix("--data-dir="))
+                    .map(PathBuf::from)
+            })
+            .or_else(|| {
+                env.iter()
+                    .find(|(k, _)| *k == "LIPSYNC_DATA_DIR")
+                    .map(|(_, v)| PathBuf::from(v))
+            });
+        let temp_data = given.is_none().then(|| {
+            tempfile::Builder::new()
+                .prefix("lipsync-data-")
+                .tempdir()
+                .expect("creating the server's temporary data directory")
+        });
+        let data_dir = given.unwrap_or_else(|| temp_data.as_ref().unwrap().path().to_path_buf());
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_lipsync"));
+        cmd.arg("serve");
+        if let Some(t) = &temp_data {
+            cmd.arg("--data-dir").arg(t.path());
+        }
+        let mut child = cmd
             .arg("--checkpoint")
             .arg(checkpoint)
             .args(["--port", "0"])
@@ -102,6 +137,8 @@ impl Server {
             child,
             base,
             log,
+            data_dir,
+            _temp_data: temp_data,
             _serial: serial,
         }
     }
@@ -123,6 +160,12 @@ impl Server {
             .send()
             .await
             .unwrap()
+    }
+
+    /// The server's data directory (`--data-dir`): batch jobs' files (`jobs/<id>/`) and,
+    /// without `--jobs-db`, their SQLite store (`jobs.db`).
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
     }
 
     /// The server's log lines so far.
