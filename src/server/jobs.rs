@@ -11,11 +11,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::extract::multipart::Multipart;
-use axum::extract::{FromRequest, Path, Query, State};
+use axum::extract::{FromRequest, Path, RawQuery, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde::Deserialize;
 use tower::ServiceExt;
 
 use super::error::ApiError;
@@ -235,19 +234,49 @@ pub async fn get(
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default)]
 pub struct ListQuery {
     status: Option<String>,
     limit: Option<String>,
     after: Option<String>,
 }
 
+impl ListQuery {
+    /// The query string of `GET /v1/jobs`: each of `status`, `limit`, `after` at most once,
+    /// nothing else (a parameter misspelt is an error, not a silently unfiltered list), and
+    /// every refusal a JSON error.
+    fn parse(raw: Option<&str>) -> Result<ListQuery, ApiError> {
+        let mut q = ListQuery::default();
+        for (name, value) in url::form_urlencoded::parse(raw.unwrap_or("").as_bytes()) {
+            let slot = match &*name {
+                "status" => &mut q.status,
+                "limit" => &mut q.limit,
+                "after" => &mut q.after,
+                _ => {
+                    return Err(ApiError::bad_request(
+                        "unknown_field",
+                        format!("unknown query parameter {name:?} (status, limit, after)"),
+                    ))
+                }
+            };
+            if slot.replace(value.into_owned()).is_some() {
+                return Err(ApiError::bad_request(
+                    "bad_field",
+                    format!("query parameter `{name}` given more than once"),
+                ));
+            }
+        }
+        Ok(q)
+    }
+}
+
 pub async fn list(
     State(app): State<Arc<App>>,
-    Query(q): Query<ListQuery>,
+    RawQuery(raw): RawQuery,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let jobs = jobs_of(&app)?;
-    let status = match q.status.as_deref().filter(|s| !s.is_empty()) {
+    let q = ListQuery::parse(raw.as_deref())?;
+    let status = match q.status.as_deref() {
         None => None,
         Some(s) => Some(JobStatus::parse(s).ok_or_else(|| {
             ApiError::bad_request(
@@ -258,7 +287,7 @@ pub async fn list(
             )
         })?),
     };
-    let limit = match q.limit.as_deref().filter(|s| !s.is_empty()) {
+    let limit = match q.limit.as_deref() {
         None => 20,
         Some(s) => match s.parse::<usize>() {
             Ok(n) if (1..=MAX_LIMIT).contains(&n) => n,
@@ -270,7 +299,7 @@ pub async fn list(
             }
         },
     };
-    let after = match q.after.as_deref().filter(|s| !s.is_empty()) {
+    let after = match q.after.as_deref() {
         None => None,
         Some(a) if jobs::is_job_id(a) => Some(a),
         Some(_) => {
