@@ -30,7 +30,11 @@ use crate::media::audio;
 pub const MAX_METADATA: usize = 4096;
 
 /// Text fields of a job besides those of `/v1/lipsync`.
-const JOB_TEXTS: &[&str] = &["webhook_url", "metadata"];
+const JOB_TEXTS: &[&str] = &["webhook_url"];
+
+/// Fields of a job read as raw bytes, as files are: `metadata` may be up to
+/// [`MAX_METADATA`] bytes, and the form reader keeps its text fields much shorter.
+const JOB_RAW: &[&str] = &["metadata"];
 
 /// Fields of `/v1/lipsync` kept with a job to shape its render (the avatar's own `box`,
 /// `pads` and `smooth` are already applied to the prepared avatar it keeps).
@@ -89,9 +93,13 @@ pub async fn submit(
     }
     let multipart = Multipart::from_request(req, &()).await;
     let texts: Vec<&str> = lipsync::TEXTS.iter().chain(JOB_TEXTS).copied().collect();
-    let mut f = form::read(multipart, lipsync::FILES, &texts, app.args.max_body_bytes).await?;
+    let files: Vec<&str> = lipsync::FILES.iter().chain(JOB_RAW).copied().collect();
+    let mut f = form::read(multipart, &files, &texts, app.args.max_body_bytes).await?;
     let webhook_url = f.text("webhook_url");
-    let metadata = f.text("metadata").map(|s| parse_metadata(&s)).transpose()?;
+    let metadata = match f.file("metadata") {
+        Some(raw) => parse_metadata(&raw)?,
+        None => None,
+    };
     let mut fields = BTreeMap::new();
     for name in RENDER_FIELDS {
         if let Some(v) = f.peek(name) {
@@ -198,19 +206,23 @@ pub async fn submit(
         .into_response())
 }
 
-/// `metadata`: a JSON object of at most [`MAX_METADATA`] bytes.
-fn parse_metadata(s: &str) -> Result<serde_json::Value, ApiError> {
-    if s.len() > MAX_METADATA {
+/// `metadata`: a JSON object of at most [`MAX_METADATA`] bytes; empty (or blank) is none, as
+/// for the text fields.
+fn parse_metadata(raw: &[u8]) -> Result<Option<serde_json::Value>, ApiError> {
+    if raw.len() > MAX_METADATA {
         return Err(ApiError::bad_request(
             "bad_field",
             format!(
                 "field `metadata`: {} bytes, at most {MAX_METADATA}",
-                s.len()
+                raw.len()
             ),
         ));
     }
-    match serde_json::from_str::<serde_json::Value>(s) {
-        Ok(v @ serde_json::Value::Object(_)) => Ok(v),
+    if raw.iter().all(u8::is_ascii_whitespace) {
+        return Ok(None);
+    }
+    match serde_json::from_slice::<serde_json::Value>(raw) {
+        Ok(v @ serde_json::Value::Object(_)) => Ok(Some(v)),
         Ok(_) => Err(ApiError::bad_request(
             "bad_field",
             "field `metadata`: must be a JSON object",
