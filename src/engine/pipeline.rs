@@ -303,11 +303,12 @@ impl Started {
     }
 
     /// Makes the video, on the calling thread: faces composited as the engine returns them,
-    /// encoded into the sink, then the encoder finished. `gone()` is asked between frames
-    /// (at least every 50 ms): once it says the consumer has left, the render stops with
-    /// [`Error::Cancelled`], its queued frames are dropped and the encoder killed.
-    /// `progress(done, total)` is called with the video frames written so far (and once at
-    /// the end with `done == total`).
+    /// encoded into the sink, then the encoder finished. `gone()` is asked before each frame
+    /// (every 50 ms while the model's faces are awaited): once it says true (the client
+    /// left, the job was cancelled), the render stops with [`Error::Cancelled`], its queued
+    /// frames are dropped and the encoder killed. `progress(done, total)` is called with the
+    /// video frames written so far (and once at the end with `done == total`). A panic
+    /// inside (a bug) unwinds to the caller, which may catch it, as the service does.
     pub fn run(
         self,
         gone: &dyn Fn() -> bool,
