@@ -37,6 +37,10 @@ const PART_FILE: &str = "video.part.mp4";
 /// How often an idle worker looks for work when nobody wakes it (other replicas' submits).
 const IDLE_POLL: Duration = Duration::from_millis(500);
 
+/// How often `lipsync_jobs` is read again from the store besides this process's own changes,
+/// so that it follows what the other replicas sharing the store do.
+const COUNTS_EVERY: Duration = Duration::from_secs(5);
+
 /// What the jobs of a process are configured with (from `serve`'s flags).
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -139,12 +143,14 @@ impl Jobs {
         }
     }
 
-    /// Starts the workers, the webhook sender and the expiry on the current runtime.
+    /// Starts the workers, the webhook sender, the expiry and the counts' refresh on the
+    /// current runtime.
     pub fn start(self: &Arc<Self>, host: Arc<dyn Host>) {
         let permits = Arc::new(Semaphore::new(self.cfg.concurrency.max(1)));
         tokio::spawn(self.clone().claim_loop(host, permits));
         tokio::spawn(self.clone().webhook_loop());
         tokio::spawn(self.clone().expiry_loop());
+        tokio::spawn(self.clone().counts_loop());
     }
 
     /// Stops claiming, stops the renders running here and gives their jobs back to the
@@ -378,6 +384,18 @@ impl Jobs {
             .await
         {
             tracing::warn!("job {}: cannot record the webhook attempt: {e}", job.id);
+        }
+    }
+
+    /// Publishes `lipsync_jobs` every [`COUNTS_EVERY`]: a job another replica claims or
+    /// finishes changes the counts without anything happening here.
+    async fn counts_loop(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(COUNTS_EVERY).await;
+            if self.stopping() {
+                return;
+            }
+            self.publish_counts().await;
         }
     }
 
