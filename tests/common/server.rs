@@ -18,6 +18,7 @@ static SERIAL: Mutex<()> = Mutex::new(());
 pub struct Server {
     pub child: Child,
     pub base: String,
+    checkpoint: String,
     log: std::sync::Arc<Mutex<Vec<String>>>,
     /// The data directory (`--data-dir`): the test's own, or a temporary one of this
     /// server's, removed when it is dropped (after the process is gone).
@@ -136,11 +137,31 @@ impl Server {
         Server {
             child,
             base,
+            checkpoint: checkpoint.to_string(),
             log,
             data_dir,
             _temp_data: temp_data,
             _serial: serial,
         }
+    }
+
+    /// This server started again, with the same checkpoint and data directory (unless `extra`
+    /// names one) and these flags, once its process is gone (killed now if it still runs):
+    /// in this one's turn, so no other test's server runs in between (a restart's timing is
+    /// its own).
+    pub fn restart(mut self, extra: &[&str], env: &[(&str, &str)]) -> Server {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let serial = self._serial.take();
+        let temp_data = self._temp_data.take();
+        let data_dir = self.data_dir.display().to_string();
+        let mut args = extra.to_vec();
+        if !extra.iter().any(|a| a.starts_with("--data-dir")) {
+            args.extend(["--data-dir", data_dir.as_str()]);
+        }
+        let mut next = Self::spawn(&self.checkpoint, &args, env, serial);
+        next._temp_data = temp_data;
+        next
     }
 
     /// With faults injected through the debug build's test hook (`point:n,...`).
