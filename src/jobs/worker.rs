@@ -307,7 +307,14 @@ impl Jobs {
             None if self.stopping() => {
                 // `shutdown` gives it back to the queue.
             }
-            None => tracing::info!("job {id} stopped"),
+            None => {
+                tracing::info!("job {id} stopped");
+                // Deleted while it rendered: the render may have created files after the
+                // delete removed the directory.
+                if matches!(self.store.get(&id).await, Ok(None)) {
+                    self.remove_files(&id);
+                }
+            }
         }
         self.publish_counts().await;
     }
