@@ -12,15 +12,13 @@
 //! together do it once. Connections are plain TCP or a Unix socket (`?host=/path`): TLS is
 //! not built in.
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use sqlx::postgres::{PgPool, PgPoolOptions};
-use sqlx::Row;
 
-use super::sql::{self, big, record, until};
-use super::store::{JobStore, Outcome, StoreError};
-use super::{JobRecord, JobStatus, Millis, NewJob};
+use super::sql::{self, record};
+use super::store::StoreError;
+use super::{JobRecord, Millis, NewJob};
 
 /// Connections per store (per replica).
 const MAX_CONNECTIONS: u32 = 8;
@@ -64,33 +62,7 @@ impl PgStore {
             .bind(SCHEMA_LOCK)
             .execute(&mut *tx)
             .await?;
-        sqlx::query(sql::CREATE_SCHEMA_TABLE)
-            .execute(&mut *tx)
-            .await?;
-        let found: Option<i64> = sqlx::query_scalar(sql::SELECT_SCHEMA_VERSION)
-            .fetch_optional(&mut *tx)
-            .await?;
-        let from = found.unwrap_or(0);
-        if from > sql::SCHEMA_VERSION {
-            return Err(sql::newer_schema(from));
-        }
-        if from == sql::SCHEMA_VERSION {
-            return Ok(());
-        }
-        for step in &sql::MIGRATIONS[from as usize..] {
-            sqlx::raw_sql(step).execute(&mut *tx).await?;
-        }
-        let set = if found.is_some() {
-            sql::UPDATE_SCHEMA_VERSION
-        } else {
-            sql::INSERT_SCHEMA_VERSION
-        };
-        sqlx::query(set)
-            .bind(sql::SCHEMA_VERSION)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        Ok(())
+        sql::migrate_in!(tx)
     }
 
     /// Takes the job a claim's select finds for `owner` until `now + lease`: the select locks
@@ -104,28 +76,11 @@ impl PgStore {
     ) -> Result<Option<JobRecord>, StoreError> {
         let mut tx = self.pool.begin().await?;
         let select = format!("{} FOR UPDATE SKIP LOCKED", kind.select());
-        let id: Option<String> = sqlx::query_scalar(&select)
-            .bind(now)
-            .fetch_optional(&mut *tx)
-            .await?;
-        let Some(id) = id else {
-            return Ok(None);
-        };
-        let row = sqlx::query(kind.update())
-            .bind(now)
-            .bind(owner)
-            .bind(until(now, lease))
-            .bind(id)
-            .fetch_one(&mut *tx)
-            .await?;
-        let job = record(&row)?;
-        tx.commit().await?;
-        Ok(Some(job))
+        Ok(sql::claim_in!(tx, kind, &select, owner, now, lease))
     }
 }
 
-#[async_trait::async_trait]
-impl JobStore for PgStore {
+sql::job_store!(PgStore {
     async fn insert(&self, job: &NewJob, max_queued: u64) -> Result<JobRecord, StoreError> {
         let (spec, metadata) = sql::json_columns(&job.spec, job.metadata.as_ref())?;
         let mut tx = self.pool.begin().await?;
@@ -134,111 +89,7 @@ impl JobStore for PgStore {
             .bind(INSERT_LOCK)
             .execute(&mut *tx)
             .await?;
-        let queued: i64 = sqlx::query_scalar(sql::COUNT_QUEUED)
-            .fetch_one(&mut *tx)
-            .await?;
-        if queued >= big(max_queued) {
-            return Err(StoreError::TooManyQueued(queued as u64));
-        }
-        let row = sqlx::query(sql::INSERT)
-            .bind(&job.id)
-            .bind(job.created_at)
-            .bind(metadata)
-            .bind(spec)
-            .bind(big(job.bytes))
-            .bind(job.webhook_url.as_deref())
-            .fetch_one(&mut *tx)
-            .await?;
-        let job = record(&row)?;
-        tx.commit().await?;
-        Ok(job)
-    }
-
-    async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
-        let row = sqlx::query(sql::GET)
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await?;
-        row.as_ref().map(record).transpose()
-    }
-
-    async fn list(
-        &self,
-        status: Option<JobStatus>,
-        limit: usize,
-        after: Option<&str>,
-    ) -> Result<(Vec<JobRecord>, Option<String>), StoreError> {
-        if limit == 0 {
-            return Ok((Vec::new(), None));
-        }
-        let rows = sqlx::query(sql::LIST)
-            .bind(status.map(JobStatus::as_str))
-            .bind(after)
-            .bind(big(limit as u64).saturating_add(1))
-            .fetch_all(&self.pool)
-            .await?;
-        let jobs = rows.iter().map(record).collect::<Result<Vec<_>, _>>()?;
-        Ok(sql::page(jobs, limit))
-    }
-
-    async fn claim(
-        &self,
-        owner: &str,
-        now: Millis,
-        lease: Duration,
-    ) -> Result<Option<JobRecord>, StoreError> {
-        self.claim_one(sql::Claim::Run, owner, now, lease).await
-    }
-
-    async fn renew(
-        &self,
-        id: &str,
-        owner: &str,
-        now: Millis,
-        lease: Duration,
-        frames_done: u64,
-        frames_total: u64,
-    ) -> Result<bool, StoreError> {
-        let done = sqlx::query(sql::RENEW)
-            .bind(until(now, lease))
-            .bind(big(frames_done))
-            .bind(big(frames_total))
-            .bind(id)
-            .bind(owner)
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn release(&self, id: &str, owner: &str) -> Result<bool, StoreError> {
-        let done = sqlx::query(sql::RELEASE)
-            .bind(id)
-            .bind(owner)
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn finish(
-        &self,
-        id: &str,
-        owner: &str,
-        now: Millis,
-        outcome: Outcome,
-        bytes: u64,
-    ) -> Result<bool, StoreError> {
-        let (status, error, event) = sql::outcome_values(&outcome);
-        let done = sqlx::query(sql::FINISH)
-            .bind(status.as_str())
-            .bind(now)
-            .bind(error)
-            .bind(big(bytes))
-            .bind(event)
-            .bind(id)
-            .bind(owner)
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected() == 1)
+        Ok(sql::insert_in!(tx, job, spec, metadata, max_queued))
     }
 
     async fn cancel(&self, id: &str, now: Millis) -> Result<Option<JobRecord>, StoreError> {
@@ -253,65 +104,4 @@ impl JobStore for PgStore {
             None => self.get(id).await,
         }
     }
-
-    async fn delete(&self, id: &str) -> Result<bool, StoreError> {
-        let done = sqlx::query(sql::DELETE)
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn claim_webhook(
-        &self,
-        owner: &str,
-        now: Millis,
-        lease: Duration,
-    ) -> Result<Option<JobRecord>, StoreError> {
-        self.claim_one(sql::Claim::Webhook, owner, now, lease).await
-    }
-
-    async fn record_webhook(
-        &self,
-        id: &str,
-        owner: &str,
-        last_status: &str,
-        next_at: Option<Millis>,
-    ) -> Result<(), StoreError> {
-        sqlx::query(sql::RECORD_WEBHOOK)
-            .bind(last_status)
-            .bind(next_at)
-            .bind(id)
-            .bind(owner)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
-    }
-
-    async fn ended_before(&self, before: Millis) -> Result<Vec<String>, StoreError> {
-        Ok(sqlx::query_scalar(sql::ENDED_BEFORE)
-            .bind(before)
-            .fetch_all(&self.pool)
-            .await?)
-    }
-
-    async fn counts(&self) -> Result<HashMap<JobStatus, u64>, StoreError> {
-        let rows = sqlx::query(sql::COUNTS).fetch_all(&self.pool).await?;
-        let mut counts = sql::zero_counts();
-        for row in rows {
-            let status: String = row.try_get(0)?;
-            let n: i64 = row.try_get(1)?;
-            if let Some(s) = JobStatus::parse(&status) {
-                counts.insert(s, n.max(0) as u64);
-            }
-        }
-        Ok(counts)
-    }
-
-    async fn total_bytes(&self) -> Result<u64, StoreError> {
-        let total: i64 = sqlx::query_scalar(sql::TOTAL_BYTES)
-            .fetch_one(&self.pool)
-            .await?;
-        Ok(total.max(0) as u64)
-    }
-}
+});

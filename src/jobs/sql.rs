@@ -1,7 +1,10 @@
 //! What the SQLite and PostgreSQL job stores share: the schema, the statements both dialects
-//! accept (`$N` parameters, `RETURNING`, partial indexes), and a row's decoding into a
-//! [`JobRecord`]. Each store adds what only its database can do (PostgreSQL's
-//! `FOR UPDATE SKIP LOCKED` and advisory locks, SQLite's `BEGIN IMMEDIATE`).
+//! accept (`$N` parameters, `RETURNING`, partial indexes), a row's decoding into a
+//! [`JobRecord`], and the code running them: [`job_store!`] writes the `impl JobStore` of
+//! both stores, [`migrate_in!`], [`claim_in!`] and [`insert_in!`] the steps of a transaction
+//! once begun. Each store adds what only its database can do (PostgreSQL's
+//! `FOR UPDATE SKIP LOCKED` and advisory locks, SQLite's `BEGIN IMMEDIATE`) and its own
+//! `cancel`.
 //!
 //! Times are `BIGINT` milliseconds, counts and sizes `BIGINT` (clamped into `u64`/`u32` when
 //! read), `metadata` and `spec` JSON as `TEXT` (kept as given: `jsonb` would reorder keys).
@@ -307,3 +310,295 @@ where
         id,
     })
 }
+
+/// The steps of a schema migration both stores share, inside the transaction `$tx` the store
+/// has begun (and locked as it must): the version table created when missing, the version
+/// read, the missing migrations run, the version written, committed. Evaluates to
+/// `Result<(), StoreError>`: `Ok(())` without committing when the schema is already current,
+/// the [`newer_schema`] error for a database written by a newer build.
+macro_rules! migrate_in {
+    ($tx:ident) => {{
+        use $crate::jobs::sql;
+        sqlx::query(sql::CREATE_SCHEMA_TABLE)
+            .execute(&mut *$tx)
+            .await?;
+        let found: Option<i64> = sqlx::query_scalar(sql::SELECT_SCHEMA_VERSION)
+            .fetch_optional(&mut *$tx)
+            .await?;
+        let from = found.unwrap_or(0);
+        if from > sql::SCHEMA_VERSION {
+            Err(sql::newer_schema(from))
+        } else if from == sql::SCHEMA_VERSION {
+            Ok(())
+        } else {
+            for step in &sql::MIGRATIONS[from as usize..] {
+                sqlx::raw_sql(step).execute(&mut *$tx).await?;
+            }
+            let set = if found.is_some() {
+                sql::UPDATE_SCHEMA_VERSION
+            } else {
+                sql::INSERT_SCHEMA_VERSION
+            };
+            sqlx::query(set)
+                .bind(sql::SCHEMA_VERSION)
+                .execute(&mut *$tx)
+                .await?;
+            $tx.commit().await?;
+            Ok(())
+        }
+    }};
+}
+pub(crate) use migrate_in;
+
+/// The steps of a claim both stores share, inside the transaction `$tx` the store has begun:
+/// `$select` (the [`Claim`] `$kind`'s select, as the store runs it) finds the job at `$now`,
+/// the claim's update takes it for `$owner` until `$now + $lease`, committed. Evaluates to
+/// `Option<JobRecord>`: the job taken, or `None` (nothing committed) when there is none.
+macro_rules! claim_in {
+    ($tx:ident, $kind:expr, $select:expr, $owner:expr, $now:expr, $lease:expr) => {{
+        use $crate::jobs::sql;
+        let id: Option<String> = sqlx::query_scalar($select)
+            .bind($now)
+            .fetch_optional(&mut *$tx)
+            .await?;
+        match id {
+            None => None,
+            Some(id) => {
+                let row = sqlx::query($kind.update())
+                    .bind($now)
+                    .bind($owner)
+                    .bind(sql::until($now, $lease))
+                    .bind(id)
+                    .fetch_one(&mut *$tx)
+                    .await?;
+                let job = sql::record(&row)?;
+                $tx.commit().await?;
+                Some(job)
+            }
+        }
+    }};
+}
+pub(crate) use claim_in;
+
+/// The steps of an insert both stores share, inside the transaction `$tx` the store has begun
+/// (and locked so that no other insert runs meanwhile): the queued jobs counted against
+/// `$max_queued` (returning [`StoreError::TooManyQueued`] from the enclosing function when
+/// that many are queued), the job `$job` (a `&NewJob`, its `$spec` and `$metadata` from
+/// [`json_columns`]) added, committed. Evaluates to the new job's record.
+macro_rules! insert_in {
+    ($tx:ident, $job:expr, $spec:expr, $metadata:expr, $max_queued:expr) => {{
+        use $crate::jobs::sql;
+        let job: &$crate::jobs::NewJob = $job;
+        let queued: i64 = sqlx::query_scalar(sql::COUNT_QUEUED)
+            .fetch_one(&mut *$tx)
+            .await?;
+        if queued >= sql::big($max_queued) {
+            return Err($crate::jobs::store::StoreError::TooManyQueued(
+                queued as u64,
+            ));
+        }
+        let row = sqlx::query(sql::INSERT)
+            .bind(&job.id)
+            .bind(job.created_at)
+            .bind($metadata)
+            .bind($spec)
+            .bind(sql::big(job.bytes))
+            .bind(job.webhook_url.as_deref())
+            .fetch_one(&mut *$tx)
+            .await?;
+        let job = sql::record(&row)?;
+        $tx.commit().await?;
+        job
+    }};
+}
+pub(crate) use insert_in;
+
+/// `#[async_trait] impl JobStore for $store`, `$store` having a `pool` field (a
+/// `sqlx::Pool` of its database) and an inherent `claim_one(kind, owner, now, lease)` (the
+/// claim in one transaction, as its database locks it): the methods given (those the store
+/// does its own way: `insert`, `cancel`), then every other method, the same statements on
+/// `self.pool` for both databases. (One macro around the whole impl, so that
+/// `#[async_trait]` sees every method.)
+macro_rules! job_store {
+    ($store:ty { $($specific:tt)* }) => {
+        #[async_trait::async_trait]
+        impl $crate::jobs::store::JobStore for $store {
+            $($specific)*
+
+            async fn get(
+                &self,
+                id: &str,
+            ) -> Result<Option<$crate::jobs::JobRecord>, $crate::jobs::store::StoreError> {
+                let row = sqlx::query($crate::jobs::sql::GET)
+                    .bind(id)
+                    .fetch_optional(&self.pool)
+                    .await?;
+                row.as_ref().map($crate::jobs::sql::record).transpose()
+            }
+
+            async fn list(
+                &self,
+                status: Option<$crate::jobs::JobStatus>,
+                limit: usize,
+                after: Option<&str>,
+            ) -> Result<
+                (Vec<$crate::jobs::JobRecord>, Option<String>),
+                $crate::jobs::store::StoreError,
+            > {
+                use $crate::jobs::sql;
+                if limit == 0 {
+                    return Ok((Vec::new(), None));
+                }
+                let rows = sqlx::query(sql::LIST)
+                    .bind(status.map($crate::jobs::JobStatus::as_str))
+                    .bind(after)
+                    .bind(sql::big(limit as u64).saturating_add(1))
+                    .fetch_all(&self.pool)
+                    .await?;
+                let jobs = rows.iter().map(sql::record).collect::<Result<Vec<_>, _>>()?;
+                Ok(sql::page(jobs, limit))
+            }
+
+            async fn claim(
+                &self,
+                owner: &str,
+                now: $crate::jobs::Millis,
+                lease: std::time::Duration,
+            ) -> Result<Option<$crate::jobs::JobRecord>, $crate::jobs::store::StoreError> {
+                self.claim_one($crate::jobs::sql::Claim::Run, owner, now, lease)
+                    .await
+            }
+
+            async fn renew(
+                &self,
+                id: &str,
+                owner: &str,
+                now: $crate::jobs::Millis,
+                lease: std::time::Duration,
+                frames_done: u64,
+                frames_total: u64,
+            ) -> Result<bool, $crate::jobs::store::StoreError> {
+                use $crate::jobs::sql;
+                let done = sqlx::query(sql::RENEW)
+                    .bind(sql::until(now, lease))
+                    .bind(sql::big(frames_done))
+                    .bind(sql::big(frames_total))
+                    .bind(id)
+                    .bind(owner)
+                    .execute(&self.pool)
+                    .await?;
+                Ok(done.rows_affected() == 1)
+            }
+
+            async fn release(
+                &self,
+                id: &str,
+                owner: &str,
+            ) -> Result<bool, $crate::jobs::store::StoreError> {
+                let done = sqlx::query($crate::jobs::sql::RELEASE)
+                    .bind(id)
+                    .bind(owner)
+                    .execute(&self.pool)
+                    .await?;
+                Ok(done.rows_affected() == 1)
+            }
+
+            async fn finish(
+                &self,
+                id: &str,
+                owner: &str,
+                now: $crate::jobs::Millis,
+                outcome: $crate::jobs::store::Outcome,
+                bytes: u64,
+            ) -> Result<bool, $crate::jobs::store::StoreError> {
+                use $crate::jobs::sql;
+                let (status, error, event) = sql::outcome_values(&outcome);
+                let done = sqlx::query(sql::FINISH)
+                    .bind(status.as_str())
+                    .bind(now)
+                    .bind(error)
+                    .bind(sql::big(bytes))
+                    .bind(event)
+                    .bind(id)
+                    .bind(owner)
+                    .execute(&self.pool)
+                    .await?;
+                Ok(done.rows_affected() == 1)
+            }
+
+            async fn delete(&self, id: &str) -> Result<bool, $crate::jobs::store::StoreError> {
+                let done = sqlx::query($crate::jobs::sql::DELETE)
+                    .bind(id)
+                    .execute(&self.pool)
+                    .await?;
+                Ok(done.rows_affected() == 1)
+            }
+
+            async fn claim_webhook(
+                &self,
+                owner: &str,
+                now: $crate::jobs::Millis,
+                lease: std::time::Duration,
+            ) -> Result<Option<$crate::jobs::JobRecord>, $crate::jobs::store::StoreError> {
+                self.claim_one($crate::jobs::sql::Claim::Webhook, owner, now, lease)
+                    .await
+            }
+
+            async fn record_webhook(
+                &self,
+                id: &str,
+                owner: &str,
+                last_status: &str,
+                next_at: Option<$crate::jobs::Millis>,
+            ) -> Result<(), $crate::jobs::store::StoreError> {
+                sqlx::query($crate::jobs::sql::RECORD_WEBHOOK)
+                    .bind(last_status)
+                    .bind(next_at)
+                    .bind(id)
+                    .bind(owner)
+                    .execute(&self.pool)
+                    .await?;
+                Ok(())
+            }
+
+            async fn ended_before(
+                &self,
+                before: $crate::jobs::Millis,
+            ) -> Result<Vec<String>, $crate::jobs::store::StoreError> {
+                Ok(sqlx::query_scalar($crate::jobs::sql::ENDED_BEFORE)
+                    .bind(before)
+                    .fetch_all(&self.pool)
+                    .await?)
+            }
+
+            async fn counts(
+                &self,
+            ) -> Result<
+                std::collections::HashMap<$crate::jobs::JobStatus, u64>,
+                $crate::jobs::store::StoreError,
+            > {
+                use sqlx::Row as _;
+                let rows = sqlx::query($crate::jobs::sql::COUNTS)
+                    .fetch_all(&self.pool)
+                    .await?;
+                let mut counts = $crate::jobs::sql::zero_counts();
+                for row in rows {
+                    let status: String = row.try_get(0)?;
+                    let n: i64 = row.try_get(1)?;
+                    if let Some(s) = $crate::jobs::JobStatus::parse(&status) {
+                        counts.insert(s, n.max(0) as u64);
+                    }
+                }
+                Ok(counts)
+            }
+
+            async fn total_bytes(&self) -> Result<u64, $crate::jobs::store::StoreError> {
+                let total: i64 = sqlx::query_scalar($crate::jobs::sql::TOTAL_BYTES)
+                    .fetch_one(&self.pool)
+                    .await?;
+                Ok(total.max(0) as u64)
+            }
+        }
+    };
+}
+pub(crate) use job_store;
