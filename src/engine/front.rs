@@ -49,14 +49,7 @@ impl Engine {
         let total = frames.len();
         let scheduler = self.pool.scheduler().clone();
         let (id, results) = scheduler.admit(frames)?;
-        Ok(Submission {
-            scheduler,
-            id,
-            results,
-            pending: BTreeMap::new(),
-            next: 0,
-            total,
-        })
+        Ok(Submission::new(scheduler, id, results, total))
     }
 
     /// Admits a background render's (a batch job's) frames: never refused and outside the
@@ -67,14 +60,7 @@ impl Engine {
         let total = frames.len();
         let scheduler = self.pool.scheduler().clone();
         let (id, results) = scheduler.admit_background(frames);
-        Submission {
-            scheduler,
-            id,
-            results,
-            pending: BTreeMap::new(),
-            next: 0,
-            total,
-        }
+        Submission::new(scheduler, id, results, total)
     }
 
     /// Admits a live session's frames with their delivery deadlines (served first, earliest
@@ -83,14 +69,7 @@ impl Engine {
         let total = frames.len();
         let scheduler = self.pool.scheduler().clone();
         let (id, results) = scheduler.admit_realtime(frames);
-        Submission {
-            scheduler,
-            id,
-            results,
-            pending: BTreeMap::new(),
-            next: 0,
-            total,
-        }
+        Submission::new(scheduler, id, results, total)
     }
 
     /// Stops the instances after their current batch and waits for them.
@@ -144,6 +123,23 @@ pub struct Submission {
 }
 
 impl Submission {
+    /// A request admitted as `id`, its faces arriving on `results`.
+    fn new(
+        scheduler: Arc<Scheduler>,
+        id: RequestId,
+        results: Receiver<FrameResult>,
+        total: usize,
+    ) -> Submission {
+        Submission {
+            scheduler,
+            id,
+            results,
+            pending: BTreeMap::new(),
+            next: 0,
+            total,
+        }
+    }
+
     pub fn id(&self) -> RequestId {
         self.id
     }

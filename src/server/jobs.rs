@@ -22,7 +22,7 @@ use super::lipsync::{self, AvatarSource};
 use super::{form, App};
 use crate::engine::avatar_store;
 use crate::jobs::store::StoreError;
-use crate::jobs::worker::{self, Jobs};
+use crate::jobs::worker;
 use crate::jobs::{self, job_json, now_millis, JobSpec, JobStatus, NewJob};
 use crate::media::audio;
 
@@ -42,16 +42,6 @@ const RENDER_FIELDS: &[&str] = &["fps", "loop", "blend"];
 
 /// Largest page of `GET /v1/jobs`.
 const MAX_LIMIT: usize = 100;
-
-fn jobs_of(app: &App) -> Result<&Arc<Jobs>, ApiError> {
-    app.jobs.as_ref().ok_or_else(|| {
-        ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "jobs_unavailable",
-            "batch jobs are not available on this server",
-        )
-    })
-}
 
 fn store_error(e: StoreError) -> ApiError {
     match e {
@@ -82,7 +72,7 @@ pub async fn submit(
     State(app): State<Arc<App>>,
     req: axum::extract::Request,
 ) -> Result<Response, ApiError> {
-    let jobs = jobs_of(&app)?.clone();
+    let jobs = app.jobs.clone();
     if app.is_shutting_down() {
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -238,7 +228,7 @@ pub async fn get(
     State(app): State<Arc<App>>,
     Path(id): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let jobs = jobs_of(&app)?;
+    let jobs = &app.jobs;
     let id = job_id(&id)?;
     match jobs.store.get(id).await.map_err(store_error)? {
         Some(r) => Ok(Json(job_json(&r))),
@@ -286,7 +276,7 @@ pub async fn list(
     State(app): State<Arc<App>>,
     RawQuery(raw): RawQuery,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let jobs = jobs_of(&app)?;
+    let jobs = &app.jobs;
     let q = ListQuery::parse(raw.as_deref())?;
     let status = match q.status.as_deref() {
         None => None,
@@ -336,7 +326,7 @@ pub async fn cancel(
     State(app): State<Arc<App>>,
     Path(id): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let jobs = jobs_of(&app)?;
+    let jobs = &app.jobs;
     let id = job_id(&id)?;
     let r = jobs
         .store
@@ -354,7 +344,7 @@ pub async fn delete(
     State(app): State<Arc<App>>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    let jobs = jobs_of(&app)?;
+    let jobs = &app.jobs;
     let id = job_id(&id)?;
     jobs.store
         .cancel(id, now_millis())
@@ -378,7 +368,7 @@ pub async fn video(
     Path(id): Path<String>,
     req: axum::extract::Request,
 ) -> Result<Response, ApiError> {
-    let jobs = jobs_of(&app)?;
+    let jobs = &app.jobs;
     let id = job_id(&id)?;
     let r = jobs
         .store

@@ -82,7 +82,7 @@ pub struct App {
     shutting_down: AtomicBool,
     started: Instant,
     /// Batch jobs (`/v1/jobs`): the store, the data directory and the workers.
-    jobs: Option<Arc<crate::jobs::worker::Jobs>>,
+    jobs: Arc<crate::jobs::worker::Jobs>,
 }
 
 impl App {
@@ -561,7 +561,7 @@ async fn shutdown_signal() {
 
 /// Opens the job store and the data directory (before listening: a store that cannot be
 /// used ends the server at once).
-async fn open_jobs(args: &ServeArgs) -> Result<Option<Arc<crate::jobs::worker::Jobs>>, ServeError> {
+async fn open_jobs(args: &ServeArgs) -> Result<Arc<crate::jobs::worker::Jobs>, ServeError> {
     let j = &args.jobs;
     let data_dir = j.data_dir().map_err(ServeError::Jobs)?;
     std::fs::create_dir_all(data_dir.join("jobs")).map_err(|e| {
@@ -591,7 +591,7 @@ async fn open_jobs(args: &ServeArgs) -> Result<Option<Arc<crate::jobs::worker::J
         webhook_allow: j.webhook_allow(),
         webhook_timeout: crate::jobs::webhook::DEFAULT_TIMEOUT,
     };
-    Ok(Some(Arc::new(crate::jobs::worker::Jobs::new(store, cfg))))
+    Ok(Arc::new(crate::jobs::worker::Jobs::new(store, cfg)))
 }
 
 /// Runs the service until SIGTERM/SIGINT (or a fatal start-up error).
@@ -646,9 +646,7 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
         started: Instant::now(),
         jobs,
     });
-    if let Some(jobs) = &app.jobs {
-        jobs.start(app.clone());
-    }
+    app.jobs.start(app.clone());
 
     // Load in the background: /health answers at once, /ready once the instances are warm.
     // A model that cannot load, or instances that cannot start, end the server with an error
@@ -686,9 +684,7 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
         tracing::info!("shutting down: no new connections; letting in-flight streams finish");
         stopping.shutting_down.store(true, Ordering::SeqCst);
         // Jobs rendering here go back to the queue, for the next process.
-        if let Some(jobs) = &stopping.jobs {
-            jobs.shutdown().await;
-        }
+        stopping.jobs.shutdown().await;
         let _ = stop_tx.send(());
     });
     let timeout = Duration::from_secs(app.args.shutdown_timeout);
