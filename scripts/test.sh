@@ -53,3 +53,4 @@ tests/browser/run.sh
 # The images built and run for real (the CPU image from the release binary above), three
 # replicas behind the balancer, the Kubernetes manifests validated: needs a Docker Engine.
 tests/deploy/run.sh
+tests/clients/run.sh  # The Python client and its Pipecat and LiveKit Agents plugins against the release server (clients/python).

@@ -17,7 +17,7 @@ from ._errors import (
     Unavailable,
 )
 from ._forms import FileInput, __version__
-from ._live import AUDIO_RATE, LiveEvent, LiveFrame, LiveItem, LiveSession
+from ._live import AUDIO_RATE, LiveEvent, LiveFrame, LiveItem, LiveSession, SpeechPacer
 
 __all__ = [
     "AUDIO_RATE",
@@ -32,6 +32,7 @@ __all__ = [
     "LiveSession",
     "NotFound",
     "Overloaded",
+    "SpeechPacer",
     "Unauthorized",
     "Unavailable",
     "__version__",

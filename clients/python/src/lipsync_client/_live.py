@@ -543,3 +543,136 @@ class UtteranceEnds(Generic[T]):
         self._pending.clear()
         self._begin = None
         return out
+
+
+class SpeechPacer:
+    """Sends speech to a live session at most `max_ahead` seconds ahead of real time, and
+    end marks in order with it.
+
+    The server draws speaking frames as soon as their audio is there and sends them at once;
+    frame numbers only go forward, so after `clear()` the next speech can start only after
+    the frames it had drawn ahead. A voice agent's TTS usually runs far ahead of real time:
+    fed through a pacer, the session is never more than `max_ahead` seconds ahead, so an
+    interruption leaves at most that much behind (and the audio still queued here is simply
+    dropped). `push()` never waits; a task sends the queue.
+
+    Args:
+        live: the open session.
+        max_ahead: seconds of speech the session may hold beyond the present.
+        on_sent: called after each piece of audio is sent.
+        on_mark: called with each mark (`push_mark`) once the audio before it has been sent.
+    """
+
+    PIECE = 0.04  # seconds: the unit sent
+
+    def __init__(
+        self,
+        live: LiveSession,
+        *,
+        max_ahead: float = 1.0,
+        on_sent: Any = None,
+        on_mark: Any = None,
+    ) -> None:
+        self._live = live
+        self.max_ahead = max_ahead
+        self._on_sent = on_sent
+        self._on_mark = on_mark
+        self._bps = live.sample_rate * 2 * live.channels
+        self._queue: deque[bytes | tuple[Any]] = deque()
+        self._wake = asyncio.Event()
+        self._empty = asyncio.Event()
+        self._empty.set()
+        self._clock = float("-inf")  # session time up to which speech has been sent
+        self._task: asyncio.Task[None] | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def queued_seconds(self) -> float:
+        return sum(len(x) for x in self._queue if isinstance(x, bytes)) / self._bps
+
+    def push(self, pcm: bytes) -> None:
+        """Queues speech (s16le in the session's format)."""
+        step = max(2 * self._live.channels, int(self.PIECE * self._bps) // (2 * self._live.channels) * 2 * self._live.channels)
+        for i in range(0, len(pcm), step):
+            self._queue.append(bytes(pcm[i : i + step]))
+        self._kick()
+
+    def push_mark(self, mark: Any) -> None:
+        """Queues a mark: `on_mark(mark)` is called once the speech queued before it is sent."""
+        self._queue.append((mark,))
+        self._kick()
+
+    def _kick(self) -> None:
+        if self._queue:
+            self._empty.clear()
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def drain(self) -> None:
+        """Waits until everything queued has been sent (raises what sending raised)."""
+        await self._empty.wait()
+        if self.error is not None:
+            raise self.error
+
+    async def clear(self) -> None:
+        """Drops the queue and clears the session."""
+        self._queue.clear()
+        self._empty.set()
+        self._clock = float("-inf")
+        await self._live.clear()
+
+    async def aclose(self) -> None:
+        self._queue.clear()
+        self._empty.set()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except BaseException:
+                pass
+            self._task = None
+
+    def _now(self) -> float:
+        ready = self._live.ready_at if self._live.ready_at is not None else 0.0
+        return asyncio.get_running_loop().time() - ready
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                if not self._queue:
+                    self._empty.set()
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                head = self._queue[0]
+                if isinstance(head, tuple):
+                    self._queue.popleft()
+                    if self._on_mark is not None:
+                        await _maybe_await(self._on_mark(head[0]))
+                    continue
+                now = self._now()
+                clock = max(self._clock, now)
+                if clock - now > self.max_ahead:
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), clock - now - self.max_ahead)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                self._queue.popleft()
+                await self._live.send_audio(head)
+                self._clock = clock + len(head) / self._bps
+                if self._on_sent is not None:
+                    await _maybe_await(self._on_sent())
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self.error = e
+            self._queue.clear()
+            self._empty.set()
+
+
+async def _maybe_await(x: Any) -> None:
+    if asyncio.iscoroutine(x):
+        await x

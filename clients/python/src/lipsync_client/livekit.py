@@ -36,7 +36,7 @@ except ModuleNotFoundError as e:  # pragma: no cover - depends on the extra
     ) from e
 
 from ._client import AsyncClient
-from ._live import AUDIO_RATE, LiveEvent, LiveFrame, LiveSession, UtteranceEnds
+from ._live import AUDIO_RATE, LiveEvent, LiveFrame, LiveSession, SpeechPacer, UtteranceEnds
 
 __all__ = ["LipsyncVideoGenerator"]
 
@@ -55,6 +55,9 @@ class LipsyncVideoGenerator(VideoGenerator):
             `audio_sample_rate` (the runner's `AudioSource` takes only that rate). The speech
             pushed in may have any rate and channel count.
         open_timeout: seconds to wait for the session's `ready`.
+        max_ahead: seconds of speech sent to the server ahead of real time (the agent's
+            speech comes far ahead; the rest waits here, so `clear_buffer` drops it at once
+            and the next reply starts within about this long).
 
     Iterating it yields, paced in real time, an `rtc.VideoFrame` (RGB24) per frame of the
     session, each speaking frame followed by its share of the speech as an
@@ -73,12 +76,15 @@ class LipsyncVideoGenerator(VideoGenerator):
         api_key: str | None = None,
         audio_sample_rate: int = AUDIO_RATE,
         open_timeout: float = 60.0,
+        max_ahead: float = 1.0,
     ) -> None:
         self._client = AsyncClient(base_url, api_key=api_key, timeout=open_timeout)
         self._avatar_id = avatar_id
         self._fps = fps
         self._out_rate = audio_sample_rate
+        self._max_ahead = max_ahead
         self._live: LiveSession | None = None
+        self._pacer: SpeechPacer | None = None
         self._opening = asyncio.Lock()
         self._in_resampler: rtc.AudioResampler | None = None
         self._in_format: tuple[int, int] | None = None
@@ -93,12 +99,18 @@ class LipsyncVideoGenerator(VideoGenerator):
                 live = self._client.live(self._avatar_id, fps=self._fps, sample_rate=AUDIO_RATE)
                 await live.open()
                 self._live = live
+                self._pacer = SpeechPacer(
+                    live,
+                    max_ahead=self._max_ahead,
+                    on_sent=lambda: self._ends.sent(live),
+                    on_mark=lambda end: self._released.extend(self._ends.mark(end)),
+                )
 
-    async def _session(self) -> LiveSession:
+    async def _session(self) -> tuple[LiveSession, SpeechPacer]:
         if self._live is None:
             await self.start()
-        assert self._live is not None
-        return self._live
+        assert self._live is not None and self._pacer is not None
+        return self._live, self._pacer
 
     @property
     def width(self) -> int:
@@ -117,6 +129,9 @@ class LipsyncVideoGenerator(VideoGenerator):
 
     async def aclose(self) -> None:
         live, self._live = self._live, None
+        pacer, self._pacer = self._pacer, None
+        if pacer is not None:
+            await pacer.aclose()
         if live is not None:
             await live.close()
         await self._client.aclose()
@@ -124,19 +139,19 @@ class LipsyncVideoGenerator(VideoGenerator):
     # VideoGenerator
 
     async def push_audio(self, frame: rtc.AudioFrame | AudioSegmentEnd) -> None:
-        live = await self._session()
+        _, pacer = await self._session()
         if isinstance(frame, AudioSegmentEnd):
             if self._in_resampler is not None:
-                await self._send(live, self._in_resampler.flush())
+                self._send(pacer, self._in_resampler.flush())
                 self._in_resampler, self._in_format = None, None
-            self._release(self._ends.mark(frame))
+            pacer.push_mark(frame)
             return
         frames = [frame]
         if frame.sample_rate != AUDIO_RATE:
             fmt = (frame.sample_rate, frame.num_channels)
             if self._in_resampler is None or self._in_format != fmt:
                 if self._in_resampler is not None:
-                    await self._send(live, self._in_resampler.flush())
+                    self._send(pacer, self._in_resampler.flush())
                 self._in_resampler = rtc.AudioResampler(
                     input_rate=frame.sample_rate,
                     output_rate=AUDIO_RATE,
@@ -144,32 +159,28 @@ class LipsyncVideoGenerator(VideoGenerator):
                 )
                 self._in_format = fmt
             frames = self._in_resampler.push(frame)
-        await self._send(live, frames)
+        self._send(pacer, frames)
 
-    async def _send(self, live: LiveSession, frames: list[rtc.AudioFrame]) -> None:
+    @staticmethod
+    def _send(pacer: SpeechPacer, frames: list[rtc.AudioFrame]) -> None:
         for f in frames:
             pcm = f.data.tobytes()
             if f.num_channels > 1:
                 samples = np.frombuffer(pcm, dtype=np.int16).reshape(-1, f.num_channels)
                 pcm = samples.mean(axis=1).round().astype(np.int16).tobytes()
-            if pcm:
-                await live.send_audio(pcm)
-                self._ends.sent(live)
+            pacer.push(pcm)
 
     async def clear_buffer(self) -> None:
-        live = await self._session()
+        _, pacer = await self._session()
         self._in_resampler, self._in_format = None, None
         self._ends.clear()
-        await live.clear()
-
-    def _release(self, ends: list[AudioSegmentEnd]) -> None:
-        self._released.extend(ends)
+        await pacer.clear()
 
     def __aiter__(self) -> AsyncIterator[Output]:
         return self._stream()
 
     async def _stream(self) -> AsyncIterator[Output]:
-        live = await self._session()
+        live, _ = await self._session()
         async for item in live.paced():
             while self._released:
                 yield self._released.popleft()

@@ -37,6 +37,7 @@ try:
     )
     from pipecat.processors.frame_processor import FrameDirection
     from pipecat.services.ai_service import AIService
+    from pipecat.services.settings import ServiceSettings
 except ModuleNotFoundError as e:  # pragma: no cover - depends on the extra
     raise ImportError(
         f"lipsync_client.pipecat needs Pipecat ({e}): pip install \"lipsync-client[pipecat]\""
@@ -44,7 +45,7 @@ except ModuleNotFoundError as e:  # pragma: no cover - depends on the extra
 
 from ._client import AsyncClient
 from ._errors import LipsyncError
-from ._live import AUDIO_RATE, LiveEvent, LiveFrame, LiveSession, UtteranceEnds
+from ._live import AUDIO_RATE, LiveEvent, LiveFrame, LiveSession, SpeechPacer, UtteranceEnds
 
 __all__ = ["LipsyncVideoService"]
 
@@ -59,6 +60,9 @@ class LipsyncVideoService(AIService):
         api_key: the server's API key, if it has one.
         open_timeout: seconds to wait for the session's `ready`.
         end_timeout: seconds an `EndFrame` waits for the speech already sent to be shown.
+        max_ahead: seconds of speech sent to the server ahead of real time (a TTS runs far
+            ahead; the rest waits here, so an interruption drops it at once and the next
+            reply starts within about this long).
 
     Frames in: `TTSAudioRawFrame` (any rate, mono or stereo: resampled to the session's
     16 kHz mono and not passed on), `TTSStartedFrame` (passed on), `TTSStoppedFrame` (passed
@@ -77,14 +81,18 @@ class LipsyncVideoService(AIService):
         api_key: str | None = None,
         open_timeout: float = 60.0,
         end_timeout: float = 60.0,
+        max_ahead: float = 1.0,
         **kwargs: Any,
     ) -> None:
+        kwargs.setdefault("settings", ServiceSettings(model="wav2lip"))
         super().__init__(**kwargs)
         self._client = AsyncClient(base_url, api_key=api_key, timeout=open_timeout)
         self._avatar_id = avatar_id
         self._fps = fps
         self._end_timeout = end_timeout
+        self._max_ahead = max_ahead
         self._live: LiveSession | None = None
+        self._pacer: SpeechPacer | None = None
         self._output: asyncio.Task[None] | None = None
         self._resampler: Any = None
         self._resampler_rate: int | None = None
@@ -112,14 +120,21 @@ class LipsyncVideoService(AIService):
             await self.push_error(error_msg=f"lipsync: cannot open a live session: {e}", exception=e)
             return
         self._live = live
+        self._pacer = SpeechPacer(
+            live,
+            max_ahead=self._max_ahead,
+            on_sent=lambda: self._ends.sent(live),
+            on_mark=self._on_mark,
+        )
 
     async def stop(self, frame: EndFrame) -> None:
         await super().stop(frame)
-        live, output = self._live, self._output
-        if live is None:
+        live, output, pacer = self._live, self._output, self._pacer
+        if live is None or pacer is None:
             return
         try:
             await self._flush_resampler()
+            await asyncio.wait_for(pacer.drain(), self._end_timeout)
             await live.end()
             if output is not None:
                 await asyncio.wait_for(asyncio.shield(output), self._end_timeout)
@@ -139,6 +154,9 @@ class LipsyncVideoService(AIService):
     async def _close(self) -> None:
         live, self._live = self._live, None
         output, self._output = self._output, None
+        pacer, self._pacer = self._pacer, None
+        if pacer is not None:
+            await pacer.aclose()
         if output is not None and not output.done():
             await self.cancel_task(output)
         if live is not None:
@@ -162,17 +180,22 @@ class LipsyncVideoService(AIService):
         elif isinstance(frame, TTSStoppedFrame):
             await self._flush_resampler()
             self._in_utterance = False
-            for stopped in self._ends.mark(frame):
-                await self.push_frame(stopped)
+            if self._pacer is not None:
+                self._pacer.push_mark(frame)
+            else:
+                await self.push_frame(frame, direction)
         elif isinstance(frame, InterruptionFrame):
             await self._interrupt()
             await self.push_frame(frame, direction)
         else:
             await self.push_frame(frame, direction)
 
+    async def _on_mark(self, stopped: TTSStoppedFrame) -> None:
+        for frame in self._ends.mark(stopped):
+            await self.push_frame(frame)
+
     async def _send_speech(self, frame: TTSAudioRawFrame) -> None:
-        live = self._live
-        if live is None:
+        if self._pacer is None:
             return
         if frame.context_id is not None:
             self._context_id = frame.context_id
@@ -186,28 +209,22 @@ class LipsyncVideoService(AIService):
                 self._resampler = create_stream_resampler(clear_after_secs=None)
                 self._resampler_rate = frame.sample_rate
             audio = await self._resampler.resample(audio, frame.sample_rate, AUDIO_RATE)
-        await self._send(live, audio)
+        await self._send(audio)
 
-    async def _send(self, live: LiveSession, pcm: bytes) -> None:
-        if not pcm:
+    async def _send(self, pcm: bytes) -> None:
+        if not pcm or self._pacer is None:
             return
         if not self._in_utterance:
             self._in_utterance = True
             self._ttfb_running = True
             await self.start_ttfb_metrics()
-        try:
-            await live.send_audio(pcm)
-        except LipsyncError as e:
-            await self.push_error(error_msg=f"lipsync: {e}", exception=e)
-            return
-        self._ends.sent(live)
+        self._pacer.push(pcm)
 
     async def _flush_resampler(self) -> None:
         """Sends the audio the resampler still holds (at the end of an utterance)."""
-        if self._resampler is None or self._live is None:
+        if self._resampler is None:
             return
-        tail = await self._resampler.flush()
-        await self._send(self._live, tail)
+        await self._send(await self._resampler.flush())
 
     async def _interrupt(self) -> None:
         if self._resampler is not None:
@@ -215,9 +232,9 @@ class LipsyncVideoService(AIService):
         self._ends.clear()
         self._in_utterance = False
         self._ttfb_running = False
-        if self._live is not None:
+        if self._pacer is not None:
             try:
-                await self._live.clear()
+                await self._pacer.clear()
             except LipsyncError as e:
                 await self.push_error(error_msg=f"lipsync: {e}", exception=e)
 
