@@ -26,7 +26,7 @@ if ! cmp -s "$pins" "$venv/.constraints.txt" || ! "$venv/bin/python" -c 'import 
   rm -rf "$venv"
   "$py" -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check -c "$pins" \
-    "./clients/python[pipecat,livekit]" pytest pytest-timeout setuptools
+    "./clients/python[pipecat,livekit]" pytest pytest-timeout mypy setuptools
   cp "$pins" "$venv/.constraints.txt"
 fi
 # The package as the tree has it now, built from a copy (the build leaves files behind).

@@ -98,6 +98,9 @@ def test_tts_paced_in_real_time_comes_out_as_frames_and_speech(server, avatar):
     speaking = [f for _, f in imgs if f.metadata["lipsync_speaking"]]
     # About 3 s × 25 fps speaking frames (the file rule leaves out the last few windows).
     assert 71 <= len(speaking) <= 75, len(speaking)
+    # The server counted as many (EndFrame let the session finish before it closed).
+    assert svc.stats is not None and svc.stats["speaking_frames"] == len(speaking), svc.stats
+    assert svc.stats["frames"] == len(imgs) and svc.stats["utterances"] == 1, svc.stats
     # Each speaking frame is followed by its speech, with its pts; idle frames have none.
     audio = [f for _, f in log if isinstance(f, TTSAudioRawFrame)]
     assert len(audio) == len(speaking)

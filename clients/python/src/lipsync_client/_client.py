@@ -68,7 +68,7 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
-    def _json(self, method: str, path: str, **kw: Any) -> Any:
+    def _json(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
         r = self._http.request(method, path, **kw)
         return json_of(r.status_code, r.content, r.headers)
 
@@ -248,7 +248,7 @@ class AsyncClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _json(self, method: str, path: str, **kw: Any) -> Any:
+    async def _json(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
         r = await self._http.request(method, path, **kw)
         return json_of(r.status_code, r.content, r.headers)
 

@@ -58,8 +58,8 @@ def media_form(
     files: dict[str, tuple[str, bytes, str]] = {}
     for name, value in (("audio", audio), ("image", image), ("video", video)):
         if value is not None:
-            filename, data = read_input(value, name)
-            files[name] = (filename, data, "application/octet-stream")
+            filename, content = read_input(value, name)
+            files[name] = (filename, content, "application/octet-stream")
     data: dict[str, str] = {}
     if avatar_id is not None:
         data["avatar_id"] = avatar_id
@@ -82,9 +82,12 @@ def check(status: int, body: bytes, response_headers: Any) -> None:
         raise _errors.from_response(status, body, response_headers)
 
 
-def json_of(status: int, body: bytes, response_headers: Any) -> Any:
+def json_of(status: int, body: bytes, response_headers: Any) -> dict[str, Any]:
     check(status, body, response_headers)
-    return json.loads(body)
+    doc = json.loads(body)
+    if not isinstance(doc, dict):
+        raise _errors.LipsyncError(f"expected a JSON object, got {body[:200]!r}", status=status, error_type="bad_response")
+    return doc
 
 
 def ws_url(base_url: str) -> str:

@@ -78,9 +78,8 @@ LiveItem = Union[LiveFrame, LiveEvent]
 
 
 def _decode_jpeg(jpeg: bytes) -> tuple[int, int, bytes]:
-    with Image.open(io.BytesIO(jpeg)) as img:
-        if img.mode != "RGB":
-            img = img.convert("RGB")
+    with Image.open(io.BytesIO(jpeg)) as f:
+        img: Image.Image = f if f.mode == "RGB" else f.convert("RGB")
         return img.width, img.height, img.tobytes()
 
 
@@ -131,7 +130,7 @@ class LiveSession:
         # says idle (or speaking again, for audio sent after the clear).
         self._stale = False
         self._audio_after_clear = False
-        self._purge = False
+        self._on_clear: Any = None  # paced(): drops its buffered speech
         self._wake: asyncio.Event | None = None
         self._idle_cache: tuple[bytes, tuple[int, int, bytes]] | None = None
         #: The highest frame index received (dropped frames included).
@@ -165,7 +164,7 @@ class LiveSession:
             )
         except InvalidStatus as e:
             r = e.response
-            raise _errors.from_response(r.status_code, r.body or b"", r.headers) from None
+            raise _errors.from_response(r.status_code, bytes(r.body or b""), r.headers) from None
         except (OSError, asyncio.TimeoutError, InvalidHandshake) as e:
             raise _errors.LipsyncError(
                 f"cannot open a live session at {self.url}: {e}", error_type="connection_failed"
@@ -251,12 +250,11 @@ class LiveSession:
     async def clear(self) -> None:
         """Interrupts: the server drops the audio not yet drawn and idles; speaking frames it
         had drawn before are dropped here (and from `paced()`'s buffer)."""
-        await self._send('{"type": "clear"}')
         self._stale = True
         self._audio_after_clear = False
-        self._purge = True
-        if self._wake is not None:
-            self._wake.set()
+        await self._send('{"type": "clear"}')
+        if self._on_clear is not None:
+            self._on_clear()
 
     async def end(self) -> None:
         """Everything sent is drawn, then `idle`, then the `end` event, then the server
@@ -375,21 +373,23 @@ class LiveSession:
                 done = True
                 wake.set()
 
+        def purge() -> None:
+            kept = [
+                x
+                for x in buf
+                if not (isinstance(x, LiveFrame) and x.speaking)
+                and not (isinstance(x, LiveEvent) and x.type == "speaking")
+            ]
+            buf.clear()
+            buf.extend(kept)
+            wake.set()
+
+        self._on_clear = purge
         reader = asyncio.create_task(read())
         expected: int | None = None  # the next frame index to yield
         held: LiveFrame | None = None  # the last idle frame yielded
         try:
             while True:
-                if self._purge:
-                    self._purge = False
-                    kept = [
-                        x
-                        for x in buf
-                        if not (isinstance(x, LiveFrame) and x.speaking)
-                        and not (isinstance(x, LiveEvent) and x.type == "speaking")
-                    ]
-                    buf.clear()
-                    buf.extend(kept)
                 now = loop.time()
                 head = buf[0] if buf else None
                 timeout: float | None = None
@@ -454,6 +454,8 @@ class LiveSession:
                 pass
             if self._wake is wake:
                 self._wake = None
+            if self._on_clear is purge:
+                self._on_clear = None
 
 
 T = TypeVar("T")

@@ -100,14 +100,20 @@ class LipsyncVideoService(AIService):
         self._in_utterance = False
         self._ttfb_running = False
         self._context_id: str | None = None
+        self._stats: dict[str, Any] | None = None
 
     def can_generate_metrics(self) -> bool:
         return True
 
     @property
     def live(self) -> LiveSession | None:
-        """The open live session (its `ready` message, `stats` once ended)."""
+        """The open live session (its `ready` message, `draw_fps`), None when closed."""
         return self._live
+
+    @property
+    def stats(self) -> dict[str, Any] | None:
+        """The last session's statistics (its `end` message), once it has ended."""
+        return self._stats
 
     # Lifecycle
 
@@ -147,7 +153,7 @@ class LipsyncVideoService(AIService):
         await self._close()
 
     async def cleanup(self) -> None:
-        await super().cleanup()
+        await super().cleanup()  # type: ignore[no-untyped-call]
         await self._close()
         await self._client.aclose()
 
@@ -160,6 +166,7 @@ class LipsyncVideoService(AIService):
         if output is not None and not output.done():
             await self.cancel_task(output)
         if live is not None:
+            self._stats = live.stats
             await live.close()
 
     # Frames
