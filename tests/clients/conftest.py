@@ -101,9 +101,12 @@ class Server:
                     listening.set()
 
         threading.Thread(target=read, daemon=True).start()
-        if not listening.wait(60):
-            self.stop()
-            pytest.fail("the server never listened:\n" + "\n".join(self.log[-30:]))
+        deadline = time.monotonic() + 60
+        while not listening.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                time.sleep(0.2)  # its last words
+                self.stop()
+                pytest.fail("the server never listened:\n" + "\n".join(self.log[-30:]))
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 300
         while self.status("/ready") != 200:

@@ -30,7 +30,9 @@ if ! cmp -s "$pins" "$venv/.constraints.txt" || ! "$venv/bin/python" -c 'import 
   cp "$pins" "$venv/.constraints.txt"
 fi
 # The package as the tree has it now, built from a copy (the build leaves files behind).
-rm -rf "$venv/client-src" && cp -r clients/python "$venv/client-src"
+rm -rf "$venv/client-src" && mkdir "$venv/client-src"
+cp -r clients/python/pyproject.toml clients/python/README.md clients/python/src "$venv/client-src"
+rm -rf "$venv"/client-src/src/*.egg-info
 "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation \
   --force-reinstall "$venv/client-src"
 echo "tests/clients: environment ready in $(( $(date +%s) - t0 )) s"

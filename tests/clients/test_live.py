@@ -86,7 +86,8 @@ def test_a_session_idles_speaks_and_ends_with_the_speech_back(server, avatar):
     # The speech comes back as the speaking frames' audio, sample for sample; idle is silent.
     back = b"".join(f.audio for f in speaking)
     a, b = np.frombuffer(back, np.int16), np.frombuffer(pcm[: len(back)], np.int16)
-    assert len(back) >= 0.95 * len(pcm) and np.abs(a.astype(int) - b).max() <= 1
+    # (all of it but the last few frames' worth, which the file rule leaves out)
+    assert len(back) >= len(pcm) - 4 * 2 * AUDIO_RATE // FPS and np.abs(a.astype(int) - b).max() <= 1
     assert all(not any(f.audio) for f in idle)
     # Idle frames show one face; speaking frames a mouth drawn from the speech.
     assert all(f.rgb == idle[0].rgb for f in idle)
@@ -181,10 +182,13 @@ def test_clear_interrupts_and_new_speech_follows(server, avatar):
     before = [x for t, x in frames if t < marks["clear"]]
     between = [x for t, x in frames if marks["clear"] <= t < marks["again"]]
     assert sum(x.speaking for x in before) >= FPS
-    # At most the frame being shown when it was cleared; then idle at once.
+    # At most the frame being shown when it was cleared; then idle at once, one frame every
+    # 40 ms: the server's, or (for frames it had drawn ahead, which the clear dropped) the
+    # idle face filled in, silent.
     late = [x for x in between if x.speaking]
     assert len(late) <= 1, [(x.index, x.pts) for x in late]
-    assert any(x.filled for x in between) and all(not x.filled or not any(x.audio) for x in between)
+    assert len(between) >= 0.8 * FPS, len(between)
+    assert all(not any(x.audio) for x in between if x.filled)
     # Speech sent after the clear is spoken.
     after = [x for t, x in frames if t >= marks["again"] and x.speaking]
     assert 20 <= len(after) <= 25, len(after)

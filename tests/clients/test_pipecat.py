@@ -112,11 +112,13 @@ def test_tts_paced_in_real_time_comes_out_as_frames_and_speech(server, avatar):
             assert f.pts == prev.pts and (f.sample_rate, f.num_channels) == (16000, 1)
     back = b"".join(f.audio for f in audio)
     a, b = np.frombuffer(back, np.int16), np.frombuffer(pcm[: len(back)], np.int16)
-    assert len(back) >= 0.95 * len(pcm) and np.abs(a.astype(int) - b).max() <= 1, "the speech, back"
-    # Paced: the speaking frames reach the sink at about one per 40 ms.
+    assert len(back) >= len(pcm) - 4 * 1280 and np.abs(a.astype(int) - b).max() <= 1, "the speech, back"
+    # Paced: the speaking frames reach the sink one per 40 ms (a CPU server that draws more
+    # slowly than real time makes some late).
     t_speak = [t for t, f in imgs if f.metadata["lipsync_speaking"]]
-    span = t_speak[-1] - t_speak[0]
-    assert abs(span - (len(speaking) - 1) / FPS) < 0.3, span
+    span, want = t_speak[-1] - t_speak[0], (len(speaking) - 1) / FPS
+    gaps = sorted(b - a for a, b in zip(t_speak, t_speak[1:]))
+    assert abs(span - want) < 0.25 * want and 0.03 < gaps[len(gaps) // 2] < 0.05, (span, gaps)
     # TTSStartedFrame before the speech, TTSStoppedFrame after its last frame.
     kinds = [type(f).__name__ for _, f in log]
     first_speaking = next(i for i, (_, f) in enumerate(log) if f is speaking[0])

@@ -125,6 +125,7 @@ class LiveSession:
         self.stats: dict[str, Any] | None = None
         self._ready_pending = True
         self._finished = False
+        self._closing = False
         self._speaking = False
         # After clear(): speaking frames drawn before the server saw it are dropped until it
         # says idle (or speaking again, for audio sent after the clear).
@@ -194,6 +195,7 @@ class LiveSession:
         """Closes the socket (the server stops the session; use `end()` first to have
         everything sent drawn)."""
         self._finished = True
+        self._closing = True
         if self._ws is not None:
             await self._ws.close()
         if self._wake is not None:
@@ -299,11 +301,12 @@ class LiveSession:
                 raise StopAsyncIteration
             try:
                 msg = await self._socket().recv()
-            except ConnectionClosedOK:
-                self._finished = True  # 1000 after `end`, 1001 (server stopping), or close()
-                raise StopAsyncIteration from None
             except ConnectionClosed as e:
+                # 1000 after `end`, 1001 (server stopping), or closed here by close()
+                normal = isinstance(e, ConnectionClosedOK) or self._closing
                 self._finished = True
+                if normal:
+                    raise StopAsyncIteration from None
                 raise self._closed_error(e) from None
             item = await self._parse(msg)
             if item is not None:
