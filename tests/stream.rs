@@ -435,6 +435,7 @@ fn session_config(
         lag: Duration::from_millis(300),
         max_undrawn_seconds: 60.0,
         loop_mode,
+        draw_fps: None,
     }
 }
 
@@ -499,7 +500,13 @@ fn a_session_draws_the_file_paths_frames() {
     // The session: the same audio in 333-byte pieces, then `end`.
     struct Collect(Vec<(u64, Vec<u8>, bool)>, Vec<(Activity, u64)>);
     impl Sink for Collect {
-        fn event(&mut self, a: Activity, frame: u64, _: f64) -> Result<(), lipsync::engine::Error> {
+        fn event(
+            &mut self,
+            a: Activity,
+            frame: u64,
+            _: f64,
+            _: &lipsync::engine::session::SessionStats,
+        ) -> Result<(), lipsync::engine::Error> {
             self.1.push((a, frame));
             Ok(())
         }
@@ -1085,7 +1092,13 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
 
     struct Collect(Vec<Vec<u8>>, Vec<Activity>);
     impl Sink for Collect {
-        fn event(&mut self, a: Activity, _: u64, _: f64) -> Result<(), lipsync::engine::Error> {
+        fn event(
+            &mut self,
+            a: Activity,
+            _: u64,
+            _: f64,
+            _: &lipsync::engine::session::SessionStats,
+        ) -> Result<(), lipsync::engine::Error> {
             self.1.push(a);
             Ok(())
         }

@@ -32,6 +32,7 @@ pub const PRECISION_FALLBACKS: &str = "lipsync_precision_fallbacks_total";
 pub const STREAM_SESSIONS: &str = "lipsync_stream_sessions";
 pub const STREAM_LATENCY: &str = "lipsync_stream_latency_seconds";
 pub const STREAM_LATE_FRAMES: &str = "lipsync_stream_late_frames_total";
+pub const STREAM_HELD_FRAMES: &str = "lipsync_stream_held_frames_total";
 
 /// Why a half-precision batch was recomputed in f32, the `reason` label of
 /// [`PRECISION_FALLBACKS`]: `nan`, its output was not finite; `overflow`, an activation the

@@ -280,11 +280,16 @@ impl Scheduler {
         }
         // Only real-time frames waiting: let the batch grow until its earliest deadline
         // leaves just the time to run it (a bigger batch costs less per frame), so many
-        // sessions share batches instead of each frame running nearly alone.
+        // sessions share batches instead of each frame running nearly alone. Where a batch's
+        // fixed cost is below one frame's (a CPU), waiting saves nothing and only spends the
+        // margin that absorbs a slower batch: run at once.
         while !s.shutdown && !full(&s) && s.batcher.realtime_only() {
             let (Some(cost), Some(due)) = (s.cost, s.batcher.earliest_deadline()) else {
                 break;
             };
+            if cost.fixed < cost.per_frame {
+                break;
+            }
             let n = s.batcher.ready_items().max(1) as f64;
             let run = Duration::from_secs_f64((cost.fixed + cost.per_frame * n) * 1.25);
             let due = s.epoch + Duration::from_micros(due);

@@ -4,9 +4,21 @@
 //!
 //! - **Clock.** Frame `k` is due at `start + lag + k / fps`. `lag` covers the 212.5 ms of audio
 //!   Wav2Lip needs after a frame's time (16 mel columns plus half an 800-sample window) and the
-//!   time to draw it. Idle frames are sent when due (all at once when the session is behind, so
-//!   it catches up without a gap in the frame numbers); a speaking frame is sent as soon as it
-//!   is drawn and never skipped: after its due time it is counted as late.
+//!   time to draw it. Every frame goes out by its due time (within half a frame), drawn or
+//!   held: idle frames when due (all at once when the session is behind, so it catches up
+//!   without a gap in the frame numbers); a speaking frame as soon as its face is drawn, or,
+//!   when the face has not come by then, *held*: the last drawn face shown again (a video
+//!   avatar: that face on frame `k`'s own background). Its audio goes out with it either way,
+//!   so sound is never dropped or delayed and frame `k` always carries the speech at `k / fps`.
+//! - **Drawing rate.** A session draws every `stride`-th speaking frame (fractional strides
+//!   spread the drawn frames evenly) and holds the rest. The stride starts from the rate the
+//!   engine can give the session ([`SessionConfig::draw_fps`]) and adapts to what happens: a
+//!   face that misses its frame widens it (at most once per `lag`), each face in time narrows
+//!   it a little, down to drawing every frame. It never grows past one drawn frame per second,
+//!   so the mouth keeps moving while the engine can draw anything at all. Frames whose due
+//!   time has passed before their audio is complete are held without being drawn, and a
+//!   drawn frame that is held drops its queued work, so an overloaded engine does not keep
+//!   drawing faces nobody will see.
 //! - **Utterances.** Audio that arrives while idle starts an utterance at the next frame
 //!   boundary (`ceil((arrival − start) · fps)`, or the next frame not yet sent). It ends at
 //!   `end`, at `clear` (dropped), or after `utterance_gap` without audio. Its frames follow the
@@ -120,6 +132,9 @@ pub struct SessionConfig {
     /// How a video avatar's frames run (frame `k` of the session shows clip frame
     /// `loop_mode.select(k)`, idle or speaking, so speech continues from the idle position).
     pub loop_mode: super::Loop,
+    /// Faces per second the engine is expected to draw for this session (the rest are held);
+    /// `None` or anything at or above `fps`: draw every frame to begin with.
+    pub draw_fps: Option<f64>,
 }
 
 /// What the client sent.
@@ -163,7 +178,15 @@ pub struct OutFrame<'a> {
 
 /// Where a session's output goes (the server's WebSocket, a test).
 pub trait Sink {
-    fn event(&mut self, activity: Activity, frame: u64, pts: f64) -> Result<(), Error>;
+    /// The avatar starts speaking or goes idle at `frame`; `so_far` counts the frames sent
+    /// before it.
+    fn event(
+        &mut self,
+        activity: Activity,
+        frame: u64,
+        pts: f64,
+        so_far: &SessionStats,
+    ) -> Result<(), Error>;
     fn frame(&mut self, frame: OutFrame<'_>) -> Result<(), Error>;
     /// Called after each run of frames sent together (a batch drawn, or idle frames due):
     /// a sink that buffers sends what it has.
@@ -184,6 +207,10 @@ pub trait Sink {
 pub struct SessionStats {
     pub frames: u64,
     pub speaking_frames: u64,
+    /// Speaking frames with a face drawn for them.
+    pub drawn_frames: u64,
+    /// Speaking frames that showed the last drawn face again (see the module documentation).
+    pub held_frames: u64,
     pub idle_frames: u64,
     pub late_frames: u64,
     pub utterances: u64,
@@ -371,17 +398,19 @@ struct Utterance {
     resampler: Option<StreamResampler>,
     closed: bool,
     last_audio: Instant,
-    /// Frames handed to the engine.
+    /// Frames decided (drawn or held).
     planned: usize,
     /// All its frames, once closed.
     total: Option<usize>,
-    /// Submissions in order, with their frames not yet received.
-    subs: VecDeque<(Submission, usize)>,
+    /// The frames handed to the engine, in order: `(utterance frame, its submission)`.
+    draws: VecDeque<(usize, Submission)>,
+    /// The next frame at or after which one is drawn.
+    next_draw: f64,
     /// Frames sent.
     sent: usize,
-    /// The face of frame `sent`, when it has come.
+    /// The face of frame `sent`, when it is drawn and has come.
     ready: Option<Vec<u8>>,
-    /// `(first 16 kHz sample, arrival)` of each audio chunk not yet in a sent frame.
+    /// `(first 16 kHz sample, arrival)` of each audio chunk not yet in a drawn frame.
     arrivals: VecDeque<(usize, Instant)>,
 }
 
@@ -390,24 +419,75 @@ impl Utterance {
         self.total == Some(self.sent)
     }
 
-    /// Pulls the next face if it has come.
+    /// Takes the face of frame `sent` into `ready` when it is drawn and has come. The
+    /// submissions of frames already sent (held) are dropped, which cancels their queued work.
     fn pull(&mut self) -> Result<(), Error> {
-        while self.ready.is_none() {
-            let Some((sub, left)) = self.subs.front_mut() else {
-                return Ok(());
-            };
-            match sub.next_face(Duration::ZERO)? {
-                Some(face) => {
-                    *left -= 1;
-                    if *left == 0 {
-                        self.subs.pop_front();
+        while self.draws.front().is_some_and(|(j, _)| *j < self.sent) {
+            self.draws.pop_front();
+        }
+        if self.ready.is_none() {
+            if let Some((j, sub)) = self.draws.front_mut() {
+                if *j == self.sent {
+                    if let Some(face) = sub.next_face(Duration::ZERO)? {
+                        self.ready = Some(face);
+                        self.draws.pop_front();
                     }
-                    self.ready = Some(face);
                 }
-                None => return Ok(()),
             }
         }
         Ok(())
+    }
+
+    /// Whether frame `sent` was handed to the engine (its face may still come).
+    fn drawing_next(&self) -> bool {
+        self.ready.is_some() || self.draws.front().is_some_and(|(j, _)| *j == self.sent)
+    }
+}
+
+/// How a session's drawing stride adapts (see the module documentation).
+#[derive(Debug, Clone)]
+struct Stride {
+    value: f64,
+    /// At most one drawn frame per second.
+    max: f64,
+    last_widened: Option<Instant>,
+}
+
+impl Stride {
+    /// Each face in time narrows the stride by this share of itself.
+    const NARROW: f64 = 0.04;
+    /// A missed face widens it by this factor.
+    const WIDEN: f64 = 1.3;
+
+    fn new(fps: f64, draw_fps: Option<f64>) -> Stride {
+        let max = fps.max(1.0);
+        let value = match draw_fps {
+            Some(d) if d > 0.0 => (fps / d).clamp(1.0, max),
+            Some(_) => max,
+            None => 1.0,
+        };
+        Stride {
+            value,
+            max,
+            last_widened: None,
+        }
+    }
+
+    fn hit(&mut self) {
+        self.value = (self.value * (1.0 - Self::NARROW)).max(1.0);
+    }
+
+    /// A drawn frame missed its time: wider, unless it widened less than `lag` ago (the
+    /// frames queued before then would miss for the same reason).
+    fn missed(&mut self, now: Instant, lag: Duration) {
+        if self
+            .last_widened
+            .is_some_and(|t| now.saturating_duration_since(t) < lag)
+        {
+            return;
+        }
+        self.value = (self.value * Self::WIDEN).min(self.max);
+        self.last_widened = Some(now);
     }
 }
 
@@ -432,6 +512,11 @@ pub struct Session<'a> {
     clip: bool,
     /// Blend masks of clip boxes whose size differs from the first frame's.
     masks: std::collections::HashMap<(u32, u32), face::BlendMask>,
+    /// Which speaking frames are drawn.
+    stride: Stride,
+    /// The last face drawn (96×96 BGR), shown again on held frames of a video avatar (a
+    /// photo avatar's held frames repeat `scratch`, which holds it composited).
+    last_face: Option<Vec<u8>>,
 }
 
 impl<'a> Session<'a> {
@@ -450,6 +535,8 @@ impl<'a> Session<'a> {
             face::paste(&mut idle_frame, &avatar.face, idle_face, &avatar.mask);
         }
         Session {
+            stride: Stride::new(cfg.fps.value(), cfg.draw_fps),
+            last_face: None,
             clip,
             masks: std::collections::HashMap::new(),
             engine,
@@ -475,6 +562,11 @@ impl<'a> Session<'a> {
 
     fn due(&self, k: u64) -> Instant {
         self.start + self.cfg.lag + Duration::from_secs_f64(k as f64 / self.fps())
+    }
+
+    /// How long after its due time a drawn face may still come before its frame is held.
+    fn grace(&self) -> Duration {
+        Duration::from_secs_f64(0.5 / self.fps())
     }
 
     fn pts(&self, k: u64) -> f64 {
@@ -526,11 +618,17 @@ impl<'a> Session<'a> {
     }
 
     fn wait_time(&self) -> Duration {
-        if self.utts.iter().any(|u| !u.subs.is_empty()) {
+        if self.utts.iter().any(|u| !u.draws.is_empty()) {
             return POLL;
         }
         let now = Instant::now();
-        let mut until = self.due(self.next);
+        let speaking = self.utts.front().is_some_and(|u| self.next >= u.first);
+        let mut until = self.due(self.next)
+            + if speaking {
+                self.grace()
+            } else {
+                Duration::ZERO
+            };
         for u in &self.utts {
             if !u.closed {
                 until = until.min(u.last_audio + self.cfg.utterance_gap);
@@ -618,7 +716,8 @@ impl<'a> Session<'a> {
                 last_audio: arrived,
                 planned: 0,
                 total: None,
-                subs: VecDeque::new(),
+                draws: VecDeque::new(),
+                next_draw: 0.0,
                 sent: 0,
                 ready: None,
                 arrivals: VecDeque::new(),
@@ -661,9 +760,11 @@ impl<'a> Session<'a> {
         }
     }
 
-    /// Hands every frame whose audio is complete to the engine.
+    /// Decides, for every frame whose audio is complete, whether it is drawn (handed to the
+    /// engine, one submission per frame so that a frame held later can drop its work) or held.
     fn plan(&mut self) -> Result<(), Error> {
         let step = mel::MEL_FPS / self.fps();
+        let now = Instant::now();
         for i in 0..self.utts.len() {
             let u = &self.utts[i];
             let (total, plan) = if u.closed {
@@ -685,31 +786,39 @@ impl<'a> Session<'a> {
             if total <= u.planned {
                 continue;
             }
-            let mut frames = Vec::with_capacity(total - u.planned);
-            for (index, j) in (u.planned..total).enumerate() {
+            let (first, from) = (u.first, u.planned);
+            let mut next_draw = u.next_draw;
+            let mut draws = Vec::new();
+            for j in from..total {
+                let due = self.due(first + j as u64);
+                // Held: between drawn frames, or due already (its face could only be late).
+                if (j as f64) < next_draw || now >= due {
+                    continue;
+                }
+                next_draw = j as f64 + self.stride.value;
+                let u = &self.utts[i];
                 let start = match &plan {
                     Some(p) => p.start(j),
                     None => (j as f64 * step) as usize,
                 };
                 let face = if self.clip {
-                    let i = self
+                    let c = self
                         .avatar
-                        .select((u.first + j as u64) as usize, self.cfg.loop_mode);
-                    self.avatar.crop(i)
+                        .select((first + j as u64) as usize, self.cfg.loop_mode);
+                    self.avatar.crop(c)
                 } else {
                     self.face_input.clone()
                 };
                 let work = FrameWork {
-                    index,
+                    index: 0,
                     mel: mel_window(&u.samples, start),
                     face,
                 };
-                frames.push((work, self.due(u.first + j as u64)));
+                draws.push((j, self.engine.submit_realtime(vec![(work, due)])));
             }
-            let n = frames.len();
-            let sub = self.engine.submit_realtime(frames);
             let u = &mut self.utts[i];
-            u.subs.push_back((sub, n));
+            u.draws.extend(draws);
+            u.next_draw = next_draw;
             u.planned = total;
         }
         Ok(())
@@ -739,7 +848,7 @@ impl<'a> Session<'a> {
     fn send_idle(&mut self, sink: &mut dyn Sink) -> Result<(), Error> {
         let k = self.next;
         if self.shown != Some(Activity::Idle) {
-            sink.event(Activity::Idle, k, self.pts(k))?;
+            sink.event(Activity::Idle, k, self.pts(k), &self.stats)?;
             self.shown = Some(Activity::Idle);
         }
         let audio = self.audio_of(k);
@@ -764,7 +873,8 @@ impl<'a> Session<'a> {
         Ok(())
     }
 
-    /// Sends every frame that is due or drawn, in order.
+    /// Sends every frame that is due or drawn, in order: a speaking frame drawn as soon as
+    /// its face has come, held at its due time (plus [`Self::grace`]) when it has not.
     fn emit(&mut self, sink: &mut dyn Sink) -> Result<(), Error> {
         let mut sent_any = false;
         let mut sent_speaking: Vec<(u64, Instant)> = Vec::new();
@@ -787,39 +897,40 @@ impl<'a> Session<'a> {
                 }
                 break;
             }
-            let Some(face) = self.utts.front_mut().and_then(|u| u.ready.take()) else {
-                break;
-            };
-            let (first, j) = {
+            let (first, j, planned, drawing) = {
                 let u = self.utts.front().expect("speaking");
-                (u.first, (k - u.first) as usize)
+                (u.first, (k - u.first) as usize, u.planned, u.drawing_next())
             };
+            // Its audio must be complete (a frame never goes out with part of its speech).
+            if j >= planned {
+                break;
+            }
+            let face = self.utts.front_mut().and_then(|u| u.ready.take());
+            let now = Instant::now();
+            if face.is_none() {
+                if now < self.due(k) + self.grace() {
+                    break;
+                }
+                if drawing {
+                    self.stride.missed(now, self.cfg.lag);
+                }
+            }
             if j == 0 || self.shown != Some(Activity::Speaking) {
-                sink.event(Activity::Speaking, k, self.pts(k))?;
+                sink.event(Activity::Speaking, k, self.pts(k), &self.stats)?;
                 self.shown = Some(Activity::Speaking);
             }
-            if self.clip {
-                let a = self.avatar.clone();
-                let i = a.select(k as usize, self.cfg.loop_mode);
-                self.scratch = a.background(i)?.into_owned();
-                let b = a.face_at(i);
-                let mask = if (b.width(), b.height()) == (a.face.width(), a.face.height()) {
-                    &a.mask
-                } else {
-                    self.masks
-                        .entry((b.width(), b.height()))
-                        .or_insert_with(|| face::BlendMask::new(a.blend, b.width(), b.height()))
-                };
-                face::paste(&mut self.scratch, &b, &face, mask);
-            } else {
-                self.scratch.rgb.copy_from_slice(&self.avatar.frame.rgb);
-                face::paste(
-                    &mut self.scratch,
-                    &self.avatar.face,
-                    &face,
-                    &self.avatar.mask,
-                );
+            let drawn = face.is_some();
+            if let Some(face) = face {
+                self.compose(k, Some(&face))?;
+                self.last_face = Some(face);
+            } else if self.clip {
+                let last = self.last_face.take();
+                let r = self.compose(k, last.as_deref());
+                self.last_face = last;
+                r?;
             }
+            // A photo avatar's held frame repeats `scratch` as it is: the last face drawn,
+            // or the idle face before any.
             let audio = self.audio_of(k);
             let image = std::mem::replace(&mut self.scratch, Frame::new(0, 0, Vec::new()));
             let r = sink.frame(OutFrame {
@@ -835,21 +946,33 @@ impl<'a> Session<'a> {
             let lateness = now.saturating_duration_since(self.due(k)).as_secs_f64();
             self.stats.lateness.push(lateness);
             self.stats.max_lateness_ms = self.stats.max_lateness_ms.max(lateness * 1e3);
-            if lateness > 0.0 {
+            // Late: out more than a frame after its due time (a held frame goes out within
+            // half a frame of it).
+            if lateness > 1.0 / self.fps() {
                 self.stats.late_frames += 1;
                 metrics::counter!(m::STREAM_LATE_FRAMES).increment(1);
             }
             self.stats.frames += 1;
             self.stats.speaking_frames += 1;
+            if drawn {
+                self.stats.drawn_frames += 1;
+                self.stride.hit();
+            } else {
+                self.stats.held_frames += 1;
+                metrics::counter!(m::STREAM_HELD_FRAMES).increment(1);
+            }
             self.next += 1;
             sent_any = true;
-            // Audio chunks whose first sample is in this frame: their first drawn frame.
             let end_sample = (self.sample_at(k + 1) - self.sample_at(first)) as usize;
             let u = self.utts.front_mut().expect("speaking");
             u.sent = j + 1;
-            while u.arrivals.front().is_some_and(|(s, _)| *s < end_sample) {
-                let (_, at) = u.arrivals.pop_front().expect("checked");
-                sent_speaking.push((k, at));
+            // Audio chunks whose first sample is in this frame or before: this is their first
+            // drawn frame (held frames leave them to the next drawn one).
+            if drawn {
+                while u.arrivals.front().is_some_and(|(s, _)| *s < end_sample) {
+                    let (_, at) = u.arrivals.pop_front().expect("checked");
+                    sent_speaking.push((k, at));
+                }
             }
             if u.done() {
                 self.utts.pop_front();
@@ -863,6 +986,37 @@ impl<'a> Session<'a> {
                     metrics::histogram!(m::STREAM_LATENCY).record(l);
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Composites frame `k` into `scratch`: `face` (96×96 BGR) pasted on the avatar's frame
+    /// (a video avatar: on clip frame `k`'s background; with no face, the background alone).
+    fn compose(&mut self, k: u64, face: Option<&[u8]>) -> Result<(), Error> {
+        if self.clip {
+            let a = self.avatar.clone();
+            let i = a.select(k as usize, self.cfg.loop_mode);
+            self.scratch = a.background(i)?.into_owned();
+            let Some(face) = face else {
+                return Ok(());
+            };
+            let b = a.face_at(i);
+            let mask = if (b.width(), b.height()) == (a.face.width(), a.face.height()) {
+                &a.mask
+            } else {
+                self.masks
+                    .entry((b.width(), b.height()))
+                    .or_insert_with(|| face::BlendMask::new(a.blend, b.width(), b.height()))
+            };
+            face::paste(&mut self.scratch, &b, face, mask);
+        } else if let Some(face) = face {
+            self.scratch.rgb.copy_from_slice(&self.avatar.frame.rgb);
+            face::paste(
+                &mut self.scratch,
+                &self.avatar.face,
+                face,
+                &self.avatar.mask,
+            );
         }
         Ok(())
     }

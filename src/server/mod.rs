@@ -287,6 +287,7 @@ async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
         },
         "sessions": {
             "max_sessions": app.engine.get().map(|e| stream::max_sessions(&app, e)),
+            "draw_fps": app.engine.get().and_then(|e| stream::next_draw_fps(&app, e)),
             "utterance_gap_ms": a.utterance_gap_ms,
             "idle_timeout_seconds": a.session_idle_timeout,
         },
@@ -505,6 +506,7 @@ fn install_metrics() -> Result<PrometheusHandle, ServeError> {
     }
     metrics::gauge!(m::STREAM_SESSIONS).set(0.0);
     metrics::counter!(m::STREAM_LATE_FRAMES).absolute(0);
+    metrics::counter!(m::STREAM_HELD_FRAMES).absolute(0);
     metrics::counter!(m::FRAMES_TOTAL).absolute(0);
     metrics::counter!(m::OOM_SPLITS).absolute(0);
     metrics::counter!(m::INSTANCE_RESTARTS).absolute(0);

@@ -22,7 +22,8 @@ use super::error::ApiError;
 use super::{avatars, constant_time_eq, App};
 use crate::engine::metrics as m;
 use crate::engine::session::{
-    self, Activity, AudioFormat, Input, OutFrame, SampleFormat, Session, SessionConfig, Sink,
+    self, Activity, AudioFormat, Input, OutFrame, SampleFormat, Session, SessionConfig,
+    SessionStats, Sink,
 };
 use crate::engine::{self, Avatar, Engine};
 use crate::media::audio::Fps;
@@ -81,21 +82,24 @@ struct Slot {
 }
 
 impl Slot {
-    /// Claims `fps` of the engine's `capacity` (frames/s), unless other sessions hold too
-    /// much of it already (one session is always admitted).
-    fn claim(&self, fps: f64, capacity: f64) -> bool {
+    /// Claims a drawing rate for a session of `fps`: its max-min fair share of the engine's
+    /// live capacity beside the open sessions ([`draw_share`]). `Err` with the share when it
+    /// is below `min_draw_fps` (nothing claimed).
+    fn claim(&self, app: &App, engine: &Engine, fps: f64, min_draw_fps: f64) -> Result<f64, f64> {
         let mut open = self.sessions.lock();
-        let others: Vec<f64> = open
+        let mut demands: Vec<f64> = open
             .iter()
-            .filter(|(id, _)| **id != self.id)
+            .filter(|(id, f)| **id != self.id && **f > 0.0)
             .map(|(_, f)| *f)
             .collect();
-        let used: f64 = others.iter().sum();
-        if !others.iter().all(|f| *f == 0.0) && used + fps > capacity {
-            return false;
+        demands.push(fps);
+        let level = fair_level(live_capacity_fps(app, engine, demands.len()), &demands);
+        let share = fps.min(level);
+        if share < min_draw_fps {
+            return Err(share);
         }
         open.insert(self.id, fps);
-        true
+        Ok(share)
     }
 }
 
@@ -114,6 +118,68 @@ fn capacity_fps(engine: &Engine) -> Option<f64> {
     let n = engine.scheduler().limits().max_batch as f64;
     let t = cost.fixed + cost.per_frame * n;
     (t > 0.0).then(|| engine.status().instances as f64 * n / t)
+}
+
+/// Share of the instances' measured throughput live sessions can count on while meeting
+/// their deadlines: batches do not start the moment a frame is due, and the sessions'
+/// compositing and encoding run beside the model. On a CPU they share its cores with the
+/// model (measured on 2 cores: one 25 fps session with its x264 encoder left the model about
+/// 55 % of its warm-up throughput); on a GPU they do not.
+fn live_utilisation(app: &App) -> f64 {
+    if app.cfg.device == crate::model::DeviceKind::Cuda {
+        0.7
+    } else {
+        0.45
+    }
+}
+
+/// Faces per second the instances can draw for `sessions` live sessions at once: their
+/// throughput at the batch those sessions' frames make together (one frame each), at the
+/// warm-up's measured batch cost, times [`live_utilisation`]; unbounded before a cost is
+/// measured.
+fn live_capacity_fps(app: &App, engine: &Engine, sessions: usize) -> f64 {
+    let Some(cost) = engine.status().batch_cost() else {
+        return f64::INFINITY;
+    };
+    let b = sessions.clamp(1, engine.scheduler().limits().max_batch.max(1)) as f64;
+    let t = cost.fixed + cost.per_frame * b;
+    if t <= 0.0 {
+        return f64::INFINITY;
+    }
+    engine.status().instances as f64 * b / t * live_utilisation(app)
+}
+
+/// The max-min fair level of `capacity` among `demands`: each gets `min(demand, level)` and
+/// together they use all of it (infinite when every demand fits).
+fn fair_level(capacity: f64, demands: &[f64]) -> f64 {
+    let mut d: Vec<f64> = demands.to_vec();
+    d.sort_by(f64::total_cmp);
+    let mut left = capacity;
+    for (i, x) in d.iter().enumerate() {
+        let even = left / (d.len() - i) as f64;
+        if *x > even {
+            return even;
+        }
+        left -= x;
+    }
+    f64::INFINITY
+}
+
+/// `/info`'s `sessions.draw_fps`: the drawing rate one more session would get beside the
+/// open ones (before its own frame rate caps it), or `None` before the engine has measured
+/// its batch cost.
+pub fn next_draw_fps(app: &App, engine: &Engine) -> Option<f64> {
+    engine.status().batch_cost()?;
+    let mut demands: Vec<f64> = app
+        .sessions
+        .lock()
+        .values()
+        .copied()
+        .filter(|f| *f > 0.0)
+        .collect();
+    demands.push(f64::INFINITY);
+    let level = fair_level(live_capacity_fps(app, engine, demands.len()), &demands);
+    Some((level * 10.0).round() / 10.0)
 }
 
 /// `--max-sessions`, or the 25 fps sessions the measured batch times sustain (at least 1).
@@ -269,6 +335,9 @@ struct Opening {
     /// `pingpong` or `repeat`: how a video avatar's frames run (photo avatars ignore it).
     #[serde(default, rename = "loop")]
     loop_: Option<String>,
+    /// The least drawing rate (faces/s) the client accepts; refused (`over_capacity`) below.
+    #[serde(default)]
+    min_draw_fps: Option<f64>,
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -295,7 +364,11 @@ struct Opened {
     output: Output,
     blend: Option<crate::media::face::Blend>,
     loop_mode: crate::engine::Loop,
+    min_draw_fps: f64,
 }
+
+/// `min_draw_fps` when the opening does not say.
+pub const DEFAULT_MIN_DRAW_FPS: f64 = 5.0;
 
 /// A bad opening: `(error_type, message)`.
 fn parse_opening(text: &str) -> Result<Opened, (&'static str, String)> {
@@ -367,6 +440,16 @@ fn parse_opening(text: &str) -> Result<Opened, (&'static str, String)> {
             .map_err(|e| ("bad_loop", e.to_string()))?,
         None => crate::engine::Loop::default(),
     };
+    let min_draw_fps = match o.min_draw_fps {
+        None => DEFAULT_MIN_DRAW_FPS,
+        Some(m) if m.is_finite() && m >= 0.0 => m,
+        Some(m) => {
+            return Err((
+                "bad_min_draw_fps",
+                format!("min_draw_fps {m}: a number of frames per second, 0 or more"),
+            ))
+        }
+    };
     Ok(Opened {
         avatar_id: o.avatar_id,
         fps,
@@ -374,6 +457,7 @@ fn parse_opening(text: &str) -> Result<Opened, (&'static str, String)> {
         output,
         blend,
         loop_mode,
+        min_draw_fps,
     })
 }
 
@@ -440,14 +524,22 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
         Ok(e) => e,
         Err(e) => return fail(&mut socket, TRY_LATER, e.kind, &e.message).await,
     };
-    let capacity = capacity_fps(engine).unwrap_or(f64::INFINITY);
-    if !slot.claim(opened.fps.value(), capacity) {
-        let msg = format!(
-            "the engine cannot draw another {} fps beside the open sessions",
-            opened.fps
-        );
-        return fail(&mut socket, TRY_LATER, "overloaded", &msg).await;
-    }
+    let draw_fps = match slot.claim(&app, engine, opened.fps.value(), opened.min_draw_fps) {
+        Ok(d) => d,
+        Err(could) => {
+            let could = (could * 10.0).round() / 10.0;
+            let msg = format!(
+                "beside the open sessions the engine can draw {could} faces/s for this session, \
+                 below its min_draw_fps {}",
+                opened.min_draw_fps
+            );
+            let body = serde_json::json!({
+                "type": "error", "error": msg, "error_type": "over_capacity", "draw_fps": could,
+            });
+            let _ = socket.send(Message::Text(body.to_string().into())).await;
+            return close(&mut socket, TRY_LATER, "over_capacity").await;
+        }
+    };
 
     let (in_tx, in_rx) = std::sync::mpsc::channel::<Input>();
     let (out_tx, mut out_rx) = mpsc::channel::<Out>(OUT_QUEUE);
@@ -458,6 +550,7 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
         lag: session_lag(engine, opened.fps),
         max_undrawn_seconds: app.args.media.max_audio_seconds,
         loop_mode: opened.loop_mode,
+        draw_fps: Some(draw_fps),
     };
     let thread_app = app.clone();
     let span = tracing::Span::current();
@@ -605,8 +698,12 @@ fn session_thread(
             Err(e) => return send_error(&e),
         },
     };
+    let draw_fps = cfg
+        .draw_fps
+        .map(|d| (d.min(cfg.fps.value()) * 10.0).round() / 10.0);
     let ready = serde_json::json!({
         "type": "ready", "width": w, "height": h, "fps": cfg.fps.value(), "mime": mime,
+        "draw_fps": draw_fps,
     });
     if out.blocking_send(Out::Text(ready.to_string())).is_err() {
         return;
@@ -669,8 +766,12 @@ fn send_event(
     activity: Activity,
     frame: u64,
     pts: f64,
+    so_far: &SessionStats,
 ) -> Result<(), engine::Error> {
-    let e = serde_json::json!({ "type": activity.as_str(), "frame": frame, "pts": pts });
+    let e = serde_json::json!({
+        "type": activity.as_str(), "frame": frame, "pts": pts,
+        "drawn_frames": so_far.drawn_frames, "held_frames": so_far.held_frames,
+    });
     out.blocking_send(Out::Text(e.to_string()))
         .map_err(|_| engine::Error::Cancelled)
 }
@@ -684,8 +785,14 @@ impl JpegSink {
 }
 
 impl Sink for JpegSink {
-    fn event(&mut self, activity: Activity, frame: u64, pts: f64) -> Result<(), engine::Error> {
-        send_event(&self.out, activity, frame, pts)
+    fn event(
+        &mut self,
+        activity: Activity,
+        frame: u64,
+        pts: f64,
+        so_far: &SessionStats,
+    ) -> Result<(), engine::Error> {
+        send_event(&self.out, activity, frame, pts, so_far)
     }
 
     fn frame(&mut self, f: OutFrame<'_>) -> Result<(), engine::Error> {
@@ -827,8 +934,14 @@ impl Fmp4Sink {
 }
 
 impl Sink for Fmp4Sink {
-    fn event(&mut self, activity: Activity, frame: u64, pts: f64) -> Result<(), engine::Error> {
-        send_event(&self.out, activity, frame, pts)
+    fn event(
+        &mut self,
+        activity: Activity,
+        frame: u64,
+        pts: f64,
+        so_far: &SessionStats,
+    ) -> Result<(), engine::Error> {
+        send_event(&self.out, activity, frame, pts, so_far)
     }
 
     fn frame(&mut self, f: OutFrame<'_>) -> Result<(), engine::Error> {

@@ -33,7 +33,13 @@ pub struct LiveEncoder {
 
 impl EncoderSettings {
     fn live_args(&self, fifo: &str) -> Vec<String> {
+        // No stream probing: both inputs are described exactly, and the probe would hold the
+        // first frames back (a second and more of latency at a session's start).
+        const NO_PROBE: [&str; 4] = ["-probesize", "32", "-analyzeduration", "0"];
         let mut a = self.raw_input_args();
+        let video_input = a.iter().position(|x| x == "-i").unwrap_or(a.len());
+        a.splice(video_input..video_input, strings(&NO_PROBE));
+        a.extend(strings(&NO_PROBE));
         a.extend(strings(&["-f", "s16le", "-ar", "16000", "-ac", "1", "-i"]));
         a.push(fifo.to_string());
         a.extend(strings(&["-map", "0:v:0", "-map", "1:a:0"]));

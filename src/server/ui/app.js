@@ -937,7 +937,10 @@ function updateLive(L) {
     const shown = u.shownAt ? `, on screen after ${ms((u.shownAt - u.sentAt) / 1000)}` : "";
     $("live-latency").textContent = `received after ${ms((u.receivedAt - u.sentAt) / 1000)}${shown} (utterance ${L.utterances.indexOf(u) + 1})`;
   }
-  $("live-frames").textContent = `${L.frames} received, ${L.speakingShown} speaking frames shown`;
+  // Drawn vs held speaking frames, as the server counted them at its last event (or the end).
+  const counts = L.endStats || L.counts;
+  const held = counts ? `; ${counts.drawn_frames} drawn, ${counts.held_frames} held (server)` : "";
+  $("live-frames").textContent = `${L.frames} received, ${L.speakingShown} speaking frames shown${held}`;
   $("live-late").textContent = L.endStats ? `${L.endStats.late_frames} (server), ${L.late} as received` : `${L.late} as received`;
   $("live-behind").textContent = L.behind == null ? "–" : ms(L.behind);
   if (L.endStats) {
@@ -988,10 +991,14 @@ function liveEvent(L, msg) {
     const mime = msg.mime;
     if (!MediaSource.isTypeSupported(mime)) throw new Error(`this browser cannot play ${mime}`);
     L.appender = new Appender(L.ms.addSourceBuffer(mime));
-    setStatus("live-status", `live: ${msg.width}×${msg.height} at ${+msg.fps.toFixed(3)} fps; speak`);
+    // draw_fps: the faces per second the server expects to draw (the rest of the speaking
+    // frames repeat the last face drawn).
+    const drawing = msg.draw_fps != null && msg.draw_fps < msg.fps ? `, drawing about ${+msg.draw_fps.toFixed(1)} faces/s` : "";
+    setStatus("live-status", `live: ${msg.width}×${msg.height} at ${+msg.fps.toFixed(3)} fps${drawing}; speak`);
     $("live-stats").hidden = false;
   } else if (msg.type === "idle" || msg.type === "speaking") {
     L.activity = msg.type;
+    if (msg.drawn_frames != null) L.counts = { drawn_frames: msg.drawn_frames, held_frames: msg.held_frames };
     L.ranges.push({ type: msg.type, pts: msg.pts });
     if (msg.type === "speaking") {
       // The first utterance sent and not yet seen speaking.
