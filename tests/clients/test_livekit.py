@@ -56,9 +56,9 @@ async def wait_until(cond, timeout: float, what: str):
 
 
 @pytest.mark.timeout(90)
-def test_the_generator_yields_frames_and_speech_in_step(server, avatar):
+def test_the_generator_yields_frames_and_speech_in_step(server, avatar, live_opts):
     async def go():
-        gen = LipsyncVideoGenerator(server.url, avatar["id"], fps=FPS, api_key=API_KEY)
+        gen = LipsyncVideoGenerator(server.url, avatar["id"], fps=FPS, api_key=API_KEY, **live_opts)
         assert isinstance(gen, VideoGenerator)
         await gen.start()
         assert (gen.width, gen.height) == (avatar["width"], avatar["height"])
@@ -153,10 +153,12 @@ class StubRoom:
 
 
 @pytest.mark.timeout(90)
-def test_it_drops_into_an_avatar_runner(server, avatar):
+def test_it_drops_into_an_avatar_runner(server, avatar, live_opts):
     async def go():
         loop = asyncio.get_running_loop()
-        gen = LipsyncVideoGenerator(server.url, avatar["id"], fps=FPS, api_key=API_KEY, audio_sample_rate=24000)
+        gen = LipsyncVideoGenerator(
+            server.url, avatar["id"], fps=FPS, api_key=API_KEY, audio_sample_rate=24000, **live_opts
+        )
         await gen.start()
         agent_audio = QueueAudioOutput(sample_rate=24000)
         room = StubRoom()

@@ -60,8 +60,8 @@ def tts_frames(pcm: bytes, rate: int, *, chunk_s: float, paced: bool) -> list:
     return frames
 
 
-def service(server, avatar) -> LipsyncVideoService:
-    return LipsyncVideoService(server.url, avatar["id"], fps=FPS, api_key=API_KEY)
+def service(server, avatar, live_opts) -> LipsyncVideoService:
+    return LipsyncVideoService(server.url, avatar["id"], fps=FPS, api_key=API_KEY, **live_opts)
 
 
 def images(log):
@@ -69,9 +69,9 @@ def images(log):
 
 
 @pytest.mark.timeout(90)
-def test_tts_paced_in_real_time_comes_out_as_frames_and_speech(server, avatar):
+def test_tts_paced_in_real_time_comes_out_as_frames_and_speech(server, avatar, live_opts):
     pcm = read_speech(seconds=3.0)
-    svc, rec = service(server, avatar), Recorder()
+    svc, rec = service(server, avatar, live_opts), Recorder()
     frames = [
         SleepFrame(sleep=0.4),
         TTSStartedFrame(),
@@ -140,11 +140,11 @@ def test_tts_paced_in_real_time_comes_out_as_frames_and_speech(server, avatar):
 
 
 @pytest.mark.timeout(90)
-def test_an_interruption_stops_the_speech_at_once(server, avatar):
+def test_an_interruption_stops_the_speech_at_once(server, avatar, live_opts):
     # A 24 kHz TTS far ahead of real time: all 4 s of speech in 0.2 s chunks at once.
     speech = np.frombuffer(read_speech(), np.int16)
     pcm24 = soxr.resample(speech, 16000, 24000).astype(np.int16).tobytes()
-    svc, rec = service(server, avatar), Recorder()
+    svc, rec = service(server, avatar, live_opts), Recorder()
     frames = [
         SleepFrame(sleep=0.4),
         TTSStartedFrame(),
@@ -195,8 +195,8 @@ def test_an_interruption_stops_the_speech_at_once(server, avatar):
 
 
 @pytest.mark.timeout(60)
-def test_cancel_closes_the_session(server, avatar):
-    svc, rec = service(server, avatar), Recorder()
+def test_cancel_closes_the_session(server, avatar, live_opts):
+    svc, rec = service(server, avatar, live_opts), Recorder()
     pcm = read_speech(seconds=1.0)
     frames = [
         SleepFrame(sleep=0.3),

@@ -58,6 +58,8 @@ class LipsyncVideoGenerator(VideoGenerator):
         max_ahead: seconds of speech sent to the server ahead of real time (the agent's
             speech comes far ahead; the rest waits here, so `clear_buffer` drops it at once
             and the next reply starts within about this long).
+        min_draw_fps: the lowest drawing rate the session accepts (sent only when given; a
+            server that cannot draw that fast refuses the session, `over_capacity`).
 
     Iterating it yields, paced in real time, an `rtc.VideoFrame` (RGB24) per frame of the
     session, each speaking frame followed by its share of the speech as an
@@ -77,12 +79,14 @@ class LipsyncVideoGenerator(VideoGenerator):
         audio_sample_rate: int = AUDIO_RATE,
         open_timeout: float = 60.0,
         max_ahead: float = 1.0,
+        min_draw_fps: float | None = None,
     ) -> None:
         self._client = AsyncClient(base_url, api_key=api_key, timeout=open_timeout)
         self._avatar_id = avatar_id
         self._fps = fps
         self._out_rate = audio_sample_rate
         self._max_ahead = max_ahead
+        self._min_draw_fps = min_draw_fps
         self._live: LiveSession | None = None
         self._pacer: SpeechPacer | None = None
         self._opening = asyncio.Lock()
@@ -96,7 +100,12 @@ class LipsyncVideoGenerator(VideoGenerator):
         """Opens the live session (waits for its `ready`)."""
         async with self._opening:
             if self._live is None:
-                live = self._client.live(self._avatar_id, fps=self._fps, sample_rate=AUDIO_RATE)
+                live = self._client.live(
+                    self._avatar_id,
+                    fps=self._fps,
+                    sample_rate=AUDIO_RATE,
+                    min_draw_fps=self._min_draw_fps,
+                )
                 await live.open()
                 self._live = live
                 self._pacer = SpeechPacer(

@@ -63,6 +63,8 @@ class LipsyncVideoService(AIService):
         max_ahead: seconds of speech sent to the server ahead of real time (a TTS runs far
             ahead; the rest waits here, so an interruption drops it at once and the next
             reply starts within about this long).
+        min_draw_fps: the lowest drawing rate the session accepts (sent only when given; a
+            server that cannot draw that fast refuses the session, `over_capacity`).
 
     Frames in: `TTSAudioRawFrame` (any rate, mono or stereo: resampled to the session's
     16 kHz mono and not passed on), `TTSStartedFrame` (passed on), `TTSStoppedFrame` (passed
@@ -82,6 +84,7 @@ class LipsyncVideoService(AIService):
         open_timeout: float = 60.0,
         end_timeout: float = 60.0,
         max_ahead: float = 1.0,
+        min_draw_fps: float | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("settings", ServiceSettings(model="wav2lip"))
@@ -91,6 +94,7 @@ class LipsyncVideoService(AIService):
         self._fps = fps
         self._end_timeout = end_timeout
         self._max_ahead = max_ahead
+        self._min_draw_fps = min_draw_fps
         self._live: LiveSession | None = None
         self._pacer: SpeechPacer | None = None
         self._output: asyncio.Task[None] | None = None
@@ -119,7 +123,9 @@ class LipsyncVideoService(AIService):
 
     async def start(self, frame: StartFrame) -> None:
         await super().start(frame)
-        live = self._client.live(self._avatar_id, fps=self._fps, sample_rate=AUDIO_RATE)
+        live = self._client.live(
+            self._avatar_id, fps=self._fps, sample_rate=AUDIO_RATE, min_draw_fps=self._min_draw_fps
+        )
         try:
             await live.open()
         except LipsyncError as e:
