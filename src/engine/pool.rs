@@ -881,10 +881,16 @@ mod tests {
         // At least what an H200 measured (less the CUDA context), at most 15 % more.
         let f16_512 = estimated_bytes(512, DType::F16) as f64;
         let measured_f16_512 = (4307.0 - 709.0) * 1048576.0;
-        assert!((measured_f16_512..measured_f16_512 * 1.15).contains(&f16_512), "{f16_512}");
+        assert!(
+            (measured_f16_512..measured_f16_512 * 1.15).contains(&f16_512),
+            "{f16_512}"
+        );
         let f32_512 = estimated_bytes(512, DType::F32) as f64;
         let measured_f32_512 = (7075.0 - 595.0) * 1048576.0;
-        assert!((measured_f32_512..measured_f32_512 * 1.15).contains(&f32_512), "{f32_512}");
+        assert!(
+            (measured_f32_512..measured_f32_512 * 1.15).contains(&f32_512),
+            "{f32_512}"
+        );
         assert!(estimated_bytes(2, DType::F16) > one);
         assert!(estimated_bytes(1, DType::F32) > one);
     }
