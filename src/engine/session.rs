@@ -10,12 +10,14 @@
 //!   when the face has not come by then, *held*: the last drawn face shown again (a video
 //!   avatar: that face on frame `k`'s own background). Its audio goes out with it either way,
 //!   so sound is never dropped or delayed and frame `k` always carries the speech at `k / fps`.
-//! - **Drawing rate.** A session draws every `stride`-th speaking frame (fractional strides
-//!   spread the drawn frames evenly) and holds the rest. The stride starts from the rate the
-//!   engine can give the session ([`SessionConfig::draw_fps`]) and adapts to what happens: a
-//!   face that misses its frame widens it (at most once per `lag`), each face in time narrows
-//!   it a little, down to drawing every frame. It never grows past one drawn frame per second,
-//!   so the mouth keeps moving while the engine can draw anything at all. Frames whose due
+//! - **Drawing rate.** A session draws every `fps / rate`-th speaking frame (fractional
+//!   strides spread the drawn frames evenly) and holds the rest. The rate starts from what
+//!   the engine can give the session ([`SessionConfig::draw_fps`]) and adapts to what happens,
+//!   additive increase and multiplicative decrease, so that sessions sharing the engine
+//!   converge to equal rates: each face in time adds about one face per second per second, a
+//!   face that misses its frame takes 30 % off (at most once per `lag`). The rate stays
+//!   between one face per second and every frame, so the mouth keeps moving while the engine
+//!   can draw anything at all. Frames whose due
 //!   time has passed before their audio is complete are held without being drawn, and a
 //!   drawn frame that is held drops its queued work, so an overloaded engine does not keep
 //!   drawing faces nobody will see.
@@ -24,7 +26,8 @@
 //!   `end`, at `clear` (dropped), or after `utterance_gap` without audio. Its frames follow the
 //!   file rule ([`crate::media::audio::FramePlan`]): frame `j` uses mel columns
 //!   `⌊j · 80 / fps⌋ ..+16` of the utterance's own spectrogram, and its last frames the
-//!   windows the file rule gives for the end of its audio. A column is computed once the audio
+//!   windows the file rule gives for the end of its audio; like a file's video, it then has
+//!   as many frames as cover all of its audio, those past the model's last one held. A column is computed once the audio
 //!   around it is there, from a slice long enough that it equals the whole utterance's column,
 //!   so the model inputs are those of `POST /v1/lipsync` on the same 16 kHz audio.
 //! - **Idle face.** A photo avatar idles on the face the model draws for a silent mel window,
@@ -44,6 +47,7 @@ use rubato::{Fft, FixedSync, Resampler};
 
 use super::front::{Engine, Submission};
 use super::metrics as m;
+use super::render::video_frames;
 use super::scheduler::FrameWork;
 use super::{Avatar, Error};
 use crate::media::audio::mel::{self, HOP, SAMPLE_RATE};
@@ -444,50 +448,54 @@ impl Utterance {
     }
 }
 
-/// How a session's drawing stride adapts (see the module documentation).
+/// How fast a session draws (see the module documentation): a rate in faces per second,
+/// additive increase, multiplicative decrease, so that sessions sharing an engine converge
+/// to equal rates whatever rate each started from.
 #[derive(Debug, Clone)]
 struct Stride {
-    value: f64,
-    /// At most one drawn frame per second.
-    max: f64,
-    last_widened: Option<Instant>,
+    /// Faces per second aimed at, from 1 to `fps`.
+    rate: f64,
+    fps: f64,
+    last_missed: Option<Instant>,
 }
 
 impl Stride {
-    /// Each face in time narrows the stride by this share of itself.
-    const NARROW: f64 = 0.04;
-    /// A missed face widens it by this factor.
-    const WIDEN: f64 = 1.3;
+    /// Faces per second gained per second of faces in time.
+    const GAIN_PER_SECOND: f64 = 1.0;
+    /// A missed face multiplies the rate by this.
+    const BACK_OFF: f64 = 0.7;
 
     fn new(fps: f64, draw_fps: Option<f64>) -> Stride {
-        let max = fps.max(1.0);
-        let value = match draw_fps {
-            Some(d) if d > 0.0 => (fps / d).clamp(1.0, max),
-            Some(_) => max,
-            None => 1.0,
-        };
+        let fps = fps.max(1.0);
         Stride {
-            value,
-            max,
-            last_widened: None,
+            rate: draw_fps.unwrap_or(fps).clamp(1.0, fps),
+            fps,
+            last_missed: None,
         }
     }
 
-    fn hit(&mut self) {
-        self.value = (self.value * (1.0 - Self::NARROW)).max(1.0);
+    /// Frames from one drawn frame to the next.
+    fn value(&self) -> f64 {
+        self.fps / self.rate
     }
 
-    /// A drawn frame missed its time: wider, unless it widened less than `lag` ago (the
-    /// frames queued before then would miss for the same reason).
+    /// A face in time: about `GAIN_PER_SECOND` more faces/s per second at any rate (each of
+    /// the `rate` faces a second adds its share).
+    fn hit(&mut self) {
+        self.rate = (self.rate + Self::GAIN_PER_SECOND / self.rate).min(self.fps);
+    }
+
+    /// A drawn frame missed its time: slower, unless the last miss was less than `lag` ago
+    /// (the frames queued before then would miss for the same reason).
     fn missed(&mut self, now: Instant, lag: Duration) {
         if self
-            .last_widened
+            .last_missed
             .is_some_and(|t| now.saturating_duration_since(t) < lag)
         {
             return;
         }
-        self.value = (self.value * Self::WIDEN).min(self.max);
-        self.last_widened = Some(now);
+        self.rate = (self.rate * Self::BACK_OFF).max(1.0);
+        self.last_missed = Some(now);
     }
 }
 
@@ -770,7 +778,10 @@ impl<'a> Session<'a> {
             let (total, plan) = if u.closed {
                 let cols = 1 + u.samples.len() / HOP;
                 let plan = FramePlan::new(cols, self.cfg.fps)?;
-                (plan.len(), Some(plan))
+                // As a file: the frames that cover all of its audio, those past the model's
+                // last one holding its face (so no speech is cut).
+                let seconds = u.samples.len() as f64 / f64::from(SAMPLE_RATE);
+                (video_frames(seconds, self.cfg.fps, plan.len()), Some(plan))
             } else {
                 let cols = final_columns(u.samples.len());
                 let mut n = u.planned;
@@ -791,11 +802,13 @@ impl<'a> Session<'a> {
             let mut draws = Vec::new();
             for j in from..total {
                 let due = self.due(first + j as u64);
-                // Held: between drawn frames, or due already (its face could only be late).
-                if (j as f64) < next_draw || now >= due {
+                // Held: between drawn frames, past the model's last frame, or due already (its
+                // face could only be late).
+                let beyond = plan.as_ref().is_some_and(|p| j >= p.len());
+                if (j as f64) < next_draw || beyond || now >= due {
                     continue;
                 }
-                next_draw = j as f64 + self.stride.value;
+                next_draw = j as f64 + self.stride.value();
                 let u = &self.utts[i];
                 let start = match &plan {
                     Some(p) => p.start(j),
