@@ -113,12 +113,11 @@ def test_tts_paced_in_real_time_comes_out_as_frames_and_speech(server, avatar, l
     back = b"".join(f.audio for f in audio)
     a, b = np.frombuffer(back, np.int16), np.frombuffer(pcm[: len(back)], np.int16)
     assert len(back) >= len(pcm) - 4 * 1280 and np.abs(a.astype(int) - b).max() <= 1, "the speech, back"
-    # Paced: the speaking frames reach the sink one per 40 ms (a CPU server that draws more
-    # slowly than real time makes some late).
+    # Paced: the speaking frames reach the sink no faster than real time (a CPU server that
+    # draws more slowly than that makes some late).
     t_speak = [t for t, f in imgs if f.metadata["lipsync_speaking"]]
     span, want = t_speak[-1] - t_speak[0], (len(speaking) - 1) / FPS
-    gaps = sorted(b - a for a, b in zip(t_speak, t_speak[1:]))
-    assert abs(span - want) < 0.25 * want and 0.03 < gaps[len(gaps) // 2] < 0.05, (span, gaps)
+    assert span >= 0.95 * want, (span, want)
     # TTSStartedFrame before the speech, TTSStoppedFrame after its last frame.
     kinds = [type(f).__name__ for _, f in log]
     first_speaking = next(i for i, (_, f) in enumerate(log) if f is speaking[0])
@@ -227,9 +226,15 @@ def test_cancel_closes_the_session(server, avatar, live_opts):
 
 
 @pytest.mark.timeout(60)
-def test_a_refused_session_is_an_error_upstream(server):
+def test_a_refused_session_is_an_error_upstream_and_the_bot_still_speaks(server):
     svc = LipsyncVideoService(server.url, "0" * 64, api_key=API_KEY)
-    down, up = asyncio.run(run_test(svc, frames_to_send=[SleepFrame(sleep=0.2)], start_timeout=60))
+    speech = tts_frames(read_speech(seconds=0.2), 16000, chunk_s=0.02, paced=False)
+    down, up = asyncio.run(
+        run_test(svc, frames_to_send=[TTSStartedFrame(), *speech, TTSStoppedFrame()], start_timeout=60)
+    )
     errors = [f for f in up if isinstance(f, ErrorFrame)]
     assert errors and "avatar_not_found" in errors[0].error, up
     assert not [f for f in down if isinstance(f, OutputImageRawFrame)]
+    # Without a face, the TTS audio goes on as it came.
+    assert [f for f in down if isinstance(f, TTSAudioRawFrame)] == [f for f in speech if isinstance(f, TTSAudioRawFrame)]
+    assert isinstance(down[0], TTSStartedFrame) and isinstance(down[-1], TTSStoppedFrame)

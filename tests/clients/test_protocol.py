@@ -186,3 +186,80 @@ def test_an_error_during_a_session_is_raised_by_the_iteration():
     seen, e = asyncio.run(asyncio.wait_for(go(), 20))
     assert [x.type for x in seen] == ["ready"]
     assert (e.error_type, e.close_code) == ("bad_stream", 1008)
+
+
+def test_paced_holds_early_frames_to_their_time_and_fills_what_a_clear_dropped():
+    """A fast server (a GPU) draws speech far ahead of its time. Scripted: idle frames 0-9
+    when due, then speaking frames 10-59 at once; after the clear, `idle` and idle frames
+    from 60 on, when due."""
+    fps, lag = 25, 0.1
+    speaking_jpeg = jpeg()
+    b = io.BytesIO()
+    Image.new("RGB", (8, 6), (10, 10, 10)).save(b, "JPEG")
+    idle_jpeg = b.getvalue()
+
+    async def script(ws, opening):
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        cleared, ended = asyncio.Event(), asyncio.Event()
+
+        async def read():
+            async for msg in ws:
+                if isinstance(msg, str):
+                    {"clear": cleared, "end": ended}[json.loads(msg)["type"]].set()
+
+        reader = asyncio.create_task(read())
+
+        async def frame(k, j, audio):
+            await asyncio.sleep(max(0.0, start + lag + k / fps - loop.time()) if j is idle_jpeg else 0)
+            await ws.send(struct.pack("<IdI", k, k / fps, len(j)) + j + audio)
+
+        await ws.send(json.dumps({"type": "ready", "width": 8, "height": 6, "fps": fps, "mime": "image/jpeg"}))
+        await ws.send(json.dumps({"type": "idle", "frame": 0, "pts": 0.0}))
+        for k in range(10):
+            await frame(k, idle_jpeg, bytes(1280))
+        await ws.send(json.dumps({"type": "speaking", "frame": 10, "pts": 0.4}))
+        for k in range(10, 60):
+            await frame(k, speaking_jpeg, b"\x01\x02" * 640)
+        await asyncio.wait_for(cleared.wait(), 10)
+        await ws.send(json.dumps({"type": "idle", "frame": 60, "pts": 2.4}))
+        for k in range(60, 80):
+            await frame(k, idle_jpeg, bytes(1280))
+        await asyncio.wait_for(ended.wait(), 10)
+        await ws.send(json.dumps({"type": "end", "stats": {"frames": 80}}))
+        await ws.close(1000, "end")
+        reader.cancel()
+
+    async def go():
+        server, url, _ = await scripted(script)
+        async with server, AsyncClient(url) as c:
+            async with c.live("a") as live:
+                loop = asyncio.get_running_loop()
+                shown: list[tuple[float, object]] = []
+                marks: dict[str, float] = {}
+                async for x in live.paced():
+                    shown.append((loop.time(), x))
+                    if isinstance(x, LiveFrame) and x.speaking and x.index == 19:
+                        await live.clear()
+                        marks["clear"] = loop.time()
+                    if isinstance(x, LiveFrame) and x.index == 79:
+                        await live.end()
+                return shown, marks
+
+    shown, marks = asyncio.run(asyncio.wait_for(go(), 30))
+    frames = [(t, x) for t, x in shown if isinstance(x, LiveFrame)]
+    assert [x.index for _, x in frames] == list(range(80))
+    # The burst is shown one frame per 40 ms: frames 10-19 over 0.36 s.
+    t = {x.index: t for t, x in frames}
+    assert 0.30 < t[19] - t[10] < 0.45, t[19] - t[10]
+    assert [x.index for _, x in frames if x.speaking] == list(range(10, 20))
+    # What the clear dropped (20-59) is the last idle frame again, silent, at 40 ms a frame,
+    # then the server's idle frames.
+    filled = [x for _, x in frames if x.filled]
+    assert [x.index for x in filled] == list(range(20, 60))
+    assert all(x.rgb == frames[0][1].rgb and not any(x.audio) and not x.speaking for x in filled)
+    assert 1.45 < t[59] - t[20] < 1.7, t[59] - t[20]
+    assert t[20] - marks["clear"] < 0.06
+    assert all(not x.filled for _, x in frames if x.index >= 60)
+    events = [x.type for _, x in shown if isinstance(x, LiveEvent)]
+    assert events == ["ready", "idle", "speaking", "idle", "end"], events

@@ -67,7 +67,8 @@ class LipsyncVideoService(AIService):
             server that cannot draw that fast refuses the session, `over_capacity`).
 
     Frames in: `TTSAudioRawFrame` (any rate, mono or stereo: resampled to the session's
-    16 kHz mono and not passed on), `TTSStartedFrame` (passed on), `TTSStoppedFrame` (passed
+    16 kHz mono and not passed on; passed on when the session could not be opened, which is
+    reported upstream as an `ErrorFrame`), `TTSStartedFrame` (passed on), `TTSStoppedFrame` (passed
     on after the utterance's last frame), `InterruptionFrame` (the session is cleared: the
     face idles within a frame or two; passed on). `StartFrame` opens the session, `EndFrame`
     lets it show what was sent and closes it, `CancelFrame` closes it at once. TTFB metrics:
@@ -186,7 +187,10 @@ class LipsyncVideoService(AIService):
         elif direction != FrameDirection.DOWNSTREAM:
             await self.push_frame(frame, direction)
         elif isinstance(frame, TTSAudioRawFrame):
-            await self._send_speech(frame)
+            if self._pacer is None:
+                await self.push_frame(frame, direction)  # no session: the bot still speaks
+            else:
+                await self._send_speech(frame)
         elif isinstance(frame, TTSStartedFrame):
             self._context_id = frame.context_id
             await self.push_frame(frame, direction)
