@@ -58,9 +58,54 @@ struct State {
     instances: usize,
     lanes: HashMap<RequestId, Lane>,
     shutdown: bool,
+    /// How long a batch of one frame has been taking, as run (a moving average): live frames
+    /// that cannot be done by their deadline in that time are not run (see
+    /// [`State::next_alone`]).
+    one_frame: Option<Duration>,
+}
+
+thread_local! {
+    /// When this thread (a model instance) was handed a batch of one frame, and by which
+    /// scheduler: it comes back for the next batch once it has run it.
+    static HANDED_ONE: std::cell::Cell<Option<(usize, Instant)>> =
+        const { std::cell::Cell::new(None) };
 }
 
 impl State {
+    /// A batch of one frame took `took` to run.
+    fn ran_one(&mut self, took: Duration) {
+        self.one_frame = Some(match self.one_frame {
+            Some(avg) => avg.mul_f64(0.7) + took.mul_f64(0.3),
+            None => took,
+        });
+    }
+
+    /// The live frame to run alone (a batch of one): the one with the earliest deadline that
+    /// a batch of one frame, at the time it has been taking, can still finish by it. Those
+    /// before it leave the queue unrun: their sessions will hold them anyway, and running
+    /// them would only make the frames behind them late too (when sessions ask for more faces
+    /// than the engine draws, every frame would then miss, one after the other). Their lanes
+    /// stay until their sessions drop them. A frame due by the time it was submitted (a
+    /// session's idle face) wants its face as soon as possible, and is never dropped.
+    fn next_alone(&mut self, now: Instant) -> Vec<(RequestId, FrameWork)> {
+        let mut dropped = 0;
+        let batch = loop {
+            let due = self.batcher.earliest_deadline();
+            let batch = self.batcher.next_batch_filled(1, usize::MAX);
+            let (Some((id, _)), Some(due), Some(one)) = (batch.first(), due, self.one_frame) else {
+                break batch;
+            };
+            let due = self.epoch + Duration::from_micros(due);
+            let asap = self.lanes.get(id).is_some_and(|l| due <= l.admitted);
+            if asap || due >= now + one {
+                break batch;
+            }
+            dropped += 1;
+        };
+        m::dropped_frames(dropped);
+        batch
+    }
+
     /// Publishes the queue's size: frames, and per class the seconds of model work they
     /// stand for at the measured batch cost ([`super::pool::BatchCost::queue_seconds`]; 0
     /// while no cost is measured). Called whenever the queue changes.
@@ -135,6 +180,7 @@ impl Scheduler {
                 instances: instances.max(1),
                 lanes: HashMap::new(),
                 shutdown: false,
+                one_frame: None,
             }),
             work: Condvar::new(),
             fill_wait,
@@ -255,6 +301,10 @@ impl Scheduler {
 
     fn try_batch_within(&self, limit: usize) -> Option<Vec<BatchItem>> {
         let mut s = self.lock();
+        let me = self as *const Scheduler as usize;
+        if let Some((_, handed)) = HANDED_ONE.take().filter(|(by, _)| *by == me) {
+            s.ran_one(handed.elapsed());
+        }
         loop {
             if s.shutdown {
                 return None;
@@ -303,9 +353,20 @@ impl Scheduler {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
+        // Only real-time frames, where a batch's fixed cost is below one frame's (a CPU): each
+        // frame runs alone, earliest deadline first, and those that cannot be in time any
+        // more are not run. A batch's faces all come when the whole batch is done, so a batch
+        // of n holds its earliest frame back by n − 1 frames' time: when the sessions ask for
+        // more faces than the engine draws, the queue grows and the frames of such batches
+        // miss together.
         let now = Instant::now();
-        let background_up_to = s.background_up_to(now);
-        let batch = s.batcher.next_batch_filled(limit, background_up_to);
+        let alone = matches!(s.cost, Some(c) if c.fixed < c.per_frame);
+        let batch = if alone && s.batcher.realtime_only() {
+            s.next_alone(now)
+        } else {
+            let background_up_to = s.background_up_to(now);
+            s.batcher.next_batch_filled(limit, background_up_to)
+        };
         let mut items = Vec::with_capacity(batch.len());
         for (request, work) in batch {
             let Some(lane) = s.lanes.get_mut(&request) else {
@@ -324,6 +385,9 @@ impl Scheduler {
             });
         }
         s.publish_queue();
+        if items.len() == 1 {
+            HANDED_ONE.set(Some((me, Instant::now())));
+        }
         Some(items)
     }
 
@@ -484,6 +548,41 @@ mod tests {
         let t = Instant::now();
         assert_eq!(s.next_batch().unwrap().len(), 1);
         assert!(t.elapsed() < Duration::from_millis(50));
+    }
+
+    #[test]
+    fn on_a_cpu_live_frames_run_alone_and_those_that_cannot_be_in_time_do_not_run() {
+        let s = Scheduler::new(limits(), Duration::ZERO, 1);
+        // All of a batch's cost is per frame (a CPU): batching saves nothing.
+        s.set_batch_cost(crate::engine::pool::BatchCost {
+            fixed: 0.0,
+            per_frame: 0.05,
+        });
+        let live =
+            |due: Instant| s.admit_realtime(frames(1).into_iter().map(|f| (f, due)).collect());
+        let ids = |b: Vec<BatchItem>| b.iter().map(|i| i.request).collect::<Vec<_>>();
+        let t0 = Instant::now();
+        let (a, _ra) = live(t0 + Duration::from_secs(5));
+        let (b, _rb) = live(t0 + Duration::from_secs(3));
+        let (c, _rc) = live(t0 + Duration::from_secs(8));
+        // One frame at a time, earliest deadline first (nothing dropped before a batch of one
+        // has been timed).
+        assert_eq!(ids(s.next_batch().unwrap()), vec![b]);
+        // That frame takes this instance (this thread) 300 ms to run.
+        std::thread::sleep(Duration::from_millis(300));
+        // A frame due in 100 ms cannot be done in time, one wanted as soon as possible (due
+        // when submitted: an idle face) always runs, and goes first.
+        let (d, _rd) = live(Instant::now() + Duration::from_millis(100));
+        let (e, _re) = live(Instant::now());
+        assert_eq!(ids(s.next_batch().unwrap()), vec![e]);
+        // d is not run (its session will hold it): a comes next, then c.
+        assert_eq!(ids(s.next_batch().unwrap()), vec![a]);
+        assert_eq!(ids(s.next_batch().unwrap()), vec![c]);
+        assert_eq!(s.queued(), 0);
+        // d's lane stays until its session drops it.
+        assert_eq!(s.requests(), 5);
+        s.cancel(d);
+        assert_eq!(s.requests(), 4);
     }
 
     #[test]
