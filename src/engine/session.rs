@@ -15,12 +15,12 @@
 //!   the engine can give the session ([`SessionConfig::draw_fps`]) and adapts to what happens,
 //!   additive increase and multiplicative decrease, so that sessions sharing the engine
 //!   converge to equal rates: each face in time adds about one face per second per second, a
-//!   face that misses its frame takes 30 % off (at most once per `lag`). The rate stays
-//!   between one face per second and every frame, so the mouth keeps moving while the engine
-//!   can draw anything at all. Frames whose due
-//!   time has passed before their audio is complete are held without being drawn, and a
-//!   drawn frame that is held drops its queued work, so an overloaded engine does not keep
-//!   drawing faces nobody will see.
+//!   face that misses its frame, in any session, takes 30 % off every session's rate (at most
+//!   once per `lag`). The rate stays between one face per second and every frame, so the
+//!   mouth keeps moving while the engine can draw anything at all. Frames whose due time has
+//!   passed before their audio is complete are held without being drawn, and a drawn frame
+//!   that is held drops its queued work, so an overloaded engine does not keep drawing faces
+//!   nobody will see.
 //! - **Utterances.** Audio that arrives while idle starts an utterance at the next frame
 //!   boundary (`ceil((arrival − start) · fps)`, or the next frame not yet sent). It ends at
 //!   `end`, at `clear` (dropped), or after `utterance_gap` without audio. Its frames follow the
@@ -448,6 +448,10 @@ impl Utterance {
     }
 }
 
+/// Faces that missed their frame, in all the live sessions of this process (they share its
+/// engine): a miss in one session slows them all down (see [`Stride::others_missed`]).
+static LIVE_MISSES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// How fast a session draws (see the module documentation): a rate in faces per second,
 /// additive increase, multiplicative decrease, so that sessions sharing an engine converge
 /// to equal rates whatever rate each started from.
@@ -457,6 +461,8 @@ struct Stride {
     rate: f64,
     fps: f64,
     last_missed: Option<Instant>,
+    /// [`LIVE_MISSES`] when this session last looked.
+    misses_seen: u64,
 }
 
 impl Stride {
@@ -471,6 +477,7 @@ impl Stride {
             rate: draw_fps.unwrap_or(fps).clamp(1.0, fps),
             fps,
             last_missed: None,
+            misses_seen: LIVE_MISSES.load(std::sync::atomic::Ordering::Relaxed),
         }
     }
 
@@ -496,6 +503,26 @@ impl Stride {
         }
         self.rate = (self.rate * Self::BACK_OFF).max(1.0);
         self.last_missed = Some(now);
+    }
+
+    /// A drawn frame of this session missed its time: slower ([`Self::missed`]), and the
+    /// other sessions are told ([`Self::others_missed`]).
+    fn own_miss(&mut self, now: Instant, lag: Duration) {
+        self.misses_seen = LIVE_MISSES.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        self.missed(now, lag);
+    }
+
+    /// Slower when another session's face missed its frame since this one last looked. A
+    /// session's frames only wait behind the other sessions' (its own are a stride apart), so
+    /// the sessions that draw least would see most of the misses: backing off alone, they would
+    /// slow down further while the others speed up. Backing off together, every session loses
+    /// the same share of its rate and gains the same faces per second, so their rates converge.
+    fn others_missed(&mut self, now: Instant, lag: Duration) {
+        let n = LIVE_MISSES.load(std::sync::atomic::Ordering::Relaxed);
+        if n != self.misses_seen {
+            self.misses_seen = n;
+            self.missed(now, lag);
+        }
     }
 }
 
@@ -773,6 +800,7 @@ impl<'a> Session<'a> {
     fn plan(&mut self) -> Result<(), Error> {
         let step = mel::MEL_FPS / self.fps();
         let now = Instant::now();
+        self.stride.others_missed(now, self.cfg.lag);
         for i in 0..self.utts.len() {
             let u = &self.utts[i];
             let (total, plan) = if u.closed {
@@ -925,7 +953,7 @@ impl<'a> Session<'a> {
                     break;
                 }
                 if drawing {
-                    self.stride.missed(now, self.cfg.lag);
+                    self.stride.own_miss(now, self.cfg.lag);
                 }
             }
             if j == 0 || self.shown != Some(Activity::Speaking) {
@@ -1075,6 +1103,37 @@ mod tests {
             assert!(start + WINDOW <= final_columns(n) || n == x.len());
             assert_eq!(mel_window(&x[..n], start), want, "frame {j}");
         }
+    }
+
+    #[test]
+    fn a_miss_in_one_session_slows_every_session_and_they_converge() {
+        let lag = Duration::from_millis(500);
+        let t = Instant::now();
+        let mut a = Stride::new(25.0, Some(8.0));
+        let mut b = Stride::new(25.0, Some(2.0));
+        b.others_missed(t, lag);
+        assert_eq!(b.rate, 2.0, "no miss yet");
+        // a misses: both lose 30 % (b once, however many misses it learns of at once).
+        a.own_miss(t, lag);
+        a.own_miss(t, lag);
+        assert!((a.rate - 5.6).abs() < 1e-9, "{a:?}");
+        b.others_missed(t, lag);
+        b.others_missed(t, lag);
+        assert!((b.rate - 1.4).abs() < 1e-9, "{b:?}");
+        // Each second, each draws its rate's faces in time (about one face/s more for each),
+        // then a miss takes the same share off both: the gap between them shrinks.
+        let mut now = t;
+        for _ in 0..8 {
+            now += Duration::from_secs(1);
+            for s in [&mut a, &mut b] {
+                for _ in 0..s.rate.round() as usize {
+                    s.hit();
+                }
+            }
+            a.own_miss(now, lag);
+            b.others_missed(now, lag);
+        }
+        assert!(a.rate / b.rate < 1.3, "{a:?} {b:?}");
     }
 
     #[test]
