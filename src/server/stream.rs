@@ -111,10 +111,22 @@ impl Drop for Slot {
     }
 }
 
+/// The instances' batch cost as live sessions meet it: the warm-up's measurement, plus the
+/// stall a debug build's fault hook adds to every batch (`batch_delay_ms`, which tests use to
+/// slow the engine on purpose: the lag and the drawing rates must see that slower engine as
+/// they would a slower machine; release builds have no stall). `None` before it is measured.
+fn batch_cost(engine: &Engine) -> Option<crate::engine::pool::BatchCost> {
+    let mut cost = engine.status().batch_cost()?;
+    if let Some(stall) = crate::engine::faults::delay("batch_delay_ms") {
+        cost.fixed += stall.as_secs_f64();
+    }
+    Some(cost)
+}
+
 /// Frames per second the instances sustain at their largest batch (from the warm-up), if
 /// measured.
 fn capacity_fps(engine: &Engine) -> Option<f64> {
-    let cost = engine.status().batch_cost()?;
+    let cost = batch_cost(engine)?;
     let n = engine.scheduler().limits().max_batch as f64;
     let t = cost.fixed + cost.per_frame * n;
     (t > 0.0).then(|| engine.status().instances as f64 * n / t)
@@ -138,7 +150,7 @@ fn live_utilisation(app: &App) -> f64 {
 /// warm-up's measured batch cost, times [`live_utilisation`]; unbounded before a cost is
 /// measured.
 fn live_capacity_fps(app: &App, engine: &Engine, sessions: usize) -> f64 {
-    let Some(cost) = engine.status().batch_cost() else {
+    let Some(cost) = batch_cost(engine) else {
         return f64::INFINITY;
     };
     let b = sessions.clamp(1, engine.scheduler().limits().max_batch.max(1)) as f64;
@@ -547,7 +559,7 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
         fps: opened.fps,
         audio: opened.audio,
         utterance_gap: Duration::from_millis(app.args.utterance_gap_ms),
-        lag: session_lag(engine, opened.fps),
+        lag: session_lag(&app, engine, opened.fps),
         max_undrawn_seconds: app.args.media.max_audio_seconds,
         loop_mode: opened.loop_mode,
         draw_fps: Some(draw_fps),
@@ -647,11 +659,14 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
 }
 
 /// How far behind the audio the video runs: the 212.5 ms the model needs, one frame, and one
-/// batch at the warm-up's measured cost.
-fn session_lag(engine: &Engine, fps: Fps) -> Duration {
-    let batch = engine.status().batch_cost().map_or(0.05, |c| {
+/// batch at the warm-up's measured cost as it runs beside the live sessions (divided by
+/// [`live_utilisation`]: on a CPU their compositing and encoding share its cores, and a batch
+/// takes about twice its warm-up time; a lag of the bare cost leaves a drawn face no time to
+/// come, so every frame would be held while the engine could draw some).
+fn session_lag(app: &App, engine: &Engine, fps: Fps) -> Duration {
+    let batch = batch_cost(engine).map_or(0.05, |c| {
         c.fixed + c.per_frame * engine.scheduler().limits().first_batch as f64
-    });
+    }) / live_utilisation(app);
     session::AUDIO_LOOKAHEAD + Duration::from_secs_f64(1.0 / fps.value() + batch)
 }
 
