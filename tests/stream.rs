@@ -133,12 +133,15 @@ async fn read_until(ws: &mut Ws, got: &mut Received, stop: impl Fn(&Received) ->
     }
 }
 
+/// The opening of a 25 fps session on 16 kHz s16le mono that takes any drawing rate
+/// (`min_draw_fps` 0): these tests are about the session, not admission, and a debug build on
+/// a busy CPU draws far below the default 5 faces/s.
 fn opening(avatar: &str, output: &str) -> Message {
     Message::Text(
         serde_json::json!({
             "avatar_id": avatar, "fps": 25,
             "audio": {"format": "s16le", "sample_rate": 16000, "channels": 1},
-            "output": output,
+            "output": output, "min_draw_fps": 0,
         })
         .to_string()
         .into(),
@@ -152,6 +155,16 @@ async fn open_session(s: &Server, avatar: &str) -> (Ws, Received) {
     read_until(&mut ws, &mut got, |g| !g.texts.is_empty()).await;
     assert_eq!(got.texts[0]["type"], "ready", "{:?}", got.texts);
     (ws, got)
+}
+
+/// Speaking frames of an utterance of `samples` 16 kHz samples at 25 fps, as a file's video
+/// has: the frames that cover all of its audio (the model draws the file rule's; those past
+/// its last one hold its face).
+fn utterance_frames(samples: &[f32]) -> u64 {
+    let mel = lipsync::media::audio::mel_spectrogram(samples);
+    let plan = lipsync::media::audio::FramePlan::new(mel.frames(), "25".parse().unwrap()).unwrap();
+    let covering = (samples.len() as f64 / 16_000.0 * 25.0).ceil() as usize;
+    covering.max(plan.len()) as u64
 }
 
 /// Sends `pcm` in 40 ms messages, paced in real time, split at odd byte offsets (samples cut
@@ -249,6 +262,15 @@ async fn bad_openings_get_an_error_and_a_close_code() {
             1008,
             "bad_fps",
         ),
+        (
+            Message::Text(
+                serde_json::json!({"avatar_id": avatar, "min_draw_fps": -1})
+                    .to_string()
+                    .into(),
+            ),
+            1008,
+            "bad_min_draw_fps",
+        ),
         (opening("0123456789abcdef", "jpeg"), 4404, "avatar_not_found"),
     ];
     for (first, code, kind) in cases {
@@ -296,18 +318,34 @@ async fn a_session_idles_speaks_the_file_plan_and_ends() {
     let idle = got.events("idle");
     assert_eq!(speaking.len(), 1, "{:?}", got.texts);
     assert_eq!(idle.len(), 2, "{:?}", got.texts);
-    // The utterance draws exactly the frames of the file rule for this audio.
+    // The utterance has the frames that cover its audio (one second: 25), drawn or held.
     let (samples, _) = speech_pcm();
-    let mel = lipsync::media::audio::mel_spectrogram(&samples);
-    let plan = lipsync::media::audio::FramePlan::new(mel.frames(), "25".parse().unwrap()).unwrap();
-    assert_eq!(idle[1] - speaking[0], plan.len() as u64, "{:?}", got.texts);
+    let n = utterance_frames(&samples);
+    assert_eq!(n, 25);
+    assert_eq!(idle[1] - speaking[0], n, "{:?}", got.texts);
     let end = got
         .texts
         .iter()
         .find(|t| t["type"] == "end")
         .expect("end message");
-    assert_eq!(end["stats"]["speaking_frames"], plan.len() as u64);
-    assert_eq!(end["stats"]["utterances"], 1);
+    let stats = &end["stats"];
+    assert_eq!(stats["speaking_frames"], n, "{end}");
+    assert_eq!(stats["utterances"], 1);
+    let (drawn, held) = (
+        stats["drawn_frames"].as_u64().unwrap(),
+        stats["held_frames"].as_u64().unwrap(),
+    );
+    assert!(drawn > 0, "{end}");
+    assert_eq!(drawn + held, n, "{end}");
+    // The closing `idle` counts the utterance's frames as the end message does.
+    let closing = got
+        .texts
+        .iter()
+        .filter(|t| t["type"] == "idle")
+        .nth(1)
+        .unwrap();
+    assert_eq!(closing["drawn_frames"], drawn, "{closing}");
+    assert_eq!(closing["held_frames"], held, "{closing}");
     assert!(end["stats"]["latency_ms_p50"].as_f64().unwrap() > 212.0);
     assert_eq!(got.close.as_ref().map(|c| c.0), Some(1000));
     // Events precede their frames: `end` is the last text.
@@ -422,7 +460,11 @@ fn test_engine() -> (lipsync::engine::Engine, lipsync::config::MediaArgs) {
     (engine, args.media)
 }
 
-/// A session on 16 kHz s16le mono that only `end` closes (a long utterance gap).
+/// A session on 16 kHz s16le mono that only `end` closes (a long utterance gap), drawing
+/// every frame, with a lag long enough that every face the model draws comes in time on a busy
+/// CPU: a frame whose face has not come by its due time is held (the last face again), and
+/// these tests compare every drawn face with the file path's. (A drawn frame goes out as soon
+/// as its face comes; only the held ones, past the model's last frame, wait for their time.)
 fn session_config(
     fps: lipsync::media::audio::Fps,
     loop_mode: lipsync::engine::Loop,
@@ -432,7 +474,7 @@ fn session_config(
         fps,
         audio: AudioFormat::new(SampleFormat::S16le, 16_000, 1).unwrap(),
         utterance_gap: Duration::from_secs(30),
-        lag: Duration::from_millis(300),
+        lag: Duration::from_secs(20),
         max_undrawn_seconds: 60.0,
         loop_mode,
         draw_fps: None,
@@ -529,10 +571,24 @@ fn a_session_draws_the_file_paths_frames() {
     let stats = Session::new(&engine, avatar.clone(), &face, scfg, start)
         .run(&rx, &mut sink)
         .unwrap();
-    let drawn: Vec<&Vec<u8>> = sink.0.iter().filter(|f| !f.2).map(|f| &f.1).collect();
-    assert_eq!(stats.speaking_frames as usize, want.len());
-    assert_eq!(drawn.len(), want.len());
-    for (j, (got, want)) in drawn.iter().zip(&want).enumerate() {
+    // The utterance covers its second of audio: the model's 22 frames, all drawn, then 3
+    // held frames that show its last face again.
+    let speaking: Vec<&Vec<u8>> = sink.0.iter().filter(|f| !f.2).map(|f| &f.1).collect();
+    assert_eq!(want.len(), 22);
+    assert_eq!(stats.speaking_frames, 25, "{stats:?}");
+    assert_eq!(speaking.len(), 25);
+    assert_eq!(
+        (stats.drawn_frames, stats.held_frames),
+        (22, 3),
+        "{stats:?}"
+    );
+    for (j, held) in speaking.iter().enumerate().skip(want.len()) {
+        assert!(
+            *held == speaking[want.len() - 1],
+            "frame {j} is not the last face"
+        );
+    }
+    for (j, (got, want)) in speaking.iter().zip(&want).enumerate() {
         // The model inputs are equal (checked above); batches of other sizes may round a
         // value of the CPU pass to the other side of a u8 step, never more.
         let n = got.iter().zip(want.iter()).filter(|(a, b)| a != b).count();
@@ -681,7 +737,7 @@ async fn the_reference_client_streams_a_file_and_reports_latency() {
     );
     let v: serde_json::Value = serde_json::from_slice(&done.stdout).unwrap();
     assert_eq!(v["close"], 1000);
-    assert_eq!(v["speaking_frames"], 22, "{v}");
+    assert_eq!(v["speaking_frames"], 25, "{v}");
     assert!(v["latency_ms"]["p50"].as_f64().unwrap() > 0.0, "{v}");
     let bytes = std::fs::read(&mp4).unwrap();
     assert_eq!(&bytes[4..8], b"ftyp");
@@ -704,20 +760,121 @@ fn media_path(name: &str) -> String {
     format!("{}/tests/media/{name}", env!("CARGO_MANIFEST_DIR"))
 }
 
+/// Opens a session with this opening and reads its first message (`ready` or an error),
+/// and, after an error, up to the close.
+async fn try_open(s: &Server, opening: serde_json::Value) -> (Ws, Received) {
+    let mut ws = connect_with(s, "", &[]).await.unwrap();
+    ws.send(Message::Text(opening.to_string().into()))
+        .await
+        .unwrap();
+    let mut got = Received::default();
+    read_until(&mut ws, &mut got, |g| !g.texts.is_empty()).await;
+    if got.texts[0]["type"] == "error" {
+        read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
+    }
+    (ws, got)
+}
+
+/// `/info`'s `sessions.draw_fps`: what one more session would be offered.
+async fn offered_draw_fps(s: &Server) -> f64 {
+    let v: serde_json::Value = reqwest::get(s.url("/info"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["sessions"]["draw_fps"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no sessions.draw_fps: {v}"))
+}
+
+/// Admission by drawing rate: a session is offered its max-min fair share of the engine's
+/// faces beside the open sessions (what `/info` says), and refused after its opening when
+/// that is below its `min_draw_fps` (default 5): `over_capacity` with the rate it could get,
+/// close 1013. The engine is slowed on purpose (every batch stalls 100 ms), so it offers
+/// fewer than 4.5 faces/s on any machine.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_session_beyond_the_engines_capacity_is_refused_but_one_is_always_admitted() {
-    // The CPU draws a few frames per second: one 25 fps session is admitted anyway (its
-    // frames will be late), a second is over the capacity left.
-    let s = Server::start(&["--max-sessions", "5"]);
+async fn a_session_is_refused_below_its_min_draw_fps_beside_the_open_ones() {
+    let s = Server::start_with(
+        &common::checkpoint("zip_bare.pt").display().to_string(),
+        &["--max-sessions", "5"],
+        &[("LIPSYNC_TEST_FAULTS", "batch_delay_ms:100")],
+    );
     s.wait_ready().await;
     let avatar = upload_avatar(&s).await;
-    let (_first, _) = open_session(&s, &avatar).await;
-    let mut ws = connect_with(&s, "", &[]).await.unwrap();
-    ws.send(opening(&avatar, "jpeg")).await.unwrap();
-    let mut got = Received::default();
-    read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
-    assert_eq!(got.texts[0]["error_type"], "overloaded", "{:?}", got.texts);
-    assert_eq!(got.close.map(|c| c.0), Some(1013));
+    let open = |min_draw_fps: Option<f64>| {
+        let mut o = serde_json::json!({"avatar_id": avatar, "fps": 25, "output": "jpeg"});
+        if let Some(m) = min_draw_fps {
+            o["min_draw_fps"] = m.into();
+        }
+        o
+    };
+    let refused = |got: &Received| -> f64 {
+        let e = &got.texts[0];
+        assert_eq!(e["type"], "error", "{:?}", got.texts);
+        assert_eq!(e["error_type"], "over_capacity", "{e}");
+        assert!(e["error"].as_str().unwrap().contains("min_draw_fps"), "{e}");
+        assert_eq!(got.texts.len(), 1, "{:?}", got.texts);
+        assert_eq!(
+            got.close.as_ref().map(|c| (c.0, c.1.as_str())),
+            Some((1013, "over_capacity"))
+        );
+        e["draw_fps"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no draw_fps: {e}"))
+    };
+    let alone = offered_draw_fps(&s).await;
+    assert!(alone > 0.0 && alone < 4.5, "{alone}");
+
+    // Asking for more than the engine offers: refused, told the rate it could get.
+    let (_, got) = try_open(&s, open(Some(alone + 1.0))).await;
+    assert_eq!(refused(&got), alone);
+    // The default least rate (5 faces/s) is more than this engine draws.
+    let (_, got) = try_open(&s, open(None)).await;
+    assert_eq!(refused(&got), alone);
+    // Refused sessions hold nothing: still the whole engine on offer.
+    assert_eq!(offered_draw_fps(&s).await, alone);
+
+    // A session that takes any rate is admitted, and promised what was offered.
+    let (mut first, got) = try_open(&s, open(Some(0.0))).await;
+    assert_eq!(got.texts[0]["type"], "ready", "{:?}", got.texts);
+    assert_eq!(got.texts[0]["draw_fps"], alone, "{:?}", got.texts);
+    // Beside it a new session gets a share of what is left (half, the engine's cost being
+    // all per frame on a CPU), and one that needs more than that share is refused.
+    let beside = offered_draw_fps(&s).await;
+    assert!(
+        beside > 0.0 && beside < alone,
+        "{beside} beside one, {alone} alone"
+    );
+    let between = (alone + beside) / 2.0;
+    let (_, got) = try_open(&s, open(Some(between))).await;
+    assert_eq!(refused(&got), beside);
+    // (a hair below the share offered, which /info rounds to a tenth)
+    let (mut second, got) = try_open(&s, open(Some((beside - 0.1).max(0.0)))).await;
+    assert_eq!(got.texts[0]["type"], "ready", "{:?}", got.texts);
+    assert_eq!(got.texts[0]["draw_fps"], beside, "{:?}", got.texts);
+
+    // Once the others have gone, the whole engine is on offer again.
+    for ws in [&mut first, &mut second] {
+        ws.send(Message::Close(None)).await.unwrap();
+    }
+    let deadline = Instant::now() + LIMIT;
+    while s.metric("lipsync_stream_sessions").await != 0.0 {
+        assert!(Instant::now() < deadline, "the sessions never closed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(offered_draw_fps(&s).await, alone);
+    let (_, got) = try_open(&s, open(Some(between))).await;
+    assert_eq!(got.texts[0]["type"], "ready", "{:?}", got.texts);
+
+    // A least rate that is no rate at all: a bad opening.
+    let (_, got) = try_open(&s, open(Some(-1.0))).await;
+    assert_eq!(
+        got.texts[0]["error_type"], "bad_min_draw_fps",
+        "{:?}",
+        got.texts
+    );
+    assert_eq!(got.close.as_ref().map(|c| c.0), Some(1008));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -743,7 +900,7 @@ async fn sigterm_lets_a_session_finish_its_utterance_then_closes_1001() {
     );
     let end = got.texts.iter().find(|t| t["type"] == "end").expect("end");
     assert_eq!(
-        end["stats"]["speaking_frames"], 22,
+        end["stats"]["speaking_frames"], 25,
         "the utterance was cut: {end}"
     );
     let mut s = s;
@@ -865,11 +1022,9 @@ async fn silence_longer_than_the_utterance_gap_splits_utterances_and_a_short_pau
     let idle = got.events("idle");
     assert_eq!(speaking.len(), 2, "{:?}", got.texts);
     assert_eq!(idle.len(), 3, "{:?}", got.texts);
-    // idle, speaking, idle, speaking, idle: each utterance is the file rule's frames for its
+    // idle, speaking, idle, speaking, idle: each utterance has the frames that cover its
     // audio (the second one's two halves joined: the pause adds nothing), idle between.
-    let mel = lipsync::media::audio::mel_spectrogram(&samples);
-    let plan = lipsync::media::audio::FramePlan::new(mel.frames(), "25".parse().unwrap()).unwrap();
-    let n = plan.len() as u64;
+    let n = utterance_frames(&samples);
     assert_eq!(idle[0], 0);
     assert_eq!(idle[1] - speaking[0], n, "{:?}", got.texts);
     assert_eq!(idle[2] - speaking[1], n, "{:?}", got.texts);
@@ -893,7 +1048,7 @@ async fn f32_stereo_48k_is_averaged_and_resampled() {
     let open = serde_json::json!({
         "avatar_id": avatar, "fps": "25/1", "loop": "repeat",
         "audio": {"format": "f32le", "sample_rate": 48000, "channels": 2},
-        "output": "jpeg",
+        "output": "jpeg", "min_draw_fps": 0,
     });
     ws.send(Message::Text(open.to_string().into()))
         .await
@@ -918,8 +1073,9 @@ async fn f32_stereo_48k_is_averaged_and_resampled() {
         .unwrap();
     read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
     let end = got.texts.iter().find(|t| t["type"] == "end").expect("end");
-    // 16000 samples at 16 kHz: 81 mel columns, the file rule's 22 frames.
-    assert_eq!(end["stats"]["speaking_frames"], 22, "{end}");
+    // 16000 samples at 16 kHz: the 25 frames of one second (the model draws the file rule's
+    // 22, for its 81 mel columns; the last 3 hold the last face).
+    assert_eq!(end["stats"]["speaking_frames"], 25, "{end}");
     assert_eq!(got.close.map(|c| c.0), Some(1000));
 }
 
@@ -942,7 +1098,9 @@ async fn a_video_avatar_idles_on_its_own_frames_and_speaks_on_them() {
     assert_eq!(v["kind"], "video");
     let id = v["id"].as_str().unwrap().to_string();
     let mut ws = connect_with(&s, "", &[]).await.unwrap();
-    let open = serde_json::json!({"avatar_id": id, "fps": 25, "loop": "repeat", "output": "jpeg"});
+    let open = serde_json::json!({
+        "avatar_id": id, "fps": 25, "loop": "repeat", "output": "jpeg", "min_draw_fps": 0,
+    });
     ws.send(Message::Text(open.to_string().into()))
         .await
         .unwrap();
@@ -960,7 +1118,7 @@ async fn a_video_avatar_idles_on_its_own_frames_and_speaks_on_them() {
         .unwrap();
     read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
     let end = got.texts.iter().find(|t| t["type"] == "end").expect("end");
-    assert_eq!(end["stats"]["speaking_frames"], 22, "{end}");
+    assert_eq!(end["stats"]["speaking_frames"], 25, "{end}");
     for (i, f) in got.frames.iter().enumerate() {
         assert_eq!(f.0 as usize, i);
     }
@@ -1078,16 +1236,27 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
     let speech = lipsync::media::audio::load(&media("arctic_a0007_1s.wav"), 60.0).unwrap();
     let planned = lipsync::engine::plan(&speech, fps, &avatar.crops(mode)).unwrap();
     let mut sub = engine.submit(planned.frames).unwrap();
+    let composite = |k: usize, face: &[u8]| {
+        let i = avatar.select(k, mode);
+        let mut f = avatar.background(i).unwrap().into_owned();
+        let b = avatar.face_at(i);
+        let mask = lipsync::media::face::BlendMask::new(avatar.blend, b.width(), b.height());
+        lipsync::media::face::paste(&mut f, &b, face, &mask);
+        f.rgb
+    };
     let mut want = Vec::new();
+    let mut last_face = Vec::new();
     while want.len() < sub.total() {
         if let Some(face) = sub.next_face(Duration::from_millis(100)).unwrap() {
-            let i = avatar.select(want.len(), mode);
-            let mut f = avatar.background(i).unwrap().into_owned();
-            let b = avatar.face_at(i);
-            let mask = lipsync::media::face::BlendMask::new(avatar.blend, b.width(), b.height());
-            lipsync::media::face::paste(&mut f, &b, &face, &mask);
-            want.push(f.rgb);
+            want.push(composite(want.len(), &face));
+            last_face = face;
         }
+    }
+    // The frames past the model's last one, to the end of the audio's second: its last face
+    // on the clip frames they show.
+    assert_eq!(want.len(), 22);
+    for k in want.len()..25 {
+        want.push(composite(k, &last_face));
     }
 
     struct Collect(Vec<Vec<u8>>, Vec<Activity>);
@@ -1121,6 +1290,11 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
         .unwrap();
     assert_eq!(sink.1[0], Activity::Speaking, "speech starts at frame 0");
     assert_eq!(stats.speaking_frames as usize, want.len());
+    assert_eq!(
+        (stats.drawn_frames, stats.held_frames),
+        (22, 3),
+        "{stats:?}"
+    );
     for (j, (got, want)) in sink.0.iter().zip(&want).enumerate() {
         // As for the photo: batches of other sizes may round a value by one u8 step.
         let n = got.iter().zip(want.iter()).filter(|(a, b)| a != b).count();
