@@ -105,6 +105,12 @@ def test_live_mode_shows_speaking_frames_from_the_microphone(live_page: Page):
     ready = live(p, "L.ready")
     assert (ready["width"], ready["height"], ready["fps"]) == (512, 512, 25), ready
     assert ready["mime"].startswith('video/mp4; codecs="avc1.'), ready
+    # The faces per second the server expects to draw: said on the status line when it is
+    # fewer than the frame rate (the other speaking frames show the last face again).
+    draw_fps = ready["draw_fps"]
+    assert draw_fps > 0, ready
+    drawing = f", drawing about {draw_fps:g} faces/s" if draw_fps < 25 else ""
+    assert p.text("#live-status") == f"live: 512×512 at 25 fps{drawing}; speak", (p.text("#live-status"), ready)
     # Idle first, then the fake microphone's speech opens the voice gate: speaking frames shown.
     p.wait(f"() => {LIVE}.speakingShown >= 10", 90_000)
     p.wait("() => document.getElementById('live-latency').textContent.includes('on screen after')")
@@ -114,7 +120,12 @@ def test_live_mode_shows_speaking_frames_from_the_microphone(live_page: Page):
     assert re.fullmatch(r"(speaking|idle) \(on screen: (speaking|idle)\)", p.text("#live-activity")), p.text("#live-activity")
     m = re.match(r"received after (\d+) ms, on screen after (\d+) ms \(utterance \d+\)", p.text("#live-latency"))
     assert m and 0 < int(m.group(1)) <= int(m.group(2)) < 30_000, p.text("#live-latency")
-    assert re.match(r"\d+ received, \d+ speaking frames shown", p.text("#live-frames")), p.text("#live-frames")
+    # Speaking frames come back within 2 s of the utterance's first audio reaching the server
+    # (on this page: sent by it; the fragment holding the utterance's first frame received).
+    assert int(m.group(1)) <= 2_000, p.text("#live-latency")
+    # The speaking frames drawn and held so far, as the server counted them at its last event.
+    m = re.fullmatch(r"(\d+) received, \d+ speaking frames shown; (\d+) drawn, (\d+) held \(server\)", p.text("#live-frames"))
+    assert m and int(m.group(2)) + int(m.group(3)) <= int(m.group(1)), p.text("#live-frames")
     # The speaking frames are the model's mouths, not the idle face: the mouth changes while
     # speaking, far more than the idle face's frames differ from one another (encoding noise).
     mouth = p.page.evaluate("window.mouth")
@@ -145,6 +156,11 @@ def test_live_mode_shows_speaking_frames_from_the_microphone(live_page: Page):
     assert p.text("#live-status") == "ended", p.text("#live-status")
     stats = live(p, "L.endStats")
     assert stats["speaking_frames"] >= 10 and stats["idle_frames"] > 0, stats
+    # Every speaking frame drawn or held (the last face again), and faces drawn; the page
+    # shows the end's counts.
+    assert stats["drawn_frames"] + stats["held_frames"] == stats["speaking_frames"], stats
+    assert stats["drawn_frames"] > 0, stats
+    assert p.text("#live-frames").endswith(f"; {stats['drawn_frames']} drawn, {stats['held_frames']} held (server)"), p.text("#live-frames")
     assert stats["utterances"] >= 1 and stats["interrupted"] >= 1, stats
     assert stats["latency_ms_p50"] > 0, stats
     # Every frame the server counted came through as a fragment.
