@@ -11,7 +11,8 @@ frames, the server's latency p50/p95: chunk arrival -> the frame holding its fir
 sent, after encoding for fmp4), and with `--output jpeg` what arrived here: frames against the
 frames due from the first frame to the close (none missing, none extra), indices contiguous,
 the speech's audio complete in the frames, and drawn frames against the promise
-(drawn / (draw_fps x speaking seconds)). Needs the `websockets` package (the client venv
+(drawn / (draw_fps x speaking seconds); the sessions that opened first were promised more, and
+give way as the others open, so the level's share, the last one's promise, is shown too). Needs the `websockets` package (the client venv
 `target/clients-venv` has it). Markdown rows go to stdout.
 """
 
@@ -110,19 +111,20 @@ def audio_check(s, speech):
     return f"complete, max diff {max((abs(a - b) for a, b in zip(want, have)), default=0)}"
 
 
-def row(label, s, speech, fps):
+def row(label, s, speech, fps, level_share):
     if s["error"]:
         e = s["error"]
         return (f"| {label} | refused: {e.get('error_type')}, could get {e.get('draw_fps')} "
-                f"(close {s.get('closed_with')}) |" + " |" * 8)
+                f"(close {s.get('closed_with')}) |" + " |" * 9)
     st = s["end"] or {}
     promised = s["ready"].get("draw_fps")
     speaking_s = st.get("speaking_frames", 0) / fps
     drawn = st.get("drawn_frames", 0)
     share = drawn / (promised * speaking_s) if promised and speaking_s else float("nan")
     frames = s["frames"]
+    fair = drawn / (level_share * speaking_s) if level_share and speaking_s else float("nan")
     cells = [label, f"{promised}", f"{drawn}", f"{st.get('held_frames')}",
-             f"{share:.0%}", f"{st.get('latency_ms_p50') or 0:.0f}", f"{st.get('latency_ms_p95') or 0:.0f}",
+             f"{share:.0%}", f"{fair:.0%}", f"{st.get('latency_ms_p50') or 0:.0f}", f"{st.get('latency_ms_p95') or 0:.0f}",
              f"{st.get('max_lateness_ms', 0):.0f}"]
     if frames and frames[0][0] is not None:
         idx = [f[0] for f in frames]
@@ -158,16 +160,20 @@ def main():
     avatar = upload(args.url, args.image)
     print(f"Speech {len(pcm) / 2 / rate:.2f} s at {rate} Hz, {args.fps:g} fps, output {args.output}"
           f"{'' if args.min_draw_fps is None else f', min_draw_fps {args.min_draw_fps:g}'}\n")
-    print("| sessions: session | draw_fps promised | drawn | held | drawn / promised | latency p50 ms | "
-          "p95 ms | most late ms | frames / due | speech in the frames' audio |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| sessions: session | draw_fps promised | drawn | held | drawn / promised | drawn / level's share | "
+          "latency p50 ms | p95 ms | most late ms | frames / due | speech in the frames' audio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     results = {}
     for n in [int(x) for x in args.sessions.split(",")]:
         out = asyncio.run(level(args, avatar, pcm, rate, n))
         results[n] = [{k: v for k, v in s.items() if k != "frames"} | {"frame_count": len(s["frames"])}
                       for s in out]
+        # The level's fair share: what the last session to open was promised (the earlier ones
+        # were promised more, alone, and gave way as the others opened).
+        promised = [s["ready"]["draw_fps"] for s in out if s["ready"] and s["ready"].get("draw_fps")]
+        level_share = min(promised) if promised else None
         for i, s in enumerate(out):
-            print(row(f"{n}: {i + 1}", s, speech, args.fps), flush=True)
+            print(row(f"{n}: {i + 1}", s, speech, args.fps, level_share), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -111,6 +111,10 @@ struct LiveArgs {
     /// Stop after the first level where the server refused a session (the most it takes).
     #[arg(long)]
     stop_when_refused: bool,
+    /// `min_draw_fps` in each opening (the least drawing rate a session accepts; the server's
+    /// default, 5, when not given). A session refused for it (`over_capacity`) counts as refused.
+    #[arg(long)]
+    min_draw_fps: Option<f64>,
 }
 
 type Res<T> = Result<T, String>;
@@ -369,6 +373,7 @@ async fn one_session(
     speech: Arc<Vec<i16>>,
     delay: Duration,
     lead_in: f64,
+    min_draw_fps: Option<f64>,
 ) -> Session {
     tokio::time::sleep(delay).await;
     let mut s = Session::default();
@@ -393,11 +398,14 @@ async fn one_session(
         }
     };
     let (mut tx, mut rx) = ws.split();
-    let opening = serde_json::json!({
+    let mut opening = serde_json::json!({
         "avatar_id": avatar, "fps": fps,
         "audio": {"format": "s16le", "sample_rate": 16000, "channels": 1},
         "output": "fmp4",
     });
+    if let Some(m) = min_draw_fps {
+        opening["min_draw_fps"] = serde_json::json!(m);
+    }
     if let Err(e) = tx.send(Message::Text(opening.to_string().into())).await {
         s.error = Some(e.to_string());
         return s;
@@ -452,6 +460,7 @@ async fn one_session(
         }
     };
     if let Some(err) = texts.iter().find(|t| t["type"] == "error") {
+        s.refused = err["error_type"] == "over_capacity";
         s.error = Some(format!("the session failed: {}", err["error"]));
         return s;
     }
@@ -511,6 +520,7 @@ async fn live(a: LiveArgs) -> Res<()> {
                     pcm.clone(),
                     delay,
                     a.lead_in,
+                    a.min_draw_fps,
                 );
                 let limit = Duration::from_secs_f64(a.common.timeout);
                 tokio::spawn(async move {

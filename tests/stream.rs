@@ -478,6 +478,7 @@ fn session_config(
         max_undrawn_seconds: 60.0,
         loop_mode,
         draw_fps: None,
+        fair_share: None,
     }
 }
 
@@ -722,7 +723,14 @@ async fn the_reference_client_streams_a_file_and_reports_latency() {
             .args(["--image", media_path("astronaut.png").as_str()])
             .arg("--out")
             .arg(&mp4_arg)
-            .args(["--no-pace", "--lead-in", "0.2", "--json"])
+            .args([
+                "--no-pace",
+                "--lead-in",
+                "0.2",
+                "--min-draw-fps",
+                "0",
+                "--json",
+            ])
             .output()
             .unwrap()
     });

@@ -45,6 +45,10 @@ pub struct StreamArgs {
     /// Seconds of idle video to wait for before speaking.
     #[arg(long, default_value_t = 1.0)]
     pub lead_in: f64,
+    /// The least drawing rate (faces/s) to accept; the server refuses the session below it
+    /// (`over_capacity`) [server's default: 5].
+    #[arg(long)]
+    pub min_draw_fps: Option<f64>,
     /// API key (sent as `Authorization: Bearer`).
     #[arg(long, env = "LIPSYNC_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
@@ -174,11 +178,14 @@ async fn run(a: StreamArgs) -> Result<(), CliError> {
             e => fail(format!("cannot open the session: {e}")),
         })?;
     let (mut tx, mut rx) = ws.split();
-    let opening = serde_json::json!({
+    let mut opening = serde_json::json!({
         "avatar_id": avatar, "fps": a.fps,
         "audio": {"format": "s16le", "sample_rate": 16000, "channels": 1},
         "output": "fmp4",
     });
+    if let Some(m) = a.min_draw_fps {
+        opening["min_draw_fps"] = serde_json::json!(m);
+    }
     tx.send(Message::Text(opening.to_string().into()))
         .await
         .map_err(|e| fail(e.to_string()))?;

@@ -139,6 +139,32 @@ pub struct SessionConfig {
     /// Faces per second the engine is expected to draw for this session (the rest are held);
     /// `None` or anything at or above `fps`: draw every frame to begin with.
     pub draw_fps: Option<f64>,
+    /// The session's fair share of the engine as it changes while sessions open and close:
+    /// its drawing rate stays within [`FairShare::HEADROOM`] of it, so a session that opened
+    /// alone gives way when others join (`None`: no bound).
+    pub fair_share: Option<Arc<FairShare>>,
+}
+
+/// A drawing rate (faces per second) one side sets and a session reads, as it changes.
+#[derive(Debug)]
+pub struct FairShare(std::sync::atomic::AtomicU64);
+
+impl FairShare {
+    /// How far above its share a session may draw while the engine keeps up.
+    pub const HEADROOM: f64 = 1.25;
+
+    pub fn new(rate: f64) -> FairShare {
+        FairShare(std::sync::atomic::AtomicU64::new(rate.to_bits()))
+    }
+
+    pub fn set(&self, rate: f64) {
+        self.0
+            .store(rate.to_bits(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn get(&self) -> f64 {
+        f64::from_bits(self.0.load(std::sync::atomic::Ordering::Relaxed))
+    }
 }
 
 /// What the client sent.
@@ -463,6 +489,8 @@ struct Stride {
     last_missed: Option<Instant>,
     /// [`LIVE_MISSES`] when this session last looked.
     misses_seen: u64,
+    /// The fair share the rate stays within [`FairShare::HEADROOM`] of.
+    share: Option<Arc<FairShare>>,
 }
 
 impl Stride {
@@ -471,25 +499,35 @@ impl Stride {
     /// A missed face multiplies the rate by this.
     const BACK_OFF: f64 = 0.7;
 
-    fn new(fps: f64, draw_fps: Option<f64>) -> Stride {
+    fn new(fps: f64, draw_fps: Option<f64>, share: Option<Arc<FairShare>>) -> Stride {
         let fps = fps.max(1.0);
         Stride {
             rate: draw_fps.unwrap_or(fps).clamp(1.0, fps),
             fps,
             last_missed: None,
             misses_seen: LIVE_MISSES.load(std::sync::atomic::Ordering::Relaxed),
+            share,
+        }
+    }
+
+    /// The most the rate may be now: every frame, or within the headroom of the fair share.
+    fn ceiling(&self) -> f64 {
+        match &self.share {
+            Some(s) => (s.get() * FairShare::HEADROOM).clamp(1.0, self.fps),
+            None => self.fps,
         }
     }
 
     /// Frames from one drawn frame to the next.
-    fn value(&self) -> f64 {
+    fn value(&mut self) -> f64 {
+        self.rate = self.rate.min(self.ceiling());
         self.fps / self.rate
     }
 
     /// A face in time: about `GAIN_PER_SECOND` more faces/s per second at any rate (each of
     /// the `rate` faces a second adds its share).
     fn hit(&mut self) {
-        self.rate = (self.rate + Self::GAIN_PER_SECOND / self.rate).min(self.fps);
+        self.rate = (self.rate + Self::GAIN_PER_SECOND / self.rate).min(self.ceiling());
     }
 
     /// A drawn frame missed its time: slower, unless the last miss was less than `lag` ago
@@ -570,7 +608,7 @@ impl<'a> Session<'a> {
             face::paste(&mut idle_frame, &avatar.face, idle_face, &avatar.mask);
         }
         Session {
-            stride: Stride::new(cfg.fps.value(), cfg.draw_fps),
+            stride: Stride::new(cfg.fps.value(), cfg.draw_fps, cfg.fair_share.clone()),
             last_face: None,
             clip,
             masks: std::collections::HashMap::new(),
@@ -1109,8 +1147,8 @@ mod tests {
     fn a_miss_in_one_session_slows_every_session_and_they_converge() {
         let lag = Duration::from_millis(500);
         let t = Instant::now();
-        let mut a = Stride::new(25.0, Some(8.0));
-        let mut b = Stride::new(25.0, Some(2.0));
+        let mut a = Stride::new(25.0, Some(8.0), None);
+        let mut b = Stride::new(25.0, Some(2.0), None);
         b.others_missed(t, lag);
         assert_eq!(b.rate, 2.0, "no miss yet");
         // a misses: both lose 30 % (b once, however many misses it learns of at once).

@@ -22,7 +22,7 @@ use super::error::ApiError;
 use super::{avatars, constant_time_eq, App};
 use crate::engine::metrics as m;
 use crate::engine::session::{
-    self, Activity, AudioFormat, Input, OutFrame, SampleFormat, Session, SessionConfig,
+    self, Activity, AudioFormat, FairShare, Input, OutFrame, SampleFormat, Session, SessionConfig,
     SessionStats, Sink,
 };
 use crate::engine::{self, Avatar, Engine};
@@ -43,20 +43,47 @@ const OUT_QUEUE: usize = 64;
 /// JPEG quality of `jpeg` output.
 const JPEG_QUALITY: u8 = 85;
 
-/// The open sessions and their frame rates.
+/// An open session's frame rate (0 until its opening is accepted) and its fair share.
+struct Open {
+    fps: f64,
+    share: Arc<FairShare>,
+}
+
+/// The open sessions, their frame rates and fair shares.
 #[derive(Default)]
 pub struct Sessions {
-    open: Mutex<HashMap<u64, f64>>,
+    open: Mutex<HashMap<u64, Open>>,
+    /// The live capacity the last admission measured (what a close shares out again).
+    capacity: Mutex<Option<LiveCapacity>>,
     next: AtomicU64,
 }
 
 impl Sessions {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, f64>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Open>> {
         self.open.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub fn count(&self) -> usize {
         self.lock().len()
+    }
+
+    /// Frame rates of the sessions whose openings were accepted, but `except`.
+    fn demands(open: &HashMap<u64, Open>, except: Option<u64>) -> Vec<f64> {
+        open.iter()
+            .filter(|(id, o)| Some(**id) != except && o.fps > 0.0)
+            .map(|(_, o)| o.fps)
+            .collect()
+    }
+
+    /// Shares `capacity` out again among the open sessions (max-min fair): every session's
+    /// [`FairShare`] is updated, so the sessions' drawing rates follow as others open and close.
+    fn rebalance(open: &HashMap<u64, Open>, capacity: Option<LiveCapacity>) {
+        let Some(capacity) = capacity else { return };
+        let demands = Self::demands(open, None);
+        let level = fair_level(capacity.fps(demands.len()), &demands);
+        for o in open.values().filter(|o| o.fps > 0.0) {
+            o.share.set(o.fps.min(level));
+        }
     }
 
     /// A slot, unless `max` sessions are open.
@@ -66,7 +93,13 @@ impl Sessions {
             return None;
         }
         let id = self.next.fetch_add(1, Ordering::SeqCst);
-        open.insert(id, 0.0);
+        open.insert(
+            id,
+            Open {
+                fps: 0.0,
+                share: Arc::new(FairShare::new(0.0)),
+            },
+        );
         metrics::gauge!(m::STREAM_SESSIONS).set(open.len() as f64);
         Some(Slot {
             sessions: self.clone(),
@@ -83,23 +116,40 @@ struct Slot {
 
 impl Slot {
     /// Claims a drawing rate for a session of `fps`: its max-min fair share of the engine's
-    /// live capacity beside the open sessions ([`draw_share`]). `Err` with the share when it
-    /// is below `min_draw_fps` (nothing claimed).
-    fn claim(&self, app: &App, engine: &Engine, fps: f64, min_draw_fps: f64) -> Result<f64, f64> {
+    /// live capacity beside the open sessions (whose shares shrink to make room). `Err` with
+    /// the share when it is below `min_draw_fps` (nothing claimed).
+    fn claim(
+        &self,
+        app: &App,
+        engine: &Engine,
+        fps: f64,
+        min_draw_fps: f64,
+    ) -> Result<(f64, Arc<FairShare>), f64> {
+        let capacity = LiveCapacity::of(app, engine);
         let mut open = self.sessions.lock();
-        let mut demands: Vec<f64> = open
-            .iter()
-            .filter(|(id, f)| **id != self.id && **f > 0.0)
-            .map(|(_, f)| *f)
-            .collect();
+        let mut demands = Sessions::demands(&open, Some(self.id));
         demands.push(fps);
-        let level = fair_level(live_capacity_fps(app, engine, demands.len()), &demands);
+        let level = fair_level(
+            capacity.map_or(f64::INFINITY, |c| c.fps(demands.len())),
+            &demands,
+        );
         let share = fps.min(level);
         if share < min_draw_fps {
             return Err(share);
         }
-        open.insert(self.id, fps);
-        Ok(share)
+        let mine = open.get_mut(&self.id).expect("a slot's session is open");
+        mine.fps = fps;
+        let handle = mine.share.clone();
+        *self
+            .sessions
+            .capacity
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = capacity;
+        Sessions::rebalance(&open, capacity);
+        if capacity.is_none() {
+            handle.set(share);
+        }
+        Ok((share, handle))
     }
 }
 
@@ -107,6 +157,12 @@ impl Drop for Slot {
     fn drop(&mut self) {
         let mut open = self.sessions.lock();
         open.remove(&self.id);
+        let capacity = *self
+            .sessions
+            .capacity
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        Sessions::rebalance(&open, capacity);
         metrics::gauge!(m::STREAM_SESSIONS).set(open.len() as f64);
     }
 }
@@ -145,20 +201,39 @@ fn live_utilisation(app: &App) -> f64 {
     }
 }
 
-/// Faces per second the instances can draw for `sessions` live sessions at once: their
-/// throughput at the batch those sessions' frames make together (one frame each), at the
-/// warm-up's measured batch cost, times [`live_utilisation`]; unbounded before a cost is
-/// measured.
-fn live_capacity_fps(app: &App, engine: &Engine, sessions: usize) -> f64 {
-    let Some(cost) = batch_cost(engine) else {
-        return f64::INFINITY;
-    };
-    let b = sessions.clamp(1, engine.scheduler().limits().max_batch.max(1)) as f64;
-    let t = cost.fixed + cost.per_frame * b;
-    if t <= 0.0 {
-        return f64::INFINITY;
+/// What the instances can draw for live sessions: their warm-up's batch cost as the sessions
+/// meet it ([`batch_cost`]), how many there are, their largest batch and
+/// [`live_utilisation`].
+#[derive(Debug, Clone, Copy)]
+struct LiveCapacity {
+    cost: crate::engine::pool::BatchCost,
+    instances: f64,
+    max_batch: usize,
+    utilisation: f64,
+}
+
+impl LiveCapacity {
+    /// `None` before the warm-up has measured the batch cost.
+    fn of(app: &App, engine: &Engine) -> Option<LiveCapacity> {
+        Some(LiveCapacity {
+            cost: batch_cost(engine)?,
+            instances: engine.status().instances as f64,
+            max_batch: engine.scheduler().limits().max_batch.max(1),
+            utilisation: live_utilisation(app),
+        })
     }
-    engine.status().instances as f64 * b / t * live_utilisation(app)
+
+    /// Faces per second for `sessions` live sessions at once: the instances' throughput at
+    /// the batch those sessions' frames make together (one frame each), times the
+    /// utilisation.
+    fn fps(&self, sessions: usize) -> f64 {
+        let b = sessions.clamp(1, self.max_batch) as f64;
+        let t = self.cost.fixed + self.cost.per_frame * b;
+        if t <= 0.0 {
+            return f64::INFINITY;
+        }
+        self.instances * b / t * self.utilisation
+    }
 }
 
 /// The max-min fair level of `capacity` among `demands`: each gets `min(demand, level)` and
@@ -181,16 +256,10 @@ fn fair_level(capacity: f64, demands: &[f64]) -> f64 {
 /// open ones (before its own frame rate caps it), or `None` before the engine has measured
 /// its batch cost.
 pub fn next_draw_fps(app: &App, engine: &Engine) -> Option<f64> {
-    engine.status().batch_cost()?;
-    let mut demands: Vec<f64> = app
-        .sessions
-        .lock()
-        .values()
-        .copied()
-        .filter(|f| *f > 0.0)
-        .collect();
+    let capacity = LiveCapacity::of(app, engine)?;
+    let mut demands = Sessions::demands(&app.sessions.lock(), None);
     demands.push(f64::INFINITY);
-    let level = fair_level(live_capacity_fps(app, engine, demands.len()), &demands);
+    let level = fair_level(capacity.fps(demands.len()), &demands);
     Some((level * 10.0).round() / 10.0)
 }
 
@@ -536,22 +605,23 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
         Ok(e) => e,
         Err(e) => return fail(&mut socket, TRY_LATER, e.kind, &e.message).await,
     };
-    let draw_fps = match slot.claim(&app, engine, opened.fps.value(), opened.min_draw_fps) {
-        Ok(d) => d,
-        Err(could) => {
-            let could = (could * 10.0).round() / 10.0;
-            let msg = format!(
+    let (draw_fps, fair_share) =
+        match slot.claim(&app, engine, opened.fps.value(), opened.min_draw_fps) {
+            Ok(d) => d,
+            Err(could) => {
+                let could = (could * 10.0).round() / 10.0;
+                let msg = format!(
                 "beside the open sessions the engine can draw {could} faces/s for this session, \
                  below its min_draw_fps {}",
                 opened.min_draw_fps
             );
-            let body = serde_json::json!({
-                "type": "error", "error": msg, "error_type": "over_capacity", "draw_fps": could,
-            });
-            let _ = socket.send(Message::Text(body.to_string().into())).await;
-            return close(&mut socket, TRY_LATER, "over_capacity").await;
-        }
-    };
+                let body = serde_json::json!({
+                    "type": "error", "error": msg, "error_type": "over_capacity", "draw_fps": could,
+                });
+                let _ = socket.send(Message::Text(body.to_string().into())).await;
+                return close(&mut socket, TRY_LATER, "over_capacity").await;
+            }
+        };
 
     let (in_tx, in_rx) = std::sync::mpsc::channel::<Input>();
     let (out_tx, mut out_rx) = mpsc::channel::<Out>(OUT_QUEUE);
@@ -563,6 +633,7 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
         max_undrawn_seconds: app.args.media.max_audio_seconds,
         loop_mode: opened.loop_mode,
         draw_fps: Some(draw_fps),
+        fair_share: Some(fair_share),
     };
     let thread_app = app.clone();
     let span = tracing::Span::current();
@@ -658,14 +729,22 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
     }
 }
 
-/// How far behind the audio the video runs: the 212.5 ms the model needs, one frame, and one
-/// batch at the warm-up's measured cost as it runs beside the live sessions (divided by
-/// [`live_utilisation`]: on a CPU their compositing and encoding share its cores, and a batch
-/// takes about twice its warm-up time; a lag of the bare cost leaves a drawn face no time to
-/// come, so every frame would be held while the engine could draw some).
+/// How far behind the audio the video runs: the 212.5 ms the model needs, one frame, and the
+/// time a drawn face takes to come, at the warm-up's measured cost as it runs beside the live
+/// sessions (divided by [`live_utilisation`]: on a CPU their compositing and encoding share its
+/// cores, and a batch takes about twice its warm-up time; a lag of the bare cost leaves a drawn
+/// face no time to come, so every frame would be held while the engine could draw some). That
+/// time is one small batch (`--first-batch` frames) where batches have a fixed cost (a GPU);
+/// on a CPU, where live frames run alone (see the scheduler), two frames: the one ahead and its
+/// own. A longer lag would draw more faces but put every chunk of speech that much later.
 fn session_lag(app: &App, engine: &Engine, fps: Fps) -> Duration {
     let batch = batch_cost(engine).map_or(0.05, |c| {
-        c.fixed + c.per_frame * engine.scheduler().limits().first_batch as f64
+        let frames = if c.fixed < c.per_frame {
+            2.0
+        } else {
+            engine.scheduler().limits().first_batch as f64
+        };
+        c.fixed + c.per_frame * frames
     }) / live_utilisation(app);
     session::AUDIO_LOOKAHEAD + Duration::from_secs_f64(1.0 / fps.value() + batch)
 }
