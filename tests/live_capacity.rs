@@ -42,19 +42,7 @@ fn start_slowed() -> Server {
 }
 
 async fn upload_avatar(s: &Server) -> String {
-    let form = reqwest::multipart::Form::new().part(
-        "image",
-        reqwest::multipart::Part::bytes(media("astronaut.png")).file_name("a.png"),
-    );
-    let r = reqwest::Client::new()
-        .post(s.url("/v1/avatars"))
-        .multipart(form)
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success(), "{}", r.status());
-    let v: serde_json::Value = r.json().await.unwrap();
-    v["id"].as_str().unwrap().to_string()
+    s.upload_avatar().await
 }
 
 async fn info(s: &Server) -> serde_json::Value {

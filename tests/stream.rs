@@ -54,19 +54,7 @@ fn refused_status(r: Result<Ws, tungstenite::Error>) -> u16 {
 }
 
 async fn upload_avatar(s: &Server) -> String {
-    let form = reqwest::multipart::Form::new().part(
-        "image",
-        reqwest::multipart::Part::bytes(media("astronaut.png")).file_name("a.png"),
-    );
-    let r = reqwest::Client::new()
-        .post(s.url("/v1/avatars"))
-        .multipart(form)
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success(), "{}", r.status());
-    let v: serde_json::Value = r.json().await.unwrap();
-    v["id"].as_str().unwrap().to_string()
+    s.upload_avatar().await
 }
 
 /// 16 kHz mono s16le of the one-second ARCTIC clip.

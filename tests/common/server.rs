@@ -183,6 +183,23 @@ impl Server {
             .unwrap()
     }
 
+    /// `POST /v1/avatars` with the astronaut photo: the avatar's id.
+    pub async fn upload_avatar(&self) -> String {
+        let form = Form::new().part(
+            "image",
+            Part::bytes(super::media("astronaut.png")).file_name("a.png"),
+        );
+        let r = reqwest::Client::new()
+            .post(self.url("/v1/avatars"))
+            .multipart(form)
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "{}", r.status());
+        let v: serde_json::Value = r.json().await.unwrap();
+        v["id"].as_str().unwrap().to_string()
+    }
+
     /// The server's data directory (`--data-dir`): batch jobs' files (`jobs/<id>/`) and,
     /// without `--jobs-db`, their SQLite store (`jobs.db`).
     pub fn data_dir(&self) -> &Path {
