@@ -11,6 +11,11 @@ use crate::media::face::{self, Blend, BlendMask, Detection, FaceBox, Pads};
 use crate::media::image::{self, Frame, ImageLimits};
 use crate::media::Error;
 
+/// Blend masks of a video avatar's face boxes whose size differs from its first frame's, made
+/// once each (see [`Avatar::paste_at`]).
+#[derive(Default)]
+pub struct BlendMasks(std::collections::HashMap<(u32, u32), BlendMask>);
+
 /// A photo or a clip ready to be animated. The fields describe the photo, or a clip's first
 /// frame; per-frame access goes through the methods.
 #[derive(Debug, Clone)]
@@ -119,6 +124,21 @@ impl Avatar {
     /// Avatar frame `i`'s face box.
     pub fn face_at(&self, i: usize) -> FaceBox {
         self.clip.as_ref().map_or(self.face, |c| c.face(i))
+    }
+
+    /// Pastes a predicted face (96×96 BGR) into `frame` at avatar frame `i`'s face box, with
+    /// the avatar's blend mask, or one from `masks` for a box of another size.
+    pub fn paste_at(&self, frame: &mut Frame, i: usize, face_bgr: &[u8], masks: &mut BlendMasks) {
+        let b = self.face_at(i);
+        let mask = if (b.width(), b.height()) == (self.face.width(), self.face.height()) {
+            &self.mask
+        } else {
+            masks
+                .0
+                .entry((b.width(), b.height()))
+                .or_insert_with(|| BlendMask::new(self.blend, b.width(), b.height()))
+        };
+        face::paste(frame, &b, face_bgr, mask);
     }
 
     /// Avatar frame `i`'s 96×96 BGR crop.

@@ -3,14 +3,14 @@
 //! loop mode selects) and handed to the encoder; at the end the last frame is held until the
 //! audio ends. Shared by `lipsync render` and the service.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use super::avatar::BlendMasks;
 use super::clip::{Clip, Loop};
 use super::{Avatar, Error};
-use crate::media::face::{self, BlendMask, FACE_SIZE};
+use crate::media::face::{self, FACE_SIZE};
 use crate::media::image::Frame;
 use crate::media::video::VideoEncoder;
 
@@ -23,7 +23,7 @@ pub struct Compositor<'a> {
     /// A clip's frames, decoded ahead on their own thread in the order they are shown.
     prefetched: Option<mpsc::Receiver<Result<Frame, crate::media::Error>>>,
     /// Blend masks of clip boxes whose size differs from the first frame's.
-    masks: HashMap<(u32, u32), BlendMask>,
+    masks: BlendMasks,
     encoder: &'a mut dyn VideoEncoder,
     faces_dir: Option<PathBuf>,
     last: Option<Frame>,
@@ -49,7 +49,7 @@ impl<'a> Compositor<'a> {
             avatar,
             mode,
             prefetched: avatar.clip.clone().and_then(|clip| prefetch(clip, mode)),
-            masks: HashMap::new(),
+            masks: BlendMasks::default(),
             encoder,
             faces_dir: faces_dir.map(Path::to_path_buf),
             last: None,
@@ -74,15 +74,7 @@ impl<'a> Compositor<'a> {
             },
             None => a.background(i)?.into_owned(),
         };
-        let b = a.face_at(i);
-        let mask = if (b.width(), b.height()) == (a.face.width(), a.face.height()) {
-            &a.mask
-        } else {
-            self.masks
-                .entry((b.width(), b.height()))
-                .or_insert_with(|| BlendMask::new(a.blend, b.width(), b.height()))
-        };
-        face::paste(&mut frame, &b, face_bgr, mask);
+        a.paste_at(&mut frame, i, face_bgr, &mut self.masks);
         self.composite_time += t.elapsed();
         let t = Instant::now();
         self.encoder.write_frame(&frame)?;

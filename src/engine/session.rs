@@ -584,7 +584,7 @@ pub struct Session<'a> {
     /// A video avatar: idles on its raw frames, speaks on the frame it is at.
     clip: bool,
     /// Blend masks of clip boxes whose size differs from the first frame's.
-    masks: std::collections::HashMap<(u32, u32), face::BlendMask>,
+    masks: super::avatar::BlendMasks,
     /// Which speaking frames are drawn.
     stride: Stride,
     /// The last face drawn (96×96 BGR), shown again on held frames of a video avatar (a
@@ -611,7 +611,7 @@ impl<'a> Session<'a> {
             stride: Stride::new(cfg.fps.value(), cfg.draw_fps, cfg.fair_share.clone()),
             last_face: None,
             clip,
-            masks: std::collections::HashMap::new(),
+            masks: Default::default(),
             engine,
             face_input: avatar.crop(0),
             scratch: idle_frame.clone(),
@@ -1079,15 +1079,7 @@ impl<'a> Session<'a> {
             let Some(face) = face else {
                 return Ok(());
             };
-            let b = a.face_at(i);
-            let mask = if (b.width(), b.height()) == (a.face.width(), a.face.height()) {
-                &a.mask
-            } else {
-                self.masks
-                    .entry((b.width(), b.height()))
-                    .or_insert_with(|| face::BlendMask::new(a.blend, b.width(), b.height()))
-            };
-            face::paste(&mut self.scratch, &b, face, mask);
+            a.paste_at(&mut self.scratch, i, face, &mut self.masks);
         } else if let Some(face) = face {
             self.scratch.rgb.copy_from_slice(&self.avatar.frame.rgb);
             face::paste(
