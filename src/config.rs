@@ -15,7 +15,7 @@ use crate::media::audio::DEFAULT_MAX_SECONDS;
 use crate::media::image::{ImageLimits, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE};
 use crate::media::video::clip::{ClipLimits, DEFAULT_MAX_CLIP_SECONDS};
 use crate::media::video::{self, EncoderSettings, PRESETS};
-use crate::model::cudnn::{ConvEngine, ConvSettings};
+use crate::model::cudnn::{ConvEngine, ConvLayout, ConvSettings};
 use crate::model::{self, DeviceKind, GeneratorWeights, Precision};
 
 /// The model, its instances and the batcher.
@@ -87,6 +87,14 @@ pub struct ConvArgs {
     /// (its directory must be writable) [default: none, kept in memory].
     #[arg(long, env = "LIPSYNC_AUTOTUNE_CACHE")]
     pub autotune_cache: Option<PathBuf>,
+    /// Activation layout between the cuDNN path's layers: nchw (candle's) or nhwc (channels
+    /// last, what half-precision tensor-core kernels read without conversions).
+    #[arg(long, env = "LIPSYNC_CONV_LAYOUT", default_value = "nchw", value_parser = choice::<ConvLayout>(ConvLayout::NAMES))]
+    pub conv_layout: ConvLayout,
+    /// The most workspace one cuDNN convolution may use, e.g. 256M or 2G: faster algorithms
+    /// that need more are not considered. The search allocates this much once during warm-up.
+    #[arg(long, env = "LIPSYNC_CUDNN_WORKSPACE", default_value = "256M", value_parser = parse_bytes)]
+    pub cudnn_workspace: u64,
 }
 
 impl ConvArgs {
@@ -95,6 +103,8 @@ impl ConvArgs {
         crate::model::cudnn::configure(ConvSettings {
             engine: self.conv_engine,
             cache_file: self.autotune_cache.clone(),
+            layout: self.conv_layout,
+            workspace_limit: self.cudnn_workspace as usize,
         });
     }
 }

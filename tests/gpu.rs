@@ -8,6 +8,9 @@
 //! (`bench/gpu_run.sh` runs it when the binary is carried as `target/release/gpu-test`;
 //! `LIPSYNC_GPU_TEST_BATCHES=2` for a small run.)
 //!
+//! The own path runs in both activation layouts (`--conv-layout nchw`, the default, and
+//! `nhwc`, whose tests end in `_nhwc`).
+//!
 //! Prints per layer the chosen algorithm, math type, whether bias/residual/ReLU were fused,
 //! the largest difference and the PSNR of both paths; fails on a layer (or a generator) whose
 //! own path is broken: NaN, below the dtype's floor, or (whole generator) more than
@@ -20,7 +23,7 @@
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Device, Tensor};
 use lipsync::model::arch::{FACE_CHANNELS, FACE_SIZE, MEL_BINS, MEL_STEPS};
-use lipsync::model::cudnn::{ChoiceSource, CudnnEngine};
+use lipsync::model::cudnn::{ChoiceSource, ConvLayout, CudnnEngine};
 use lipsync::model::wav2lip::{
     accept_own_path, cudnn_check_floor, face_psnr, ConvBlock, CONV_CHECK_MARGIN_DB,
 };
@@ -204,20 +207,36 @@ fn to_gpu(block: &ConvBlock, dev: &Device, dtype: DType) -> ConvBlock {
     )
 }
 
-fn layers_in(dtype: DType) {
+/// An NCHW activation in `layout`.
+fn to_layout(x: &Tensor, layout: ConvLayout) -> Tensor {
+    match layout {
+        ConvLayout::Nchw => x.clone(),
+        ConvLayout::Nhwc => x.permute((0, 2, 3, 1)).unwrap().contiguous().unwrap(),
+    }
+}
+
+/// An activation in `layout` as NCHW.
+fn from_layout(x: &Tensor, layout: ConvLayout) -> Tensor {
+    match layout {
+        ConvLayout::Nchw => x.clone(),
+        ConvLayout::Nhwc => x.permute((0, 3, 1, 2)).unwrap().contiguous().unwrap(),
+    }
+}
+
+fn layers_in(dtype: DType, layout: ConvLayout) {
     let (dev, cuda) = gpu();
     let cpu = cpu_model();
     let layers = layers_and_inputs(&cpu);
-    let engine = CudnnEngine::new(&cuda, dtype).unwrap();
+    let engine = CudnnEngine::with_layout(&cuda, dtype, layout).unwrap();
     let (floor, candle_floor) = (layer_floor(dtype), candle_layer_floor(dtype));
     let mut broken = Vec::new();
-    eprintln!("\n{dtype:?}: layer | batch | algorithm | math | fused | own max diff | own PSNR | candle max diff | candle PSNR");
+    eprintln!("\n{dtype:?} {layout:?}: layer | batch | algorithm | math | fused | own max diff | own PSNR | candle max diff | candle PSNR");
     for n in batches() {
         for (block, x) in &layers {
             // The f32 CPU reference on the BASE frames (candle's CPU convolution: exact f32).
             let reference = reference_rows(&block.forward(x).unwrap(), n);
             let g = to_gpu(block, &dev, dtype);
-            let xg = tile(x, n, &dev, dtype);
+            let xg = to_layout(&tile(x, n, &dev, dtype), layout);
             let sel = index(&rows(n), &dev);
             // Twice: the first call searches, runs unfused and then times the fused call
             // against the unfused sequence; the second is the steady state (fused only where
@@ -227,12 +246,15 @@ fn layers_in(dtype: DType) {
                 let own = engine
                     .forward(&g, &xg)
                     .map_err(|e| format!("{} at batch {n}: {e}", block.path()))
-                    .unwrap()
-                    .index_select(&sel, 0)
                     .unwrap();
+                let own = from_layout(&own, layout).index_select(&sel, 0).unwrap();
                 own_runs.push(compare(&own, &reference));
             }
-            let candle = g.forward(&xg).unwrap().index_select(&sel, 0).unwrap();
+            let candle = g
+                .forward(&tile(x, n, &dev, dtype))
+                .unwrap()
+                .index_select(&sel, 0)
+                .unwrap();
             let (first_max, first_psnr) = own_runs[0];
             let (own_max, own_psnr) = own_runs[1];
             let (candle_max, candle_psnr) = compare(&candle, &reference);
@@ -274,23 +296,24 @@ fn layers_in(dtype: DType) {
     }
     assert!(
         broken.is_empty(),
-        "{dtype:?}: broken layers:\n{}",
+        "{dtype:?} {layout:?}: broken layers:\n{}",
         broken.join("\n")
     );
 }
 
-fn generator_in(dtype: DType) {
+fn generator_in(dtype: DType, layout: ConvLayout) {
     let (dev, _) = gpu();
     let cpu = cpu_model();
     let (mel, face) = inputs();
     let reference = cpu.forward(&mel, &face).unwrap();
     let weights = init::random_weights(7).unwrap();
-    let own = Wav2Lip::load(&weights, &dev, dtype).unwrap();
+    let mut own = Wav2Lip::load(&weights, &dev, dtype).unwrap();
+    own.use_conv_layout(layout).unwrap();
     assert_eq!(own.conv_engine(), "cudnn", "the own path must be available");
     let mut candle = Wav2Lip::load(&weights, &dev, dtype).unwrap();
     candle.use_candle_operations();
     let floor = cudnn_check_floor(dtype);
-    eprintln!("\n{dtype:?} generator: batch | own max diff | own face PSNR | candle max diff | candle face PSNR");
+    eprintln!("\n{dtype:?} {layout:?} generator: batch | own max diff | own face PSNR | candle max diff | candle face PSNR");
     let mut broken = Vec::new();
     let run = |n: usize, broken: &mut Vec<String>| {
         let (m, f) = (tile(&mel, n, &dev, dtype), tile(&face, n, &dev, dtype));
@@ -341,37 +364,71 @@ fn generator_in(dtype: DType) {
             .all(|r| r.source != ChoiceSource::Heuristic),
         "warm-up batches must be timed"
     );
-    assert!(broken.is_empty(), "{dtype:?}: {}", broken.join("\n"));
+    assert!(
+        broken.is_empty(),
+        "{dtype:?} {layout:?}: {}",
+        broken.join("\n")
+    );
 }
 
 #[test]
 fn every_layer_in_f32() {
-    layers_in(DType::F32);
+    layers_in(DType::F32, ConvLayout::Nchw);
+}
+
+#[test]
+fn every_layer_in_f32_nhwc() {
+    layers_in(DType::F32, ConvLayout::Nhwc);
 }
 
 #[test]
 fn every_layer_in_f16() {
-    layers_in(DType::F16);
+    layers_in(DType::F16, ConvLayout::Nchw);
+}
+
+#[test]
+fn every_layer_in_f16_nhwc() {
+    layers_in(DType::F16, ConvLayout::Nhwc);
 }
 
 #[test]
 fn every_layer_in_bf16() {
-    layers_in(DType::BF16);
+    layers_in(DType::BF16, ConvLayout::Nchw);
+}
+
+#[test]
+fn every_layer_in_bf16_nhwc() {
+    layers_in(DType::BF16, ConvLayout::Nhwc);
 }
 
 #[test]
 fn generator_in_f32() {
-    generator_in(DType::F32);
+    generator_in(DType::F32, ConvLayout::Nchw);
+}
+
+#[test]
+fn generator_in_f32_nhwc() {
+    generator_in(DType::F32, ConvLayout::Nhwc);
 }
 
 #[test]
 fn generator_in_f16() {
-    generator_in(DType::F16);
+    generator_in(DType::F16, ConvLayout::Nchw);
+}
+
+#[test]
+fn generator_in_f16_nhwc() {
+    generator_in(DType::F16, ConvLayout::Nhwc);
 }
 
 #[test]
 fn generator_in_bf16() {
-    generator_in(DType::BF16);
+    generator_in(DType::BF16, ConvLayout::Nchw);
+}
+
+#[test]
+fn generator_in_bf16_nhwc() {
+    generator_in(DType::BF16, ConvLayout::Nhwc);
 }
 
 #[test]

@@ -46,8 +46,9 @@ pub struct BenchArgs {
     /// model (frames/s and device memory by dtype, convolution path and batch), instances
     /// (one instance against several at the same frames in flight), accuracy (every dtype and
     /// path against an exact f32 reference), autotune (load and warm-up without and with the
-    /// autotune cache file), encoder, e2e [default: all; encoder only with --encode-frames
-    /// above 0].
+    /// autotune cache file), encoder, e2e, layers (each layer's time in one forward pass of
+    /// the own cuDNN path, by batch) [default: all; encoder only with --encode-frames above
+    /// 0, layers only on CUDA].
     #[arg(long, value_delimiter = ',', value_parser = choice::<Section>(Section::NAMES))]
     pub sections: Vec<Section>,
     /// Precisions of the model and accuracy runs, comma-separated [default: f32,f16,bf16 on
@@ -126,6 +127,7 @@ pub enum Section {
     Autotune,
     Encoder,
     E2e,
+    Layers,
 }
 
 impl Section {
@@ -137,14 +139,16 @@ impl Section {
         "autotune",
         "encoder",
         "e2e",
+        "layers",
     ];
-    const ALL: [Section; 6] = [
+    const ALL: [Section; 7] = [
         Section::Model,
         Section::Instances,
         Section::Accuracy,
         Section::Autotune,
         Section::Encoder,
         Section::E2e,
+        Section::Layers,
     ];
 
     fn name(self) -> &'static str {
@@ -198,6 +202,7 @@ impl Plan {
             Section::ALL
                 .into_iter()
                 .filter(|&s| s != Section::Encoder || a.encode_frames > 0)
+                .filter(|&s| s != Section::Layers || cuda)
                 .collect()
         } else {
             if a.sections.contains(&Section::Encoder) && a.encode_frames == 0 {
@@ -424,6 +429,7 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
             }
             Section::Encoder => results["encoder"] = encoder(&a, &plan, &avatar()?)?,
             Section::E2e => results["end_to_end"] = end_to_end(&a, &plan, &weights, &avatar()?)?,
+            Section::Layers => results["layers"] = model_runs::layers(&plan, &weights)?,
         }
         save(&results)?;
     }
@@ -672,6 +678,8 @@ mod tests {
     #[test]
     fn sections_run_in_a_fixed_order_and_default_to_all_that_apply() {
         let all = Plan::new(&args(&[]), DeviceKind::Cpu).unwrap();
+        assert_eq!(all.sections, Section::ALL[..6].to_vec());
+        let all = Plan::new(&args(&[]), DeviceKind::Cuda).unwrap();
         assert_eq!(all.sections, Section::ALL.to_vec());
         let no_encoder = Plan::new(&args(&["--encode-frames", "0"]), DeviceKind::Cpu).unwrap();
         assert!(!no_encoder.sections.contains(&Section::Encoder));

@@ -7,6 +7,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::arch::{self, LayerKind, LayerSpec};
 use super::cpu::CpuNet;
+use super::cudnn::ConvLayout;
 use super::weights::GeneratorWeights;
 use super::{Error, Result};
 
@@ -486,6 +487,19 @@ impl Wav2Lip {
         self.cudnn.as_ref().map_or(Vec::new(), |e| e.report())
     }
 
+    /// Runs the own cuDNN path with its activations in `layout` from now on (a new engine:
+    /// plans are made again; the process's timed choices are kept). Nothing on other paths.
+    #[cfg(feature = "cuda")]
+    pub fn use_conv_layout(&mut self, layout: ConvLayout) -> Result<()> {
+        if let (Some(engine), Device::Cuda(dev)) = (&self.cudnn, &self.device) {
+            if engine.layout() != layout {
+                let engine = super::cudnn::CudnnEngine::with_layout(dev, self.dtype, layout)?;
+                self.cudnn = Some(std::sync::Arc::new(engine));
+            }
+        }
+        Ok(())
+    }
+
     /// Runs candle's operations from now on (the reference path).
     pub fn use_candle_operations(&mut self) {
         self.cpu = None;
@@ -501,7 +515,9 @@ impl Wav2Lip {
     pub fn forward(&self, mel: &Tensor, face: &Tensor) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let Some(engine) = &self.cudnn {
-            return self.forward_with(mel, face, &mut |block, x| engine.forward(block, x));
+            return self.forward_in(engine.layout(), mel, face, &mut |block, x| {
+                engine.forward(block, x)
+            });
         }
         let Some(net) = &self.cpu else {
             return self.forward_candle(mel, face);
@@ -521,6 +537,49 @@ impl Wav2Lip {
             (n, 3, arch::FACE_SIZE, arch::FACE_SIZE),
             &self.device,
         )?)
+    }
+
+    /// One forward pass on the own cuDNN path with CUDA events around every layer, for
+    /// `lipsync bench --sections layers`: each layer's time and the whole pass's (from the
+    /// first layer's inputs, already on the device, to the faces: the difference is the
+    /// concatenations, layout conversions and sigmoid). `None` without the own path.
+    #[cfg(feature = "cuda")]
+    pub fn profile_layers(&self, mel: &Tensor, face: &Tensor) -> Result<Option<LayerProfile>> {
+        let Some(engine) = &self.cudnn else {
+            return Ok(None);
+        };
+        let layout = engine.layout();
+        let mut marks = Vec::new();
+        let start = engine.mark()?;
+        let y = self.forward_in(layout, mel, face, &mut |b, x| {
+            let (d0, d1, d2, d3) = x.dims4()?;
+            let before = engine.mark()?;
+            let y = engine.forward(b, x)?;
+            marks.push((
+                b.path.clone(),
+                layout.logical([d0, d1, d2, d3]),
+                before,
+                engine.mark()?,
+            ));
+            Ok(y)
+        })?;
+        let end = engine.mark()?;
+        let ms = |a: &super::cudnn::CudaEvent, b: &super::cudnn::CudaEvent| -> Result<f32> {
+            Ok(a.elapsed_ms(b).map_err(candle_core::Error::from)?)
+        };
+        let total_ms = ms(&start, &end)?;
+        drop(y);
+        let layers = marks
+            .iter()
+            .map(|(path, input, a, b)| {
+                Ok(LayerTime {
+                    path: path.clone(),
+                    input: *input,
+                    ms: ms(a, b)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(LayerProfile { layers, total_ms }))
     }
 
     /// The layer at `path` (`face_encoder_blocks.1.0`, `output_block.1`, ...).
@@ -600,7 +659,9 @@ impl Wav2Lip {
         };
         #[cfg(feature = "cuda")]
         let y = if let Some(engine) = &self.cudnn {
-            self.forward_with(mel, face, &mut |b, x| checked(b, engine.forward(b, x)?))?
+            self.forward_in(engine.layout(), mel, face, &mut |b, x| {
+                checked(b, engine.forward(b, x)?)
+            })?
         } else {
             self.forward_with(mel, face, &mut |b, x| checked(b, b.forward(x)?))?
         };
@@ -626,9 +687,28 @@ impl Wav2Lip {
         face: &Tensor,
         layer: &mut dyn FnMut(&ConvBlock, &Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
+        self.forward_in(ConvLayout::Nchw, mel, face, layer)
+    }
+
+    /// [`Self::forward_with`] with the activations between layers in `layout`: inputs and
+    /// output are NCHW; in NHWC the inputs are converted once, `layer` takes and returns NHWC
+    /// activations, skips are concatenated on the last axis and the output converted back.
+    fn forward_in(
+        &self,
+        layout: ConvLayout,
+        mel: &Tensor,
+        face: &Tensor,
+        layer: &mut dyn FnMut(&ConvBlock, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let n = check_inputs(mel, face)?;
-        let mel = mel.to_device(&self.device)?.to_dtype(self.dtype)?;
-        let face = face.to_device(&self.device)?.to_dtype(self.dtype)?;
+        let to_layout = |t: &Tensor| -> Result<Tensor> {
+            let t = t.to_device(&self.device)?.to_dtype(self.dtype)?;
+            Ok(match layout {
+                ConvLayout::Nchw => t,
+                ConvLayout::Nhwc => t.permute((0, 2, 3, 1))?.contiguous()?,
+            })
+        };
+        let (mel, face) = (to_layout(mel)?, to_layout(face)?);
         let mut run = |blocks: &[ConvBlock], x: Tensor| -> Result<Tensor> {
             blocks.iter().try_fold(x, |x, b| layer(b, &x))
         };
@@ -656,13 +736,33 @@ impl Wav2Lip {
                 let skip = feats
                     .pop()
                     .ok_or_else(|| Error::BadInput("decoder deeper than encoder".into()))?;
-                x = Tensor::cat(&[&x, &skip], 1)?;
+                x = Tensor::cat(&[&x, &skip], layout.channel_axis())?;
             }
         }
         let _span = tracing::trace_span!("output_block", n).entered();
         let x = run(&self.output_block, x)?;
+        let x = match layout {
+            ConvLayout::Nchw => x,
+            ConvLayout::Nhwc => x.permute((0, 3, 1, 2))?.contiguous()?,
+        };
         Ok(candle_nn::ops::sigmoid(&x)?)
     }
+}
+
+/// One layer's time in a profiled forward pass ([`Wav2Lip::profile_layers`]).
+#[derive(Debug, Clone)]
+pub struct LayerTime {
+    pub path: String,
+    /// `(n, c, h, w)` of the layer's input.
+    pub input: [usize; 4],
+    pub ms: f32,
+}
+
+/// Every layer's time in one forward pass and the whole pass's.
+#[derive(Debug, Clone)]
+pub struct LayerProfile {
+    pub layers: Vec<LayerTime>,
+    pub total_ms: f32,
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -541,3 +541,148 @@ pub(super) fn autotune_probe(plan: &Plan, weights: Arc<GeneratorWeights>) -> Res
     );
     Ok(())
 }
+
+/// Profiled passes per batch in the layers run; each layer's least time is kept.
+const LAYER_RUNS: usize = 3;
+
+/// Each layer's time in one forward pass of the own cuDNN path (CUDA events around every
+/// layer, [`Wav2Lip::profile_layers`]), at each batch, in the service precision, after the
+/// batch's autotuning: milliseconds per pass and microseconds per frame, with the algorithm,
+/// workspace and fusion each layer runs at the largest batch. What is left of the whole pass
+/// is the concatenations, layout conversions and sigmoid. CUDA only.
+pub(super) fn layers(plan: &Plan, weights: &Arc<GeneratorWeights>) -> Result<Value, CliError> {
+    let conv = lipsync::model::cudnn::settings();
+    println!(
+        "\n## Layers (own cuDNN path, {}, {:?} activations, workspace up to {} MiB; ms per \
+         forward pass (µs per frame), least of {LAYER_RUNS} passes)\n",
+        plan.service_text(),
+        conv.layout,
+        conv.workspace_limit >> 20
+    );
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = weights;
+        println!("Only in CUDA builds.");
+        Ok(Value::Null)
+    }
+    #[cfg(feature = "cuda")]
+    {
+        use lipsync::model::wav2lip::LayerProfile;
+        let dev = plan.device.open_instance(plan.cuda_device)?;
+        let dtype = model::compute_dtype(&dev, plan.service);
+        let mut m = Wav2Lip::load(weights, &dev, dtype)?;
+        m.verify_cudnn_path_at(plan.largest_batch())?;
+        if m.conv_engine() != "cudnn" {
+            println!(
+                "The own path is not in use ({} operations): no layer times.",
+                m.conv_engine()
+            );
+            return Ok(Value::Null);
+        }
+        let mut profiles: Vec<(usize, LayerProfile)> = Vec::new();
+        for &b in &plan.batches {
+            let (mel, face) = inputs(b, &dev)?;
+            // The batch's searches and fusion timings, then one steady pass.
+            forward_sync(&m, &mel, &face, false)?;
+            forward_sync(&m, &mel, &face, false)?;
+            let mut best: Option<LayerProfile> = None;
+            for _ in 0..LAYER_RUNS {
+                let p = m
+                    .profile_layers(&mel, &face)?
+                    .ok_or_else(|| CliError::Jobs("the own path is not in use".into()))?;
+                best = Some(match best {
+                    None => p,
+                    Some(mut q) => {
+                        for (a, b) in q.layers.iter_mut().zip(&p.layers) {
+                            a.ms = a.ms.min(b.ms);
+                        }
+                        q.total_ms = q.total_ms.min(p.total_ms);
+                        q
+                    }
+                });
+            }
+            profiles.push((b, best.expect("LAYER_RUNS > 0")));
+        }
+        let largest = plan.largest_batch();
+        let report = m.cudnn_report();
+        let at_largest = |path: &str| {
+            report
+                .iter()
+                .find(|r| r.path == path && r.input[0] == largest)
+        };
+        let cell = |ms: f32, b: usize| format!("{ms:.3} ({:.2})", ms as f64 * 1e3 / b as f64);
+        println!(
+            "| layer | input c×h×w | algorithm at batch {largest} | math | workspace MiB | fused | {} |",
+            plan.batches
+                .iter()
+                .map(|b| format!("batch {b}"))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        );
+        println!(
+            "|---|---|---|---|---|---|{}",
+            "---|".repeat(plan.batches.len())
+        );
+        let mut rows = Vec::new();
+        let Some((_, first)) = profiles.first() else {
+            return Ok(Value::Null);
+        };
+        for (i, layer) in first.layers.iter().enumerate() {
+            let [_, c, h, w] = layer.input;
+            let r = at_largest(&layer.path);
+            let times: Vec<f32> = profiles.iter().map(|(_, p)| p.layers[i].ms).collect();
+            println!(
+                "| {} | {c}×{h}×{w} | {} | {} | {} | {} | {} |",
+                layer.path,
+                r.map_or("-".into(), |r| r.algo.clone()),
+                r.map_or("-".into(), |r| format!("{:?}", r.math)),
+                r.map_or("-".into(), |r| format!(
+                    "{:.1}",
+                    r.workspace as f64 / 1048576.0
+                )),
+                r.map_or("-".into(), |r| r.fused.to_string()),
+                profiles
+                    .iter()
+                    .zip(&times)
+                    .map(|((b, _), &ms)| cell(ms, *b))
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            );
+            rows.push(json!({
+                "path": layer.path, "input": layer.input,
+                "algo": r.map(|r| r.algo.clone()), "workspace_bytes": r.map(|r| r.workspace),
+                "fused": r.map(|r| r.fused),
+                "ms": plan.batches.iter().zip(&times)
+                    .map(|(b, ms)| json!({ "batch": b, "ms": ms })).collect::<Vec<_>>(),
+            }));
+        }
+        let sums: Vec<f32> = profiles
+            .iter()
+            .map(|(_, p)| p.layers.iter().map(|l| l.ms).sum())
+            .collect();
+        let summary = |label: &str, f: &dyn Fn(usize, f32, &LayerProfile) -> String| {
+            println!(
+                "| {label} | | | | | | {} |",
+                profiles
+                    .iter()
+                    .zip(&sums)
+                    .map(|((b, p), &sum)| f(*b, sum, p))
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            );
+        };
+        summary("all layers", &|b, sum, _| cell(sum, b));
+        summary("between layers", &|b, sum, p| cell(p.total_ms - sum, b));
+        summary("whole pass", &|b, _, p| cell(p.total_ms, b));
+        summary("frames/s", &|b, _, p| {
+            format!("{:.0}", b as f64 * 1e3 / p.total_ms as f64)
+        });
+        Ok(json!({
+            "layout": conv.layout, "workspace_limit_bytes": conv.workspace_limit,
+            "dtype": dtype.as_str(), "layers": rows,
+            "passes": profiles.iter().zip(&sums).map(|((b, p), sum)| json!({
+                "batch": b, "total_ms": p.total_ms, "layers_ms": sum,
+            })).collect::<Vec<_>>(),
+        }))
+    }
+}

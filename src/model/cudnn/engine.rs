@@ -1,6 +1,6 @@
 //! The cuDNN engine itself (CUDA builds); see the parent module.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use super::plan::{
     pick, Candidate, Choice, CudnnError, FuseTiming, Fusion, MathType, PlanCache, PlanKey,
 };
-use super::{settings, CONVOLUTIONS_METRIC, FIND_WORKSPACE_BYTES};
+use super::{settings, ConvLayout, CONVOLUTIONS_METRIC};
 use crate::model::arch::{LayerKind, LayerSpec};
 use crate::model::wav2lip::ConvBlock;
 use crate::model::{Error, Result};
@@ -121,20 +121,20 @@ fn data_type(dtype: DType) -> candle_core::Result<sys::cudnnDataType_t> {
     })
 }
 
-fn tensor4(dtype: DType, dims: [usize; 4]) -> candle_core::Result<TensorDesc> {
+fn format(layout: ConvLayout) -> sys::cudnnTensorFormat_t {
+    match layout {
+        ConvLayout::Nchw => sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
+        ConvLayout::Nhwc => sys::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC,
+    }
+}
+
+/// A descriptor of an activation of `(n, c, h, w)` stored in `layout`.
+fn tensor4(dtype: DType, dims: [usize; 4], layout: ConvLayout) -> candle_core::Result<TensorDesc> {
     let d = TensorDesc::new()?;
     let [n, c, h, w] = dims.map(|v| v as c_int);
     check(
         unsafe {
-            sys::cudnnSetTensor4dDescriptor(
-                d.0,
-                sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
-                data_type(dtype)?,
-                n,
-                c,
-                h,
-                w,
-            )
+            sys::cudnnSetTensor4dDescriptor(d.0, format(layout), data_type(dtype)?, n, c, h, w)
         },
         "tensor descriptor",
     )?;
@@ -424,6 +424,9 @@ struct Inner {
     plans: PlanCache<Plan>,
     /// Layers whose fused call failed once (warned about once).
     unfusable: HashSet<String>,
+    /// NHWC only: each layer's weights in cuDNN's NHWC filter layout `(k, r, s, c)`, made on
+    /// first use from the PyTorch layout `(k, c, r, s)`.
+    nhwc_weights: HashMap<String, Tensor>,
 }
 
 /// The own cuDNN convolution path of one model instance.
@@ -438,6 +441,10 @@ pub struct CudnnEngine {
     stream: Arc<CudaStream>,
     dev: CudaDevice,
     dtype: DType,
+    /// How activations are laid out between layers.
+    layout: ConvLayout,
+    /// The most workspace an algorithm may use.
+    workspace_limit: usize,
     device_name: String,
 }
 
@@ -445,6 +452,7 @@ impl std::fmt::Debug for CudnnEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudnnEngine")
             .field("dtype", &self.dtype)
+            .field("layout", &self.layout)
             .field("device", &self.device_name)
             .finish()
     }
@@ -464,8 +472,14 @@ impl Drop for CudnnEngine {
 }
 
 impl CudnnEngine {
-    /// An engine on the device's stream (the instance's own stream).
+    /// An engine on the device's stream (the instance's own stream), in the process's layout
+    /// ([`super::ConvSettings`]).
     pub fn new(dev: &CudaDevice, dtype: DType) -> Result<Self> {
+        Self::with_layout(dev, dtype, settings().layout)
+    }
+
+    /// An engine whose layers take and return activations in `layout`.
+    pub fn with_layout(dev: &CudaDevice, dtype: DType, layout: ConvLayout) -> Result<Self> {
         data_type(dtype)?;
         let stream = dev.cuda_stream();
         // cuDNN binds its handle to the context current on this thread.
@@ -507,11 +521,14 @@ impl CudnnEngine {
                 search_workspace: None,
                 plans: PlanCache::default(),
                 unfusable: HashSet::new(),
+                nhwc_weights: HashMap::new(),
             }),
             searching: AtomicBool::new(true),
             stream,
             dev: dev.clone(),
             dtype,
+            layout,
+            workspace_limit: settings().workspace_limit,
             device_name: format!("{gpu} / cuDNN {version}"),
         })
     }
@@ -524,6 +541,19 @@ impl CudnnEngine {
         if let Some(tune) = AUTOTUNE.get() {
             tune.lock().unwrap().save();
         }
+    }
+
+    /// How the engine's layers take and return activations.
+    pub fn layout(&self) -> ConvLayout {
+        self.layout
+    }
+
+    /// An event recorded now on the instance's stream (for timing layers).
+    pub fn mark(&self) -> Result<CudaEvent> {
+        Ok(self
+            .stream
+            .record_event(Some(driver_sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(candle_core::Error::from)?)
     }
 
     /// Every plan made so far, sorted by layer and input shape.
@@ -548,7 +578,8 @@ impl CudnnEngine {
     }
 
     /// One layer: convolution (or transposed convolution) + bias (+ residual) (+ ReLU), as
-    /// [`ConvBlock::forward`] computes it. A failed cuDNN call comes back as
+    /// [`ConvBlock::forward`] computes it, on an activation in the engine's layout
+    /// ([`Self::layout`]; the output is in it too). A failed cuDNN call comes back as
     /// [`Error::Cudnn`]. During warm-up, a plan's first run is followed by the timing of its
     /// fused call against the unfused sequence ([`Self::time_fusion`]).
     pub fn forward(&self, block: &ConvBlock, x: &Tensor) -> Result<Tensor> {
@@ -576,7 +607,10 @@ impl CudnnEngine {
             y
         } else {
             let s = block.spec();
-            let y = y.broadcast_add(&block.bias().reshape((1, s.cout, 1, 1))?)?;
+            let bias = block
+                .bias()
+                .reshape(self.layout.physical([1, s.cout, 1, 1]).to_vec())?;
+            let y = y.broadcast_add(&bias)?;
             block.activate(y, x)?
         };
         Ok(Ran {
@@ -593,7 +627,7 @@ impl CudnnEngine {
     /// fails otherwise falls back to the untimed rule, with a warning (the layer's result is
     /// already computed: the request does not fail for it).
     fn time_fusion(&self, block: &ConvBlock, x: &Tensor) {
-        let Ok(key) = plan_key(block, x.dims()) else {
+        let Ok(key) = plan_key(block, x.dims(), self.layout) else {
             return;
         };
         let residual = block.spec().residual;
@@ -655,7 +689,7 @@ impl CudnnEngine {
             timing.unfused_ms
         );
         let mut tune = Autotune::get(&self.device_name).lock().unwrap();
-        if let Some(c) = tune.algos.get_mut(&key.tune_key(self.dtype)) {
+        if let Some(c) = tune.algos.get_mut(&key.tune_key(self.dtype, self.layout)) {
             // Only for the choice the plan runs (another instance may have replaced it).
             if c.algo == algo && c.math.to_run(self.dtype) == math {
                 c.fuse.set(residual, timing);
@@ -673,12 +707,7 @@ impl CudnnEngine {
             return Ok(None);
         }
         self.layer(block, x, Mode::Unfused)?;
-        let event = || -> Result<CudaEvent> {
-            Ok(self
-                .stream
-                .record_event(Some(driver_sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(candle_core::Error::from)?)
-        };
+        let event = || self.mark();
         let mut marks = Vec::with_capacity(FUSE_TIMING_RUNS);
         for _ in 0..FUSE_TIMING_RUNS {
             let start = event()?;
@@ -722,19 +751,21 @@ impl CudnnEngine {
         let transposed = key.transposed;
         let [n, c, h, w] = key.input;
         let (oh, ow) = output_size(s, h, w);
-        let x = tensor4(self.dtype, [n, c, h, w])?;
-        let y = tensor4(self.dtype, [n, s.cout, oh, ow])?;
-        let bias = tensor4(self.dtype, [1, s.cout, 1, 1])?;
+        let x = tensor4(self.dtype, [n, c, h, w], self.layout)?;
+        let y = tensor4(self.dtype, [n, s.cout, oh, ow], self.layout)?;
+        let bias = tensor4(self.dtype, [1, s.cout, 1, 1], self.layout)?;
         let wd = FilterDesc::new()?;
         // PyTorch layouts: conv (cout, cin, k, k); transposed (cin, cout, k, k), which is the
-        // filter of the forward convolution whose data gradient the transposed conv is.
+        // filter of the forward convolution whose data gradient the transposed conv is. The
+        // dimensions are given in that order for either format; in NHWC the weights are
+        // stored (k, r, s, c) ([`Self::weight`]).
         let [k0, k1, k2, k3] = key.weight.map(|v| v as c_int);
         check(
             unsafe {
                 sys::cudnnSetFilter4dDescriptor(
                     wd.0,
                     data_type(self.dtype)?,
-                    sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
+                    format(self.layout),
                     k0,
                     k1,
                     k2,
@@ -764,7 +795,7 @@ impl CudnnEngine {
         set_math(&conv, MathType::for_search(self.dtype))?;
         let descs = (&x, &wd, &conv, &y);
 
-        let tune_key = key.tune_key(self.dtype);
+        let tune_key = key.tune_key(self.dtype, self.layout);
         // Held during the search, so instances do not time each other's kernels.
         let mut tune = Autotune::get(&self.device_name).lock().unwrap();
         let known = tune.algos.get(&tune_key).and_then(|c| {
@@ -829,7 +860,8 @@ impl CudnnEngine {
     ) -> candle_core::Result<(Algo, Choice)> {
         if search_workspace.is_none() {
             // SAFETY: scratch memory for cuDNN; never read by us.
-            *search_workspace = Some(unsafe { self.stream.alloc::<u8>(FIND_WORKSPACE_BYTES)? });
+            *search_workspace =
+                Some(unsafe { self.stream.alloc::<u8>(self.workspace_limit.max(1))? });
         }
         let ws_buf = search_workspace.as_mut().expect("allocated above");
         let (ws, _ws_sync) = ws_buf.device_ptr_mut(&self.stream);
@@ -852,7 +884,7 @@ impl CudnnEngine {
                         perf.as_mut_ptr()
                             .cast::<sys::cudnnConvolutionBwdDataAlgoPerf_t>(),
                         ws as *mut c_void,
-                        FIND_WORKSPACE_BYTES,
+                        self.workspace_limit,
                     )
                 },
                 "find backward-data algorithm",
@@ -876,7 +908,7 @@ impl CudnnEngine {
                         perf.as_mut_ptr()
                             .cast::<sys::cudnnConvolutionFwdAlgoPerf_t>(),
                         ws as *mut c_void,
-                        FIND_WORKSPACE_BYTES,
+                        self.workspace_limit,
                     )
                 },
                 "find forward algorithm",
@@ -951,7 +983,7 @@ impl CudnnEngine {
             status: format!("CUDNN_STATUS_NOT_SUPPORTED ({what})"),
             code: sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED as u32,
         };
-        let choice = pick(cands, self.dtype, FIND_WORKSPACE_BYTES)
+        let choice = pick(cands, self.dtype, self.workspace_limit)
             .ok_or_else(|| unsupported(format!("no usable algorithm among {cands:?}")))?;
         let algo = Algo::from_name(transposed, &choice.algo)
             .ok_or_else(|| unsupported(format!("unknown algorithm {}", choice.algo)))?;
@@ -989,11 +1021,12 @@ impl CudnnEngine {
         let Some((start, end)) = layout.contiguous_offsets() else {
             candle_core::bail!("cuDNN layer {}: input not contiguous", block.path());
         };
-        let key = plan_key(block, layout.dims())?;
+        let key = plan_key(block, layout.dims(), self.layout)?;
         let dims = key.input;
         let (oh, ow) = output_size(s, dims[2], dims[3]);
         let x = storage.as_cuda_slice::<T>()?.slice(start..end);
-        let (w_store, w_layout) = block.weight().storage_and_layout();
+        let w_tensor = self.weight(block)?;
+        let (w_store, w_layout) = w_tensor.storage_and_layout();
         let (b_store, b_layout) = block.bias().storage_and_layout();
         let weight = cuda_slice_of::<T>(&w_store, w_layout)?;
         let bias = cuda_slice_of::<T>(&b_store, b_layout)?;
@@ -1012,6 +1045,7 @@ impl CudnnEngine {
             search_workspace,
             plans,
             unfusable,
+            ..
         } = &mut *guard;
         let plan = match op.mode {
             Mode::Planned => {
@@ -1160,8 +1194,25 @@ impl CudnnEngine {
         drop((w_store, b_store));
         Ok((
             CudaStorage::wrap_cuda_slice(y, self.dev.clone()),
-            Shape::from((dims[0], s.cout, oh, ow)),
+            Shape::from(self.layout.physical([dims[0], s.cout, oh, ow]).to_vec()),
         ))
+    }
+
+    /// A layer's weights as the engine's filter descriptor reads them: PyTorch's layout in
+    /// NCHW; in NHWC `(k, r, s, c)`, permuted once per layer and kept.
+    fn weight(&self, block: &ConvBlock) -> candle_core::Result<Tensor> {
+        if self.layout == ConvLayout::Nchw {
+            return Ok(block.weight().clone());
+        }
+        let mut inner = self.inner.lock().unwrap();
+        if let Some(w) = inner.nhwc_weights.get(block.path()) {
+            return Ok(w.clone());
+        }
+        let w = block.weight().permute((0, 2, 3, 1))?.contiguous()?;
+        inner
+            .nhwc_weights
+            .insert(block.path().to_string(), w.clone());
+        Ok(w)
     }
 }
 
@@ -1222,11 +1273,16 @@ fn cuda_slice_of<'a, T: CudaDType>(
     }
 }
 
-/// A plan's key for a layer and its input dimensions.
-fn plan_key(block: &ConvBlock, input: &[usize]) -> candle_core::Result<PlanKey> {
+/// A plan's key for a layer and its input's dimensions in `layout`.
+fn plan_key(
+    block: &ConvBlock,
+    input: &[usize],
+    layout: ConvLayout,
+) -> candle_core::Result<PlanKey> {
     let dims: [usize; 4] = input
         .try_into()
         .map_err(|_| candle_core::Error::Msg("cuDNN layer: input is not 4-D".into()))?;
+    let dims = layout.logical(dims);
     let wdims: [usize; 4] = block
         .weight()
         .dims()

@@ -7,7 +7,7 @@
 //!
 //! - **Autotuning.** The first time a (layer shape, batch, dtype) is run during warm-up,
 //!   `cudnnFind…AlgorithmEx` times every algorithm on the real buffers (one search workspace
-//!   of [`FIND_WORKSPACE_BYTES`], not zeroed, for the whole warm-up); the fastest usable one
+//!   of [`ConvSettings::workspace_limit`], not zeroed, for the whole warm-up); the fastest usable one
 //!   ([`pick`]: succeeded, fits, f32 only without tensor cores) is kept for the process
 //!   (shared by all instances) with the math type it runs with ([`MathType::to_run`]: for
 //!   f32 always FMA, whether cuDNN reported FMA or DEFAULT math, so never TF32; for f16/bf16
@@ -34,7 +34,13 @@
 //!   an exact f32 reference ([`super::Wav2Lip::check_conv_path`]) and falls back to candle's,
 //!   with a warning, when the own path is worse; `tests/gpu.rs` compares every layer.
 //!
-//! Tensors stay in candle's NCHW layout (no layout conversions between layers).
+//! - **Layout.** Activations between layers are NCHW (candle's layout) or NHWC
+//!   ([`ConvLayout`]): in NHWC the model converts its inputs once and its output back once,
+//!   concatenates on the last axis, and the engine keeps each layer's weights in cuDNN's
+//!   NHWC filter layout (`(k, r, s, c)`), so half-precision tensor-core kernels run without
+//!   the layout transformations (and their batch-sized workspace) that NCHW needs.
+//! - **Workspace.** An algorithm may use at most [`ConvSettings::workspace_limit`] bytes of
+//!   workspace (the search allocates that much once, for the warm-up).
 //!
 //! This module's settings exist in every build (the flags are the same everywhere); the
 //! engine only in CUDA builds.
@@ -48,6 +54,8 @@ use serde::Serialize;
 mod engine;
 mod plan;
 #[cfg(feature = "cuda")]
+pub use candle_core::cuda_backend::cudarc::driver::CudaEvent;
+#[cfg(feature = "cuda")]
 pub use engine::{autotune_counts, ChoiceSource, CudnnEngine, LayerReport};
 pub use plan::{fuse_decision, FuseTiming, FuseTimings, Fusion, PlanCache, PlanKey};
 pub use plan::{pick, status_is_out_of_memory, Candidate, Choice, CudnnError, MathType};
@@ -57,8 +65,59 @@ pub use plan::{pick, status_is_out_of_memory, Candidate, Choice, CudnnError, Mat
 /// `"false"` (applied afterwards), so a silent loss of fusion shows.
 pub const CONVOLUTIONS_METRIC: &str = "lipsync_cudnn_convolutions_total";
 
-/// The most workspace an algorithm may use (the search allocates this much once).
-pub const FIND_WORKSPACE_BYTES: usize = 256 << 20;
+/// The most workspace an algorithm may use by default (the search allocates this much once).
+pub const DEFAULT_WORKSPACE_LIMIT: usize = 256 << 20;
+
+/// How the own path lays out activations between layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ConvLayout {
+    /// candle's layout: `(n, c, h, w)`.
+    Nchw,
+    /// Channels last: `(n, h, w, c)`, what tensor-core kernels read natively.
+    Nhwc,
+}
+
+impl ConvLayout {
+    /// The names `FromStr` accepts.
+    pub const NAMES: &'static [&'static str] = &["nchw", "nhwc"];
+
+    /// The axis channels are on in a 4-D activation.
+    pub fn channel_axis(self) -> usize {
+        match self {
+            ConvLayout::Nchw => 1,
+            ConvLayout::Nhwc => 3,
+        }
+    }
+
+    /// `(n, c, h, w)` of an activation whose dimensions in this layout are `dims`.
+    pub fn logical(self, dims: [usize; 4]) -> [usize; 4] {
+        match self {
+            ConvLayout::Nchw => dims,
+            ConvLayout::Nhwc => [dims[0], dims[3], dims[1], dims[2]],
+        }
+    }
+
+    /// The dimensions in this layout of an activation of `(n, c, h, w)`.
+    pub fn physical(self, [n, c, h, w]: [usize; 4]) -> [usize; 4] {
+        match self {
+            ConvLayout::Nchw => [n, c, h, w],
+            ConvLayout::Nhwc => [n, h, w, c],
+        }
+    }
+}
+
+impl std::str::FromStr for ConvLayout {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "nchw" => Ok(ConvLayout::Nchw),
+            "nhwc" => Ok(ConvLayout::Nhwc),
+            _ => Err(format!("{s:?} is not a layout (nchw or nhwc)")),
+        }
+    }
+}
 
 /// Which convolution path CUDA models use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -76,6 +135,10 @@ pub struct ConvSettings {
     pub engine: ConvEngine,
     /// Where chosen algorithms are kept between runs (none: only in memory).
     pub cache_file: Option<PathBuf>,
+    /// Activation layout between the own path's layers.
+    pub layout: ConvLayout,
+    /// The most workspace one convolution's algorithm may use, in bytes.
+    pub workspace_limit: usize,
 }
 
 static SETTINGS: OnceLock<ConvSettings> = OnceLock::new();
@@ -86,10 +149,12 @@ pub fn configure(settings: ConvSettings) {
     let _ = SETTINGS.set(settings);
 }
 
-pub(crate) fn settings() -> &'static ConvSettings {
+pub fn settings() -> &'static ConvSettings {
     SETTINGS.get_or_init(|| ConvSettings {
         engine: ConvEngine::Cudnn,
         cache_file: None,
+        layout: ConvLayout::Nchw,
+        workspace_limit: DEFAULT_WORKSPACE_LIMIT,
     })
 }
 

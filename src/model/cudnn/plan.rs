@@ -8,6 +8,7 @@ use std::hash::Hash;
 use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
+use super::ConvLayout;
 use crate::model::arch::{LayerKind, LayerSpec};
 
 // ---------------------------------------------------------------------------------------------
@@ -43,15 +44,21 @@ impl PlanKey {
         }
     }
 
-    /// The key of the process-wide algorithm choice (and of the cache file): the shape and
-    /// type of the convolution without the layer's name, so layers of equal shape share one
-    /// search.
-    pub fn tune_key(&self, dtype: DType) -> String {
+    /// The key of the process-wide algorithm choice (and of the cache file): the shape,
+    /// type and layout of the convolution without the layer's name, so layers of equal shape
+    /// share one search. NCHW keys have no layout word (the cache files written before NHWC
+    /// existed stay valid).
+    pub fn tune_key(&self, dtype: DType, layout: ConvLayout) -> String {
         let [n, c, h, w] = self.input;
         let [a, b, kh, kw] = self.weight;
         format!(
-            "{} {dtype:?} x{n}x{c}x{h}x{w} w{a}x{b}x{kh}x{kw} s{}x{} p{} op{}",
+            "{}{} {dtype:?} x{n}x{c}x{h}x{w} w{a}x{b}x{kh}x{kw} s{}x{} p{} op{}",
             if self.transposed { "bwd_data" } else { "fwd" },
+            if layout == ConvLayout::Nhwc {
+                " nhwc"
+            } else {
+                ""
+            },
             self.stride.0,
             self.stride.1,
             self.padding,
@@ -488,10 +495,23 @@ mod tests {
         let a = PlanKey::new("a", &s, [4, s.cin, 48, 48], w);
         let b = PlanKey::new("b", &s, [4, s.cin, 48, 48], w);
         let c = PlanKey::new("a", &s, [4, s.cin, 24, 24], w);
+        let key = |k: &PlanKey, dtype| k.tune_key(dtype, ConvLayout::Nchw);
         assert_ne!(a, b);
-        assert_eq!(a.tune_key(DType::F16), b.tune_key(DType::F16));
-        assert_ne!(a.tune_key(DType::F16), c.tune_key(DType::F16));
-        assert_ne!(a.tune_key(DType::F16), a.tune_key(DType::BF16));
+        assert_eq!(key(&a, DType::F16), key(&b, DType::F16));
+        assert_ne!(key(&a, DType::F16), key(&c, DType::F16));
+        assert_ne!(key(&a, DType::F16), key(&a, DType::BF16));
+        // NHWC choices are their own; NCHW keys read as before the layout existed.
+        assert_ne!(
+            key(&a, DType::F16),
+            a.tune_key(DType::F16, ConvLayout::Nhwc)
+        );
+        assert_eq!(
+            key(&a, DType::F16),
+            format!(
+                "fwd F16 x4x{}x48x48 w{}x{}x3x3 s1x1 p1 op0",
+                s.cin, s.cout, s.cin
+            )
+        );
     }
 
     fn cand(algo: &str, ok: bool, math: u32, ws: usize) -> Candidate {
