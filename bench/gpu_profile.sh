@@ -5,7 +5,7 @@
 #   bench/gpu_profile.sh [CONFIG...]     CONFIG: LAYOUT:WORKSPACE, e.g. nchw:256M nhwc:4G
 #                                        [default: nchw:256M nchw:4G nhwc:256M nhwc:4G]
 #
-# 1. tests/gpu.rs, the tests named in LIPSYNC_PROFILE_TESTS [nhwc] (a name filter), batches 2
+# 1. tests/gpu.rs, the tests LIPSYNC_PROFILE_TESTS names [nhwc generator_in_f16] (filters), batches 2
 #    and 512: the layouts' accuracy before any speed is believed;
 # 2. for each CONFIG, `lipsync bench --sections model,layers` in f16 at LIPSYNC_PROFILE_BATCHES
 #    [64,256,512] with --conv-layout and --cudnn-workspace set by their environment variables:
@@ -24,7 +24,7 @@ OUT=${OUT:-/tmp/lipsync-gpu-out}
 WORK=${LIPSYNC_WORK:-/tmp/lipsync-gpu}
 CARRY=${LIPSYNC_CARRY_DIR:-target/gpu-carry}
 BATCHES=${LIPSYNC_PROFILE_BATCHES:-64,256,512}
-TESTS=${LIPSYNC_PROFILE_TESTS:-nhwc}
+TESTS=${LIPSYNC_PROFILE_TESTS:-nhwc generator_in_f16}
 SECONDS_EACH=${LIPSYNC_PROFILE_SECONDS:-75}
 CONFIGS=("$@")
 [ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=(nchw:256M nchw:4G nhwc:256M nhwc:4G)
@@ -74,7 +74,7 @@ fi
 if [ -x "$GPU_TEST" ] && [ -n "$TESTS" ]; then
   md "## tests/gpu.rs \`$TESTS\` (batches 2 and 512)" "" '```'
   part "${LIPSYNC_PROFILE_TEST_SECONDS:-100}" "gpu-test $TESTS" \
-    "${RUN[@]}" "$GPU_TEST" --test-threads=1 "$TESTS"
+    "${RUN[@]}" "$GPU_TEST" --test-threads=1 $TESTS
   md '```' ""
 fi
 
