@@ -2,15 +2,18 @@
 # The model-speed profile of the GPU-proof issue (docs/GPU-RUN.md, "Profiling the own path"):
 # on the GPU machine, in one call, with what bench/gpu_pack.sh packed (lipsync, gpu-test):
 #
-#   bench/gpu_profile.sh [CONFIG...]     CONFIG: LAYOUT:WORKSPACE, e.g. nchw:256M nhwc:4G
-#                                        [default: nchw:256M nchw:4G nhwc:256M nhwc:4G]
+#   bench/gpu_profile.sh [CONFIG...]     CONFIG: LAYOUT:WORKSPACE[:UPSAMPLING], e.g. nchw:256M
+#                                        nhwc:4G:transposed [default: nhwc:256M:subpixel
+#                                        nhwc:256M:transposed nchw:256M:transposed]
 #
 # 1. tests/gpu.rs, the tests LIPSYNC_PROFILE_TESTS names [nhwc generator_in_f16] (filters), batches 2
 #    and 512: the layouts' accuracy before any speed is believed;
 # 2. for each CONFIG, `lipsync bench --sections model,layers` in f16 at LIPSYNC_PROFILE_BATCHES
-#    [64,256,512] with --conv-layout and --cudnn-workspace set by their environment variables:
-#    frames/s and memory, then each layer's time (CUDA events) with its algorithm, workspace
-#    and fusion;
+#    [64,256,512] with --conv-layout, --cudnn-workspace and --conv-upsampling [subpixel] set
+#    by their environment variables: frames/s and memory, then each layer's time (CUDA events)
+#    with its algorithm, workspace and fusion; then, with serve's defaults, the bench sections
+#    LIPSYNC_PROFILE_MORE names [accuracy,instances] (accuracy in f16 and bf16; 1 instance
+#    against 3 at 384 frames in flight);
 # 3. PyTorch on the same init-weights file, f16, the same batches, eager NCHW and channels
 #    last, and torch.compile (channels last, largest batch first, while 60 s allow): the reference of this run
 #    (skipped with LIPSYNC_PROFILE_TORCH=0).
@@ -27,7 +30,8 @@ BATCHES=${LIPSYNC_PROFILE_BATCHES:-64,256,512}
 TESTS=${LIPSYNC_PROFILE_TESTS:-nhwc generator_in_f16}
 SECONDS_EACH=${LIPSYNC_PROFILE_SECONDS:-75}
 CONFIGS=("$@")
-[ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=(nchw:256M nchw:4G nhwc:256M nhwc:4G)
+[ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=(nhwc:256M:subpixel nhwc:256M:transposed nchw:256M:transposed)
+MORE=${LIPSYNC_PROFILE_MORE-accuracy,instances}
 mkdir -p "$OUT" "$WORK/bin"
 MD=$OUT/profile.md
 LOG=$WORK/profile.log
@@ -79,20 +83,30 @@ if [ -x "$GPU_TEST" ] && [ -n "$TESTS" ]; then
 fi
 
 for cfg in "${CONFIGS[@]}"; do
-  layout=${cfg%%:*}
-  workspace=${cfg#*:}
-  md "## --conv-layout $layout --cudnn-workspace $workspace" "" \
+  IFS=: read -r layout workspace upsampling <<< "$cfg"
+  upsampling=${upsampling:-subpixel}
+  md "## --conv-layout $layout --cudnn-workspace $workspace --conv-upsampling $upsampling" "" \
     "\`lipsync bench --sections model,layers --dtypes f16 --batches $BATCHES --seconds 1 --candle-max-batch 1\`" ""
-  LIPSYNC_CONV_LAYOUT=$layout LIPSYNC_CUDNN_WORKSPACE=$workspace \
+  LIPSYNC_CONV_LAYOUT=$layout LIPSYNC_CUDNN_WORKSPACE=$workspace LIPSYNC_CONV_UPSAMPLING=$upsampling \
     part "$SECONDS_EACH" "bench $cfg" "${RUN[@]}" "$BIN" bench --checkpoint "$WEIGHTS" \
     --sections model,layers --dtypes f16 --batches "$BATCHES" --seconds 1 --candle-max-batch 1
   md ""
 done
 
+if [ -n "$MORE" ]; then
+  md "## serve's defaults: \`lipsync bench --sections $MORE --dtypes f16,bf16 --instances 1,3 --instance-batch 384\`" ""
+  part "$SECONDS_EACH" "bench $MORE" "${RUN[@]}" "$BIN" bench --checkpoint "$WEIGHTS" \
+    --sections "$MORE" --dtypes f16,bf16 --instances 1,3 --instance-batch 384 --seconds 1 \
+    --accuracy-inputs "$WORK/accuracy-inputs.safetensors"
+  md ""
+fi
+
 if [ "${LIPSYNC_PROFILE_TORCH:-1}" != 0 ] && python3 -c 'import torch' 2>/dev/null; then
   md "## PyTorch, the same weights" ""
+  inputs=()
+  [ -s "$WORK/accuracy-inputs.safetensors" ] && inputs=(--inputs "$WORK/accuracy-inputs.safetensors")
   part "${LIPSYNC_PROFILE_TORCH_SECONDS:-90}" "pytorch" python3 bench/pytorch_reference.py \
-    --checkpoint "$WEIGHTS" --device cuda --dtypes f16 --batches "$BATCHES" --seconds 1 \
+    --checkpoint "$WEIGHTS" --device cuda --dtypes f16 --batches "$BATCHES" --seconds 1 "${inputs[@]}" \
     --layouts nchw,channels_last --compile --compile-dtypes f16 --compile-layouts channels_last \
     --budget 60
 fi

@@ -15,7 +15,7 @@ use crate::media::audio::DEFAULT_MAX_SECONDS;
 use crate::media::image::{ImageLimits, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE};
 use crate::media::video::clip::{ClipLimits, DEFAULT_MAX_CLIP_SECONDS};
 use crate::media::video::{self, EncoderSettings, PRESETS};
-use crate::model::cudnn::{ConvEngine, ConvLayout, ConvSettings};
+use crate::model::cudnn::{ConvEngine, ConvLayout, ConvSettings, Upsampling};
 use crate::model::{self, DeviceKind, GeneratorWeights, Precision};
 
 /// The model, its instances and the batcher.
@@ -87,10 +87,15 @@ pub struct ConvArgs {
     /// (its directory must be writable) [default: none, kept in memory].
     #[arg(long, env = "LIPSYNC_AUTOTUNE_CACHE")]
     pub autotune_cache: Option<PathBuf>,
-    /// Activation layout between the cuDNN path's layers: nchw (candle's) or nhwc (channels
-    /// last, what half-precision tensor-core kernels read without conversions).
-    #[arg(long, env = "LIPSYNC_CONV_LAYOUT", default_value = "nchw", value_parser = choice::<ConvLayout>(ConvLayout::NAMES))]
+    /// Activation layout between the cuDNN path's layers: nhwc (channels last, what
+    /// half-precision tensor-core kernels read without conversions) or nchw (candle's).
+    #[arg(long, env = "LIPSYNC_CONV_LAYOUT", default_value = "nhwc", value_parser = choice::<ConvLayout>(ConvLayout::NAMES))]
     pub conv_layout: ConvLayout,
+    /// How the cuDNN path runs the decoder's stride-2 transposed convolutions: subpixel (one
+    /// forward convolution with four phases of output channels, then a pixel shuffle) or
+    /// transposed (cuDNN's backward-data convolution).
+    #[arg(long, env = "LIPSYNC_CONV_UPSAMPLING", default_value = "subpixel", value_parser = choice::<Upsampling>(Upsampling::NAMES))]
+    pub conv_upsampling: Upsampling,
     /// The most workspace one cuDNN convolution may use, e.g. 256M or 2G: faster algorithms
     /// that need more are not considered. The search allocates this much once during warm-up.
     #[arg(long, env = "LIPSYNC_CUDNN_WORKSPACE", default_value = "256M", value_parser = parse_bytes)]
@@ -105,6 +110,7 @@ impl ConvArgs {
             cache_file: self.autotune_cache.clone(),
             layout: self.conv_layout,
             workspace_limit: self.cudnn_workspace as usize,
+            upsampling: self.conv_upsampling,
         });
     }
 }

@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod cpu;
 pub mod cudnn;
 pub mod init;
+pub mod subpixel;
 pub mod wav2lip;
 pub mod weights;
 

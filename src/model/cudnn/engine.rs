@@ -19,8 +19,9 @@ use serde::{Deserialize, Serialize};
 use super::plan::{
     pick, Candidate, Choice, CudnnError, FuseTiming, Fusion, MathType, PlanCache, PlanKey,
 };
-use super::{settings, ConvLayout, CONVOLUTIONS_METRIC};
+use super::{settings, ConvLayout, Upsampling, CONVOLUTIONS_METRIC};
 use crate::model::arch::{LayerKind, LayerSpec};
+use crate::model::subpixel;
 use crate::model::wav2lip::ConvBlock;
 use crate::model::{Error, Result};
 
@@ -425,8 +426,11 @@ struct Inner {
     /// Layers whose fused call failed once (warned about once).
     unfusable: HashSet<String>,
     /// NHWC only: each layer's weights in cuDNN's NHWC filter layout `(k, r, s, c)`, made on
-    /// first use from the PyTorch layout `(k, c, r, s)`.
+    /// first use from the PyTorch layout `(k, c, r, s)`; by layer and weight shape.
     nhwc_weights: HashMap<String, Tensor>,
+    /// The forward convolution each stride-2 transposed layer runs as
+    /// ([`Upsampling::Subpixel`]), made on first use; by layer.
+    subpixel: HashMap<String, ConvBlock>,
 }
 
 /// The own cuDNN convolution path of one model instance.
@@ -445,6 +449,8 @@ pub struct CudnnEngine {
     layout: ConvLayout,
     /// The most workspace an algorithm may use.
     workspace_limit: usize,
+    /// How stride-2 transposed convolutions run.
+    upsampling: Upsampling,
     device_name: String,
 }
 
@@ -522,6 +528,7 @@ impl CudnnEngine {
                 plans: PlanCache::default(),
                 unfusable: HashSet::new(),
                 nhwc_weights: HashMap::new(),
+                subpixel: HashMap::new(),
             }),
             searching: AtomicBool::new(true),
             stream,
@@ -529,6 +536,7 @@ impl CudnnEngine {
             dtype,
             layout,
             workspace_limit: settings().workspace_limit,
+            upsampling: settings().upsampling,
             device_name: format!("{gpu} / cuDNN {version}"),
         })
     }
@@ -546,6 +554,21 @@ impl CudnnEngine {
     /// How the engine's layers take and return activations.
     pub fn layout(&self) -> ConvLayout {
         self.layout
+    }
+
+    /// The forward convolution a stride-2 transposed layer runs as, when it does.
+    fn subpixel_block(&self, block: &ConvBlock) -> Result<Option<ConvBlock>> {
+        if self.upsampling != Upsampling::Subpixel || !subpixel::applies(block.spec()) {
+            return Ok(None);
+        }
+        let mut inner = self.inner.lock().unwrap();
+        if let Some(b) = inner.subpixel.get(block.path()) {
+            return Ok(Some(b.clone()));
+        }
+        let (w, b) = subpixel::conv_parts(block.spec(), block.weight(), block.bias())?;
+        let sub = ConvBlock::from_parts(block.path(), subpixel::conv_spec(block.spec()), w, b);
+        inner.subpixel.insert(block.path().to_string(), sub.clone());
+        Ok(Some(sub))
     }
 
     /// An event recorded now on the instance's stream (for timing layers).
@@ -583,6 +606,10 @@ impl CudnnEngine {
     /// [`Error::Cudnn`]. During warm-up, a plan's first run is followed by the timing of its
     /// fused call against the unfused sequence ([`Self::time_fusion`]).
     pub fn forward(&self, block: &ConvBlock, x: &Tensor) -> Result<Tensor> {
+        if let Some(sub) = self.subpixel_block(block)? {
+            let z = self.forward(&sub, x)?;
+            return subpixel::shuffle(&z, block.spec().cout, self.layout);
+        }
         let x = x.contiguous()?;
         let ran = self.layer(block, &x, Mode::Planned)?;
         if ran.to_time {
@@ -1204,14 +1231,13 @@ impl CudnnEngine {
         if self.layout == ConvLayout::Nchw {
             return Ok(block.weight().clone());
         }
+        let key = format!("{} {:?}", block.path(), block.weight().dims());
         let mut inner = self.inner.lock().unwrap();
-        if let Some(w) = inner.nhwc_weights.get(block.path()) {
+        if let Some(w) = inner.nhwc_weights.get(&key) {
             return Ok(w.clone());
         }
         let w = block.weight().permute((0, 2, 3, 1))?.contiguous()?;
-        inner
-            .nhwc_weights
-            .insert(block.path().to_string(), w.clone());
+        inner.nhwc_weights.insert(key, w.clone());
         Ok(w)
     }
 }

@@ -39,6 +39,10 @@
 //!   concatenates on the last axis, and the engine keeps each layer's weights in cuDNN's
 //!   NHWC filter layout (`(k, r, s, c)`), so half-precision tensor-core kernels run without
 //!   the layout transformations (and their batch-sized workspace) that NCHW needs.
+//! - **Upsampling.** The decoder's stride-2 transposed convolutions run as one forward
+//!   convolution with four phases of output channels and a pixel shuffle
+//!   ([`crate::model::subpixel`], [`Upsampling`]): cuDNN's backward-data kernels were the
+//!   slowest part of the pass.
 //! - **Workspace.** An algorithm may use at most [`ConvSettings::workspace_limit`] bytes of
 //!   workspace (the search allocates that much once, for the warm-up).
 //!
@@ -139,6 +143,37 @@ pub struct ConvSettings {
     pub layout: ConvLayout,
     /// The most workspace one convolution's algorithm may use, in bytes.
     pub workspace_limit: usize,
+    /// How the decoder's stride-2 transposed convolutions run.
+    pub upsampling: Upsampling,
+}
+
+/// How the own path runs the stride-2 transposed convolutions ([`crate::model::subpixel`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Upsampling {
+    /// One forward convolution with four phases of output channels, then a pixel shuffle.
+    Subpixel,
+    /// cuDNN's backward-data convolution.
+    Transposed,
+}
+
+impl Upsampling {
+    /// The names `FromStr` accepts.
+    pub const NAMES: &'static [&'static str] = &["subpixel", "transposed"];
+}
+
+impl std::str::FromStr for Upsampling {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "subpixel" => Ok(Upsampling::Subpixel),
+            "transposed" => Ok(Upsampling::Transposed),
+            _ => Err(format!(
+                "{s:?} is not an upsampling (subpixel or transposed)"
+            )),
+        }
+    }
 }
 
 static SETTINGS: OnceLock<ConvSettings> = OnceLock::new();
@@ -153,8 +188,9 @@ pub fn settings() -> &'static ConvSettings {
     SETTINGS.get_or_init(|| ConvSettings {
         engine: ConvEngine::Cudnn,
         cache_file: None,
-        layout: ConvLayout::Nchw,
+        layout: ConvLayout::Nhwc,
         workspace_limit: DEFAULT_WORKSPACE_LIMIT,
+        upsampling: Upsampling::Subpixel,
     })
 }
 
