@@ -12,8 +12,11 @@
 #    [64,256,512] with --conv-layout, --cudnn-workspace and --conv-upsampling [subpixel] set
 #    by their environment variables: frames/s and memory, then each layer's time (CUDA events)
 #    with its algorithm, workspace and fusion; then, with serve's defaults, the bench sections
-#    LIPSYNC_PROFILE_MORE names [accuracy,instances] (accuracy in f16 and bf16; 1 instance
-#    against 3 at 384 frames in flight);
+#    LIPSYNC_PROFILE_MORE names [accuracy,instances] (accuracy in f16 and bf16; instances
+#    LIPSYNC_PROFILE_INSTANCES [1,3] sharing LIPSYNC_PROFILE_INSTANCE_BATCH [384] frames in
+#    flight); then, for each instance count in LIPSYNC_PROFILE_E2E_INSTANCES [none; e.g.
+#    "1 3"], whole requests of 10 and 40 s of speech through the engine (bench --sections e2e,
+#    with the carried ffmpeg);
 # 3. PyTorch on the same init-weights file, f16, the same batches, eager NCHW and channels
 #    last, and torch.compile (channels last, largest batch first, while 60 s allow): the reference of this run
 #    (skipped with LIPSYNC_PROFILE_TORCH=0).
@@ -31,6 +34,7 @@ TESTS=${LIPSYNC_PROFILE_TESTS:-nhwc generator_in_f16}
 SECONDS_EACH=${LIPSYNC_PROFILE_SECONDS:-75}
 CONFIGS=("$@")
 [ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=(nhwc:256M:subpixel nhwc:256M:transposed nchw:256M:transposed)
+[ "${CONFIGS[*]}" != - ] || CONFIGS=()  # "-": no configuration runs
 MORE=${LIPSYNC_PROFILE_MORE-accuracy,instances}
 mkdir -p "$OUT" "$WORK/bin"
 MD=$OUT/profile.md
@@ -82,7 +86,7 @@ if [ -x "$GPU_TEST" ] && [ -n "$TESTS" ]; then
   md '```' ""
 fi
 
-for cfg in "${CONFIGS[@]}"; do
+for cfg in "${CONFIGS[@]+"${CONFIGS[@]}"}"; do
   IFS=: read -r layout workspace upsampling <<< "$cfg"
   upsampling=${upsampling:-subpixel}
   md "## --conv-layout $layout --cudnn-workspace $workspace --conv-upsampling $upsampling" "" \
@@ -94,12 +98,22 @@ for cfg in "${CONFIGS[@]}"; do
 done
 
 if [ -n "$MORE" ]; then
-  md "## serve's defaults: \`lipsync bench --sections $MORE --dtypes f16,bf16 --instances 1,3 --instance-batch 384\`" ""
+  inst=${LIPSYNC_PROFILE_INSTANCES:-1,3}
+  ib=${LIPSYNC_PROFILE_INSTANCE_BATCH:-384}
+  md "## serve's defaults: \`lipsync bench --sections $MORE --dtypes f16,bf16 --instances $inst --instance-batch $ib\`" ""
   part "$SECONDS_EACH" "bench $MORE" "${RUN[@]}" "$BIN" bench --checkpoint "$WEIGHTS" \
-    --sections "$MORE" --dtypes f16,bf16 --instances 1,3 --instance-batch 384 --seconds 1 \
+    --sections "$MORE" --dtypes f16,bf16 --instances "$inst" --instance-batch "$ib" --seconds 1 \
     --accuracy-inputs "$WORK/accuracy-inputs.safetensors"
   md ""
 fi
+
+[ ! -x "$WORK/bin/ffmpeg" ] || export LIPSYNC_FFMPEG=$WORK/bin/ffmpeg
+for n in ${LIPSYNC_PROFILE_E2E_INSTANCES:-}; do
+  md "## End to end with --instances $n: \`lipsync bench --sections e2e --e2e 10,40 --encode-frames 0\`" ""
+  LIPSYNC_INSTANCES=$n part "$SECONDS_EACH" "e2e, $n instance(s)" "${RUN[@]}" "$BIN" bench \
+    --checkpoint "$WEIGHTS" --sections e2e --e2e 10,40 --encode-frames 0
+  md ""
+done
 
 if [ "${LIPSYNC_PROFILE_TORCH:-1}" != 0 ] && python3 -c 'import torch' 2>/dev/null; then
   md "## PyTorch, the same weights" ""
