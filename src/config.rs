@@ -376,6 +376,37 @@ mod tests {
     }
 
     #[test]
+    fn the_cudnn_path_defaults_to_nhwc_subpixel_and_256m_and_takes_each_flag() {
+        use crate::model::cudnn::{ConvEngine, ConvLayout, Upsampling};
+        let c = parse(&[]).engine.conv;
+        assert_eq!(c.conv_engine, ConvEngine::Cudnn);
+        assert_eq!(c.conv_layout, ConvLayout::Nhwc);
+        assert_eq!(c.conv_upsampling, Upsampling::Subpixel);
+        assert_eq!(c.cudnn_workspace, 256 << 20);
+        let c = parse(&[
+            "--conv-layout",
+            "nchw",
+            "--conv-upsampling",
+            "transposed",
+            "--cudnn-workspace",
+            "2G",
+        ])
+        .engine
+        .conv;
+        assert_eq!(c.conv_layout, ConvLayout::Nchw);
+        assert_eq!(c.conv_upsampling, Upsampling::Transposed);
+        assert_eq!(c.cudnn_workspace, 2 << 30);
+        for bad in [
+            ["--conv-layout", "chwn"],
+            ["--conv-upsampling", "nearest"],
+            ["--cudnn-workspace", "lots"],
+        ] {
+            let args = ["lipsync", "--checkpoint", "w", bad[0], bad[1]];
+            assert!(Cli::try_parse_from(args).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
     fn sizes_parse_with_suffixes() {
         assert_eq!(parse_bytes("1000"), Ok(1000));
         assert_eq!(parse_bytes("512K"), Ok(512 << 10));

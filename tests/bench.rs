@@ -58,6 +58,11 @@ fn bench_runs_every_section_and_writes_json() {
         &json,
     );
     let out = text(&o.stdout);
+    // Every section but the per-layer profile, which is CUDA's.
+    assert!(
+        !out.contains("## Layers"),
+        "layers ran by default on the CPU:\n{out}"
+    );
     for section in [
         "## Model only",
         "## Device memory in use",
@@ -188,6 +193,17 @@ fn bench_sections_run_only_the_parts_named() {
         assert!(v.get(absent).is_none(), "{absent} in {v}");
     }
     assert_eq!(v["model"].as_array().unwrap().len(), 1);
+
+    // The per-layer profile is the own cuDNN path's: asked for on the CPU, it says why there
+    // is no table instead of printing an empty one.
+    let o = bench(&["--sections", "layers", "--batches", "1"], &json);
+    let out = text(&o.stdout);
+    assert!(out.contains("## Layers"), "{out}");
+    assert!(
+        out.contains("Only in CUDA builds") || out.contains("The own path is not in use"),
+        "{out}"
+    );
+    assert!(!out.contains("| layer |"), "{out}");
 
     // A section that cannot run with the other flags is refused before anything runs.
     let o = Command::new(env!("CARGO_BIN_EXE_lipsync"))

@@ -217,3 +217,37 @@ impl std::str::FromStr for ConvEngine {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_map_dimensions_both_ways() {
+        let nchw = [2, 3, 5, 7];
+        assert_eq!(ConvLayout::Nhwc.physical(nchw), [2, 5, 7, 3]);
+        assert_eq!(ConvLayout::Nhwc.logical([2, 5, 7, 3]), nchw);
+        assert_eq!(ConvLayout::Nchw.physical(nchw), nchw);
+        assert_eq!(ConvLayout::Nchw.logical(nchw), nchw);
+        assert_eq!(ConvLayout::Nchw.channel_axis(), 1);
+        assert_eq!(ConvLayout::Nhwc.channel_axis(), 3);
+        // The channel axis of the physical dimensions holds c.
+        for layout in [ConvLayout::Nchw, ConvLayout::Nhwc] {
+            assert_eq!(layout.physical(nchw)[layout.channel_axis()], 3);
+        }
+    }
+
+    #[test]
+    fn layout_and_upsampling_names_parse_and_others_do_not() {
+        for name in ConvLayout::NAMES {
+            let l: ConvLayout = name.parse().unwrap();
+            assert_eq!(serde_json::to_value(l).unwrap(), *name);
+        }
+        for name in Upsampling::NAMES {
+            let u: Upsampling = name.parse().unwrap();
+            assert_eq!(serde_json::to_value(u).unwrap(), *name);
+        }
+        assert!("NCHWC".parse::<ConvLayout>().is_err());
+        assert!("bilinear".parse::<Upsampling>().is_err());
+    }
+}
