@@ -8,8 +8,9 @@
 //! (`bench/gpu_run.sh` runs it when the binary is carried as `target/release/gpu-test`;
 //! `LIPSYNC_GPU_TEST_BATCHES=2` for a small run.)
 //!
-//! The own path runs in both activation layouts (`--conv-layout nchw`, the default, and
-//! `nhwc`, whose tests end in `_nhwc`).
+//! The own path runs in both activation layouts (`--conv-layout nhwc`, the default, whose tests
+//! end in `_nhwc`, and `nchw`), with the decoder's upsampling as the process's settings have
+//! it (subpixel by default: `src/model/subpixel.rs`).
 //!
 //! Prints per layer the chosen algorithm, math type, whether bias/residual/ReLU were fused,
 //! the largest difference and the PSNR of both paths; fails on a layer (or a generator) whose

@@ -22,9 +22,11 @@ use super::arch::{LayerKind, LayerSpec};
 use super::cudnn::ConvLayout;
 use super::Result;
 
-/// Whether a layer is a transposed convolution this rewrite covers.
+/// Whether a layer is a transposed convolution this rewrite covers (without a residual add,
+/// whose input could not match the upsampled output anyway).
 pub fn applies(spec: &LayerSpec) -> bool {
     spec.kind == LayerKind::ConvTranspose
+        && !spec.residual
         && spec.kernel == 3
         && spec.stride == (2, 2)
         && spec.padding == 1
@@ -42,7 +44,7 @@ pub fn conv_spec(spec: &LayerSpec) -> LayerSpec {
         stride: (1, 1),
         padding: 1,
         output_padding: 0,
-        residual: spec.residual,
+        residual: false,
     }
 }
 

@@ -438,10 +438,14 @@ pub(super) fn autotune(a: &BenchArgs, plan: &Plan, checkpoint: &Path) -> Result<
     let dir = tempfile::tempdir().map_err(io)?;
     let cache = dir.path().join("autotune.json");
     let exe = std::env::current_exe().map_err(io)?;
-    let engine = serde_json::to_value(a.conv.conv_engine)
-        .ok()
-        .and_then(|v| v.as_str().map(String::from))
-        .unwrap_or_else(|| "cudnn".into());
+    // A flag's value as its name (the enums serialise to the names their parsers take).
+    fn flag(v: impl serde::Serialize) -> String {
+        serde_json::to_value(v)
+            .ok()
+            .and_then(|v| v.as_str().map(String::from))
+            .unwrap_or_default()
+    }
+    let engine = flag(a.conv.conv_engine);
     println!(
         "\n## Autotune (one instance's load, check and warm-up as serve runs them: {}, \
          batches up to {}, --conv-engine {engine}; each a fresh process)\n",
@@ -462,6 +466,12 @@ pub(super) fn autotune(a: &BenchArgs, plan: &Plan, checkpoint: &Path) -> Result<
             .args(["--cuda-device", plan.cuda_device.to_string().as_str()])
             .args(["--service-dtype", plan.service.dtype().as_str()])
             .args(["--conv-engine", engine.as_str()])
+            .args(["--conv-layout", flag(a.conv.conv_layout).as_str()])
+            .args(["--conv-upsampling", flag(a.conv.conv_upsampling).as_str()])
+            .args([
+                "--cudnn-workspace",
+                a.conv.cudnn_workspace.to_string().as_str(),
+            ])
             .arg("--autotune-cache")
             .arg(&cache)
             .args(["--batches", plan.largest_batch().to_string().as_str()])
@@ -553,10 +563,11 @@ const LAYER_RUNS: usize = 3;
 pub(super) fn layers(plan: &Plan, weights: &Arc<GeneratorWeights>) -> Result<Value, CliError> {
     let conv = lipsync::model::cudnn::settings();
     println!(
-        "\n## Layers (own cuDNN path, {}, {:?} activations, workspace up to {} MiB; ms per \
-         forward pass (µs per frame), least of {LAYER_RUNS} passes)\n",
+        "\n## Layers (own cuDNN path, {}, {:?} activations, {:?} upsampling, workspace up to \
+         {} MiB; ms per forward pass (µs per frame), least of {LAYER_RUNS} passes)\n",
         plan.service_text(),
         conv.layout,
+        conv.upsampling,
         conv.workspace_limit >> 20
     );
     #[cfg(not(feature = "cuda"))]
@@ -678,7 +689,8 @@ pub(super) fn layers(plan: &Plan, weights: &Arc<GeneratorWeights>) -> Result<Val
             format!("{:.0}", b as f64 * 1e3 / p.total_ms as f64)
         });
         Ok(json!({
-            "layout": conv.layout, "workspace_limit_bytes": conv.workspace_limit,
+            "layout": conv.layout, "upsampling": conv.upsampling,
+            "workspace_limit_bytes": conv.workspace_limit,
             "dtype": dtype.as_str(), "layers": rows,
             "passes": profiles.iter().zip(&sums).map(|((b, p), sum)| json!({
                 "batch": b, "total_ms": p.total_ms, "layers_ms": sum,

@@ -419,7 +419,7 @@ struct Inner {
     relu: ActDesc,
     /// Grown to the largest chosen algorithm's need; reused by every call.
     workspace: Option<CudaSlice<u8>>,
-    /// The searches' workspace ([`FIND_WORKSPACE_BYTES`], not zeroed), kept for the whole
+    /// The searches' workspace (at most the workspace limit, not zeroed), kept for the whole
     /// warm-up and freed by [`CudnnEngine::finish_warm_up`].
     search_workspace: Option<CudaSlice<u8>>,
     plans: PlanCache<Plan>,
@@ -537,7 +537,12 @@ impl CudnnEngine {
             layout,
             workspace_limit: settings().workspace_limit,
             upsampling: settings().upsampling,
-            device_name: format!("{gpu} / cuDNN {version}"),
+            // The autotune cache file's identity: choices made under another workspace limit
+            // are not reused (a lower limit could not run them, a higher one never searches).
+            device_name: format!(
+                "{gpu} / cuDNN {version} / workspace {} MiB",
+                settings().workspace_limit >> 20
+            ),
         })
     }
 
@@ -886,11 +891,10 @@ impl CudnnEngine {
         (x_ptr, w_ptr, y_ptr): (u64, u64, u64),
     ) -> candle_core::Result<(Algo, Choice)> {
         if search_workspace.is_none() {
-            // SAFETY: scratch memory for cuDNN; never read by us.
-            *search_workspace =
-                Some(unsafe { self.stream.alloc::<u8>(self.workspace_limit.max(1))? });
+            *search_workspace = Some(self.search_buffer()?);
         }
         let ws_buf = search_workspace.as_mut().expect("allocated above");
+        let ws_bytes = ws_buf.len();
         let (ws, _ws_sync) = ws_buf.device_ptr_mut(&self.stream);
         let mut count: c_int = 0;
         let cands = if transposed {
@@ -911,7 +915,7 @@ impl CudnnEngine {
                         perf.as_mut_ptr()
                             .cast::<sys::cudnnConvolutionBwdDataAlgoPerf_t>(),
                         ws as *mut c_void,
-                        self.workspace_limit,
+                        ws_bytes,
                     )
                 },
                 "find backward-data algorithm",
@@ -935,14 +939,45 @@ impl CudnnEngine {
                         perf.as_mut_ptr()
                             .cast::<sys::cudnnConvolutionFwdAlgoPerf_t>(),
                         ws as *mut c_void,
-                        self.workspace_limit,
+                        ws_bytes,
                     )
                 },
                 "find forward algorithm",
             )?;
             candidates(&perf, count, transposed)
         };
-        self.choose(transposed, &cands, "search")
+        // Within what the search could allocate, which may be less than the limit.
+        self.choose(
+            transposed,
+            &cands,
+            "search",
+            ws_bytes.min(self.workspace_limit),
+        )
+    }
+
+    /// The searches' workspace: the workspace limit, halved until the device can hold it (down
+    /// to 16 MiB), so a large `--cudnn-workspace` narrows the search instead of failing every
+    /// warm-up batch; algorithms are then timed only within what was allocated.
+    fn search_buffer(&self) -> candle_core::Result<CudaSlice<u8>> {
+        let mut bytes = self.workspace_limit.max(1);
+        loop {
+            // SAFETY: scratch memory for cuDNN; never read by us.
+            match unsafe { self.stream.alloc::<u8>(bytes) } {
+                Ok(buf) => {
+                    if bytes < self.workspace_limit {
+                        tracing::warn!(
+                            "cuDNN search workspace: {} MiB of the {} MiB allowed could be \
+                             allocated; algorithms needing more are not considered",
+                            bytes >> 20,
+                            self.workspace_limit >> 20
+                        );
+                    }
+                    return Ok(buf);
+                }
+                Err(e) if bytes <= SEARCH_WORKSPACE_FLOOR => return Err(e.into()),
+                Err(_) => bytes = (bytes / 2).max(SEARCH_WORKSPACE_FLOOR),
+            }
+        }
     }
 
     /// cuDNN's heuristic order (no timing, no buffers), first usable entry.
@@ -992,7 +1027,8 @@ impl CudnnEngine {
             )?;
             candidates(&perf, count, transposed)
         };
-        let (algo, mut choice) = self.choose(transposed, &cands, "heuristic")?;
+        let (algo, mut choice) =
+            self.choose(transposed, &cands, "heuristic", self.workspace_limit)?;
         choice.ms = -1.0;
         Ok((algo, choice))
     }
@@ -1002,6 +1038,7 @@ impl CudnnEngine {
         transposed: bool,
         cands: &[Candidate],
         how: &str,
+        max_workspace: usize,
     ) -> candle_core::Result<(Algo, Choice)> {
         // Nothing usable is cuDNN not supporting this layer here (a cuDNN failure other than
         // memory: candle's operations may run it).
@@ -1010,7 +1047,7 @@ impl CudnnEngine {
             status: format!("CUDNN_STATUS_NOT_SUPPORTED ({what})"),
             code: sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED as u32,
         };
-        let choice = pick(cands, self.dtype, self.workspace_limit)
+        let choice = pick(cands, self.dtype, max_workspace)
             .ok_or_else(|| unsupported(format!("no usable algorithm among {cands:?}")))?;
         let algo = Algo::from_name(transposed, &choice.algo)
             .ok_or_else(|| unsupported(format!("unknown algorithm {}", choice.algo)))?;
@@ -1316,6 +1353,9 @@ fn plan_key(
         .map_err(|_| candle_core::Error::Msg("cuDNN layer: weight is not 4-D".into()))?;
     Ok(PlanKey::new(block.path(), block.spec(), dims, wdims))
 }
+
+/// The smallest search workspace tried when the limit cannot be allocated.
+const SEARCH_WORKSPACE_FLOOR: usize = 16 << 20;
 
 /// Timed runs of the fused call and of the unfused sequence, per plan, once (during warm-up).
 const FUSE_TIMING_RUNS: usize = 3;

@@ -5,15 +5,17 @@
 //! naive kernel), f16/bf16 with f32 accumulation, and bias + residual + ReLU fused into the
 //! convolution (`cudnnConvolutionBiasActivationForward`) where that was measured faster.
 //!
-//! - **Autotuning.** The first time a (layer shape, batch, dtype) is run during warm-up,
+//! - **Autotuning.** The first time a (layer shape, batch, dtype, layout) is run during warm-up,
 //!   `cudnnFind…AlgorithmEx` times every algorithm on the real buffers (one search workspace
-//!   of [`ConvSettings::workspace_limit`], not zeroed, for the whole warm-up); the fastest usable one
+//!   of at most [`ConvSettings::workspace_limit`], halved until it can be allocated, not
+//!   zeroed, for the whole warm-up); the fastest usable one
 //!   ([`pick`]: succeeded, fits, f32 only without tensor cores) is kept for the process
 //!   (shared by all instances) with the math type it runs with ([`MathType::to_run`]: for
 //!   f32 always FMA, whether cuDNN reported FMA or DEFAULT math, so never TF32; for f16/bf16
 //!   exactly the one the search reported) and, with a cache file ([`configure`]), written to
-//!   JSON once warm-up ends, so a restart skips the search. The file records the GPU and
-//!   cuDNN version; a file from another GPU or version is ignored. After
+//!   JSON once warm-up ends, so a restart skips the search. The file records the GPU, the
+//!   cuDNN version and the workspace limit; a file from another GPU, version or limit is
+//!   ignored (a lower limit could not run its choices, a higher one would never be used). After
 //!   [`CudnnEngine::finish_warm_up`] a shape not seen yet takes cuDNN's heuristic choice
 //!   (`cudnnGet…Algorithm_v7`): no search in the middle of a request.
 //! - **Fusion.** The algorithm is timed unfused, and the fused call can be much slower than
