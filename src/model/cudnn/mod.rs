@@ -1,8 +1,8 @@
 //! The own convolution path on CUDA: every layer's convolution through cuDNN directly, with
 //! the algorithm chosen by timing (what PyTorch's `cudnn.benchmark` does) instead of candle's
 //! heuristic, descriptors built once per layer and batch size, one persistent workspace per
-//! instance, transposed convolutions as `ConvolutionBackwardData` (candle runs them with a
-//! naive kernel), f16/bf16 with f32 accumulation, and bias + residual + ReLU fused into the
+//! instance, stride-2 transposed convolutions as a forward convolution and a pixel shuffle
+//! and the others as `ConvolutionBackwardData` (candle runs them with a naive kernel), f16/bf16 with f32 accumulation, and bias + residual + ReLU fused into the
 //! convolution (`cudnnConvolutionBiasActivationForward`) where that was measured faster.
 //!
 //! - **Autotuning.** The first time a (layer shape, batch, dtype, layout) is run during warm-up,
