@@ -901,6 +901,7 @@ function setLiveButtons(running) {
   $("live-clear").disabled = !running;
   $("live-stop").disabled = !running;
   $("live-fps").disabled = running;
+  $("live-min-draw").disabled = running;
 }
 
 // The avatar the session speaks with: the chosen one, the photo's own, or a new one for a box
@@ -1110,6 +1111,10 @@ async function startLive() {
     return;
   }
   const fps = Number($("live-fps").value) || 25;
+  // The fewest faces per second accepted (min_draw_fps; the server's default is 5): on a slow
+  // machine a lower one starts a session that would be refused as over capacity.
+  const minDraw = Number($("live-min-draw").value);
+  const minDrawFps = minDraw > 0 ? Math.min(minDraw, fps) : 5;
   let stream;
   try {
     stream = await navigator.mediaDevices.getUserMedia({
@@ -1165,7 +1170,7 @@ async function startLive() {
     ws.send(JSON.stringify({
       avatar_id: avatarId, fps,
       audio: { format: "s16le", sample_rate: L.ctx.sampleRate, channels: 1 },
-      output: "fmp4",
+      output: "fmp4", min_draw_fps: minDrawFps,
     }));
     L.node.port.onmessage = (ev) => {
       if (ws.readyState === WebSocket.OPEN && !L.stopping) liveChunk(L, ev.data.pcm, ev.data.rms);
