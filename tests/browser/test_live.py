@@ -128,7 +128,10 @@ def test_live_mode_shows_speaking_frames_from_the_microphone(live_page: Page):
     assert int(m.group(1)) <= 2_000, p.text("#live-latency")
     # The speaking frames drawn and held so far, as the server counted them at its last event.
     m = re.fullmatch(r"(\d+) received, \d+ speaking frames shown; (\d+) drawn, (\d+) held \(server\)", p.text("#live-frames"))
-    assert m and int(m.group(2)) + int(m.group(3)) <= int(m.group(1)), p.text("#live-frames")
+    # The server's counts come with its last activity event, which goes out before the frames
+    # it counts have been through the encoder: they may run ahead of the frames received by
+    # the encoder's delay (well under a second, 25 frames), never more.
+    assert m and int(m.group(2)) + int(m.group(3)) <= int(m.group(1)) + 25, p.text("#live-frames")
     # The speaking frames are the model's mouths, not the idle face: the mouth changes while
     # speaking, far more than the idle face's frames differ from one another (encoding noise).
     mouth = p.page.evaluate("window.mouth")
@@ -197,6 +200,7 @@ def test_live_mode_sends_the_api_key_in_the_query(live_browser, tmp_path):
         assert p.page.is_enabled("#live-start")
         # The right one, as ?api_key= (browsers cannot set headers on a WebSocket).
         p.page.fill("#api-key", "s3cret-key")
+        p.page.fill("#live-min-draw", "1")  # as above: never refused for capacity on 2 cores
         p.page.click("#live-start")
         p.wait(f"() => {LIVE} && {LIVE}.ready && {LIVE}.frames > 0", 60_000)
         p.page.click("#live-stop")
