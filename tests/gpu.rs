@@ -208,22 +208,6 @@ fn to_gpu(block: &ConvBlock, dev: &Device, dtype: DType) -> ConvBlock {
     )
 }
 
-/// An NCHW activation in `layout`.
-fn to_layout(x: &Tensor, layout: ConvLayout) -> Tensor {
-    match layout {
-        ConvLayout::Nchw => x.clone(),
-        ConvLayout::Nhwc => x.permute((0, 2, 3, 1)).unwrap().contiguous().unwrap(),
-    }
-}
-
-/// An activation in `layout` as NCHW.
-fn from_layout(x: &Tensor, layout: ConvLayout) -> Tensor {
-    match layout {
-        ConvLayout::Nchw => x.clone(),
-        ConvLayout::Nhwc => x.permute((0, 3, 1, 2)).unwrap().contiguous().unwrap(),
-    }
-}
-
 fn layers_in(dtype: DType, layout: ConvLayout) {
     let (dev, cuda) = gpu();
     let cpu = cpu_model();
@@ -237,7 +221,7 @@ fn layers_in(dtype: DType, layout: ConvLayout) {
             // The f32 CPU reference on the BASE frames (candle's CPU convolution: exact f32).
             let reference = reference_rows(&block.forward(x).unwrap(), n);
             let g = to_gpu(block, &dev, dtype);
-            let xg = to_layout(&tile(x, n, &dev, dtype), layout);
+            let xg = layout.from_nchw(&tile(x, n, &dev, dtype)).unwrap();
             let sel = index(&rows(n), &dev);
             // Twice: the first call searches, runs unfused and then times the fused call
             // against the unfused sequence; the second is the steady state (fused only where
@@ -248,7 +232,7 @@ fn layers_in(dtype: DType, layout: ConvLayout) {
                     .forward(&g, &xg)
                     .map_err(|e| format!("{} at batch {n}: {e}", block.path()))
                     .unwrap();
-                let own = from_layout(&own, layout).index_select(&sel, 0).unwrap();
+                let own = layout.to_nchw(&own).unwrap().index_select(&sel, 0).unwrap();
                 own_runs.push(compare(&own, &reference));
             }
             let candle = g

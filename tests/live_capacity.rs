@@ -41,10 +41,6 @@ fn start_slowed() -> Server {
     )
 }
 
-async fn upload_avatar(s: &Server) -> String {
-    s.upload_avatar().await
-}
-
 async fn info(s: &Server) -> serde_json::Value {
     reqwest::get(s.url("/info"))
         .await
@@ -341,7 +337,7 @@ async fn a_session_over_capacity_keeps_its_clock_its_audio_and_draws_what_it_can
     let t = Instant::now();
     let s = start_slowed();
     s.wait_ready().await;
-    let avatar = upload_avatar(&s).await;
+    let avatar = s.upload_avatar().await;
     let offered = info(&s).await["sessions"]["draw_fps"].as_f64().unwrap();
     let speech = speech(4);
     let run = run_session(&s, &avatar, &speech, Duration::from_secs(1)).await;
@@ -373,7 +369,7 @@ async fn sessions_over_capacity_share_the_drawn_frames_fairly() {
     let t = Instant::now();
     let s = start_slowed();
     s.wait_ready().await;
-    let avatar = upload_avatar(&s).await;
+    let avatar = s.upload_avatar().await;
     let speech = speech(6);
     // The second opens a little after the first; they speak at the same time.
     let (a, b) = tokio::join!(

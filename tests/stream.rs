@@ -53,10 +53,6 @@ fn refused_status(r: Result<Ws, tungstenite::Error>) -> u16 {
     }
 }
 
-async fn upload_avatar(s: &Server) -> String {
-    s.upload_avatar().await
-}
-
 /// 16 kHz mono s16le of the one-second ARCTIC clip.
 fn speech_pcm() -> (Vec<f32>, Vec<u8>) {
     let samples = lipsync::media::audio::load(&media("arctic_a0007_1s.wav"), 60.0)
@@ -223,7 +219,7 @@ async fn auth_origin_and_upgrade_are_checked_before_the_session() {
 async fn bad_openings_get_an_error_and_a_close_code() {
     let s = Server::start(&["--max-sessions", "20"]);
     s.wait_ready().await;
-    let avatar = upload_avatar(&s).await;
+    let avatar = s.upload_avatar().await;
     let cases: Vec<(Message, u16, &str)> = vec![
         (Message::Text("hello".into()), 1008, "bad_message"),
         (Message::Binary(vec![0u8; 64].into()), 1008, "bad_message"),
@@ -280,7 +276,7 @@ async fn bad_openings_get_an_error_and_a_close_code() {
 async fn a_session_idles_speaks_the_file_plan_and_ends() {
     let s = Server::start(&["--utterance-gap-ms", "2000"]);
     s.wait_ready().await;
-    let avatar = upload_avatar(&s).await;
+    let avatar = s.upload_avatar().await;
     let (mut ws, mut got) = open_session(&s, &avatar).await;
     let ready = &got.texts[0];
     assert_eq!(ready["mime"], "image/jpeg");
@@ -351,7 +347,7 @@ async fn a_session_idles_speaks_the_file_plan_and_ends() {
 async fn clear_interrupts_speech_at_once() {
     let s = Server::start(&["--utterance-gap-ms", "5000"]);
     s.wait_ready().await;
-    let avatar = upload_avatar(&s).await;
+    let avatar = s.upload_avatar().await;
     let (mut ws, mut got) = open_session(&s, &avatar).await;
     // Ten seconds of speech at once, then an interrupt once speech has begun.
     let (_, pcm) = speech_pcm();
@@ -387,7 +383,7 @@ async fn clear_interrupts_speech_at_once() {
 async fn sessions_are_bounded_and_a_vanished_client_frees_its_slot() {
     let s = Server::start(&["--max-sessions", "1"]);
     s.wait_ready().await;
-    let avatar = upload_avatar(&s).await;
+    let avatar = s.upload_avatar().await;
     let (mut ws, _) = open_session(&s, &avatar).await;
     let (_, pcm) = speech_pcm();
     ws.send(Message::Binary(pcm.into())).await.unwrap();
@@ -607,7 +603,7 @@ fn a_session_draws_the_file_paths_frames() {
 async fn fmp4_output_is_an_init_segment_then_playable_fragments() {
     let s = Server::start(&["--utterance-gap-ms", "2000"]);
     s.wait_ready().await;
-    let avatar = upload_avatar(&s).await;
+    let avatar = s.upload_avatar().await;
     let mut ws = connect_with(&s, "", &[]).await.unwrap();
     ws.send(opening(&avatar, "fmp4")).await.unwrap();
     let mut got = Received {
@@ -797,7 +793,7 @@ async fn a_session_is_refused_below_its_min_draw_fps_beside_the_open_ones() {
         &[("LIPSYNC_TEST_FAULTS", "batch_delay_ms:100")],
     );
     s.wait_ready().await;
-    let avatar = upload_avatar(&s).await;
+    let avatar = s.upload_avatar().await;
     let open = |min_draw_fps: Option<f64>| {
         let mut o = serde_json::json!({"avatar_id": avatar, "fps": 25, "output": "jpeg"});
         if let Some(m) = min_draw_fps {
@@ -877,7 +873,7 @@ async fn a_session_is_refused_below_its_min_draw_fps_beside_the_open_ones() {
 async fn sigterm_lets_a_session_finish_its_utterance_then_closes_1001() {
     let s = Server::start(&["--utterance-gap-ms", "5000"]);
     s.wait_ready().await;
-    let avatar = upload_avatar(&s).await;
+    let avatar = s.upload_avatar().await;
     let (mut ws, mut got) = open_session(&s, &avatar).await;
     let (_, pcm) = speech_pcm();
     ws.send(Message::Binary(pcm.into())).await.unwrap();
@@ -920,7 +916,7 @@ fn wait_exit(s: &mut Server) -> std::process::ExitStatus {
 async fn sigterm_mid_utterance_closes_1001_at_the_shutdown_timeout() {
     let s = Server::start(&["--utterance-gap-ms", "5000", "--shutdown-timeout", "1"]);
     s.wait_ready().await;
-    let avatar = upload_avatar(&s).await;
+    let avatar = s.upload_avatar().await;
     let (mut ws, mut got) = open_session(&s, &avatar).await;
     // Ten seconds of speech: far more than the one-second shutdown timeout lets it draw.
     let (_, pcm) = speech_pcm();
@@ -981,7 +977,7 @@ async fn silence_longer_than_the_utterance_gap_splits_utterances_and_a_short_pau
     const GAP: Duration = Duration::from_millis(500);
     let s = Server::start(&["--utterance-gap-ms", "500"]);
     s.wait_ready().await;
-    let avatar = upload_avatar(&s).await;
+    let avatar = s.upload_avatar().await;
     let (mut ws, mut got) = open_session(&s, &avatar).await;
     let (samples, pcm) = speech_pcm();
 
@@ -1039,7 +1035,7 @@ async fn silence_longer_than_the_utterance_gap_splits_utterances_and_a_short_pau
 async fn f32_stereo_48k_is_averaged_and_resampled() {
     let s = Server::start(&["--utterance-gap-ms", "2000", "--max-sessions", "4"]);
     s.wait_ready().await;
-    let avatar = upload_avatar(&s).await;
+    let avatar = s.upload_avatar().await;
     let mut ws = connect_with(&s, "", &[]).await.unwrap();
     let open = serde_json::json!({
         "avatar_id": avatar, "fps": "25/1", "loop": "repeat",
@@ -1079,18 +1075,7 @@ async fn f32_stereo_48k_is_averaged_and_resampled() {
 async fn a_video_avatar_idles_on_its_own_frames_and_speaks_on_them() {
     let s = Server::start(&["--utterance-gap-ms", "2000", "--max-sessions", "4"]);
     s.wait_ready().await;
-    let form = reqwest::multipart::Form::new().part(
-        "video",
-        reqwest::multipart::Part::bytes(media("carphone.mp4")).file_name("c.mp4"),
-    );
-    let r = reqwest::Client::new()
-        .post(s.url("/v1/avatars"))
-        .multipart(form)
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success(), "{}", r.status());
-    let v: serde_json::Value = r.json().await.unwrap();
+    let v = s.upload_avatar_file("video", "carphone.mp4").await;
     assert_eq!(v["kind"], "video");
     let id = v["id"].as_str().unwrap().to_string();
     let mut ws = connect_with(&s, "", &[]).await.unwrap();
@@ -1131,7 +1116,7 @@ async fn a_silent_client_times_out_and_audio_far_ahead_is_refused() {
         "4",
     ]);
     s.wait_ready().await;
-    let avatar = upload_avatar(&s).await;
+    let avatar = s.upload_avatar().await;
     // No message after the opening: closed after the idle timeout (frames kept coming).
     let (mut ws, mut got) = open_session(&s, &avatar).await;
     let t = Instant::now();
@@ -1166,7 +1151,7 @@ async fn a_silent_client_times_out_and_audio_far_ahead_is_refused() {
 async fn a_client_that_stops_reading_is_cut_by_the_send_timeout() {
     let s = Server::start(&["--send-timeout", "2", "--max-sessions", "4"]);
     s.wait_ready().await;
-    let avatar = upload_avatar(&s).await;
+    let avatar = s.upload_avatar().await;
     let (mut ws, _) = open_session(&s, &avatar).await;
     // Keep sending audio (so the idle timeout never fires) but read nothing: the frames pile
     // up in the socket buffers until the send timeout cuts the connection.
@@ -1191,7 +1176,7 @@ async fn a_client_that_stops_reading_is_cut_by_the_send_timeout() {
     // The same client without a send timeout keeps its session for as long (and longer).
     let s = Server::start(&["--send-timeout", "0", "--max-sessions", "4"]);
     s.wait_ready().await;
-    let avatar = upload_avatar(&s).await;
+    let avatar = s.upload_avatar().await;
     let (mut ws, _) = open_session(&s, &avatar).await;
     let until = Instant::now() + took.max(Duration::from_secs(10));
     while Instant::now() < until {

@@ -137,14 +137,6 @@ mod tests {
     use crate::model::arch;
     use crate::model::wav2lip::conv_layer;
 
-    fn nhwc(x: &Tensor) -> Tensor {
-        x.permute((0, 2, 3, 1)).unwrap().contiguous().unwrap()
-    }
-
-    fn nchw(x: &Tensor) -> Tensor {
-        x.permute((0, 3, 1, 2)).unwrap().contiguous().unwrap()
-    }
-
     /// candle's transposed convolution (f32, CPU) against the forward convolution and the
     /// shuffle, in both layouts, for every decoder layer the rewrite covers (channels cut to
     /// keep the test short), with odd and even sizes and a batch above 1.
@@ -172,17 +164,13 @@ mod tests {
             let (cw, cb) = conv_parts(&spec, &wt, &bias).unwrap();
             let z = conv_layer(&x, &cw, &cb, &conv_spec(&spec)).unwrap();
             for layout in [ConvLayout::Nchw, ConvLayout::Nhwc] {
-                let y = match layout {
-                    ConvLayout::Nchw => shuffle(&z, spec.cout, layout).unwrap(),
-                    ConvLayout::Nhwc => nchw(&shuffle(&nhwc(&z), spec.cout, layout).unwrap()),
-                };
+                let shuffled = shuffle(&layout.from_nchw(&z).unwrap(), spec.cout, layout).unwrap();
+                let y = layout.to_nchw(&shuffled).unwrap();
                 let diff = (y - &reference)
                     .unwrap()
                     .abs()
                     .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .max(0)
+                    .max_all()
                     .unwrap()
                     .to_scalar::<f32>()
                     .unwrap();

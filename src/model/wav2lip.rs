@@ -703,10 +703,7 @@ impl Wav2Lip {
         let n = check_inputs(mel, face)?;
         let to_layout = |t: &Tensor| -> Result<Tensor> {
             let t = t.to_device(&self.device)?.to_dtype(self.dtype)?;
-            Ok(match layout {
-                ConvLayout::Nchw => t,
-                ConvLayout::Nhwc => t.permute((0, 2, 3, 1))?.contiguous()?,
-            })
+            Ok(layout.from_nchw(&t)?)
         };
         let (mel, face) = (to_layout(mel)?, to_layout(face)?);
         let mut run = |blocks: &[ConvBlock], x: Tensor| -> Result<Tensor> {
@@ -741,11 +738,7 @@ impl Wav2Lip {
         }
         let _span = tracing::trace_span!("output_block", n).entered();
         let x = run(&self.output_block, x)?;
-        let x = match layout {
-            ConvLayout::Nchw => x,
-            ConvLayout::Nhwc => x.permute((0, 3, 1, 2))?.contiguous()?,
-        };
-        Ok(candle_nn::ops::sigmoid(&x)?)
+        Ok(candle_nn::ops::sigmoid(&layout.to_nchw(&x)?)?)
     }
 }
 

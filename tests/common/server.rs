@@ -185,9 +185,16 @@ impl Server {
 
     /// `POST /v1/avatars` with the astronaut photo: the avatar's id.
     pub async fn upload_avatar(&self) -> String {
+        let v = self.upload_avatar_file("image", "astronaut.png").await;
+        v["id"].as_str().unwrap().to_string()
+    }
+
+    /// `POST /v1/avatars` with `tests/media/FILE` as the form's `field` (`image` or `video`):
+    /// the created avatar (201 or 200 asserted).
+    pub async fn upload_avatar_file(&self, field: &str, file: &str) -> serde_json::Value {
         let form = Form::new().part(
-            "image",
-            Part::bytes(super::media("astronaut.png")).file_name("a.png"),
+            field.to_string(),
+            Part::bytes(super::media(file)).file_name(file.to_string()),
         );
         let r = reqwest::Client::new()
             .post(self.url("/v1/avatars"))
@@ -196,8 +203,7 @@ impl Server {
             .await
             .unwrap();
         assert!(r.status().is_success(), "{}", r.status());
-        let v: serde_json::Value = r.json().await.unwrap();
-        v["id"].as_str().unwrap().to_string()
+        r.json().await.unwrap()
     }
 
     /// The server's data directory (`--data-dir`): batch jobs' files (`jobs/<id>/`) and,

@@ -104,6 +104,22 @@ impl ConvLayout {
         }
     }
 
+    /// An NCHW activation in this layout (a copy in NHWC).
+    pub fn from_nchw(self, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+        match self {
+            ConvLayout::Nchw => Ok(x.clone()),
+            ConvLayout::Nhwc => x.permute((0, 2, 3, 1))?.contiguous(),
+        }
+    }
+
+    /// An activation in this layout as NCHW (a copy from NHWC).
+    pub fn to_nchw(self, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+        match self {
+            ConvLayout::Nchw => Ok(x.clone()),
+            ConvLayout::Nhwc => x.permute((0, 3, 1, 2))?.contiguous(),
+        }
+    }
+
     /// The dimensions in this layout of an activation of `(n, c, h, w)`.
     pub fn physical(self, [n, c, h, w]: [usize; 4]) -> [usize; 4] {
         match self {
