@@ -540,30 +540,28 @@ mod tests {
         engine.shutdown();
     }
 
-    /// The niceness of process `pid` (`"self"` for this one), and its parent's pid.
-    fn nice_and_parent(pid: &str) -> (i32, u32) {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-        // After the command name in parentheses: state, ppid, ..., nice (the 19th field).
+    /// This process's niceness (the 19th field of its stat, after the command name).
+    #[cfg(target_os = "linux")]
+    fn own_nice() -> i32 {
+        let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
         let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
-        (fields[16].parse().unwrap(), fields[1].parse().unwrap())
+        fields[16].parse().unwrap()
     }
 
-    /// The niceness of this process's child whose command line names `file`.
-    fn child_nice(file: &Path) -> i32 {
-        let file = file.to_string_lossy();
-        let me = std::process::id();
-        std::fs::read_dir("/proc")
-            .unwrap()
-            .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .filter(|pid| pid.bytes().all(|b| b.is_ascii_digit()))
-            .filter(|pid| {
-                std::fs::read(format!("/proc/{pid}/cmdline"))
-                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains(file.as_ref()))
-            })
-            .map(|pid| nice_and_parent(&pid))
-            .find(|&(_, parent)| parent == me)
-            .unwrap_or_else(|| panic!("no child process reads {file}"))
-            .0
+    /// An executable in `dir` that appends its niceness to `log`, then runs the real ffmpeg
+    /// in its place (same process, same niceness).
+    #[cfg(target_os = "linux")]
+    fn nice_recording_ffmpeg(dir: &Path, log: &Path) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let path = dir.join("ffmpeg-nice");
+        let script = format!(
+            "#!/bin/sh\nnice >> '{}'\nexec '{}' \"$@\"\n",
+            log.display(),
+            video::default_ffmpeg().display()
+        );
+        std::fs::write(&path, script).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
     }
 
     #[cfg(target_os = "linux")]
@@ -573,21 +571,38 @@ mod tests {
         gate.open();
         let engine = engine(&gate);
         let dir = tempfile::tempdir().unwrap();
-        let own = nice_and_parent("self").0;
+        let log = dir.path().join("nice.log");
+        let ffmpeg = nice_recording_ffmpeg(dir.path(), &log);
+        let settings = Settings::new(60.0, |w, h, fps| {
+            let mut s = EncoderSettings::new(w, h, fps);
+            s.preset = "ultrafast".into();
+            s.ffmpeg = ffmpeg;
+            s
+        });
+        let own = own_nice();
         for (class, want) in [
             (Class::Interactive, own),
             (Class::Background, (own + video::BACKGROUND_NICE).min(19)),
         ] {
-            let work = work(dir.path(), class);
-            let file = work.speech.file.clone().unwrap();
-            let started = start(&engine, &settings(), work, Box::new(Shared::default())).unwrap();
-            let mut seen = None;
-            started
-                .run(&|| false, &mut |_, _| {
-                    seen.get_or_insert_with(|| child_nice(&file));
-                })
-                .unwrap();
-            assert_eq!(seen, Some(want), "{class:?}");
+            let _ = std::fs::remove_file(&log);
+            let started = start(
+                &engine,
+                &settings,
+                work(dir.path(), class),
+                Box::new(Shared::default()),
+            )
+            .unwrap();
+            started.run(&|| false, &mut |_, _| {}).unwrap();
+            // Every ffmpeg process of the encoder (one, or a muxer and its workers).
+            let seen: Vec<i32> = std::fs::read_to_string(&log)
+                .unwrap()
+                .lines()
+                .map(|l| l.trim().parse().unwrap())
+                .collect();
+            assert!(
+                !seen.is_empty() && seen.iter().all(|&n| n == want),
+                "{class:?}: want {want}, the encoder's processes ran at {seen:?}"
+            );
         }
         engine.shutdown();
     }
