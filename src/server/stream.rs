@@ -807,6 +807,7 @@ fn session_thread(
     let mut jpeg = JpegSink {
         out: out.clone(),
         idle_jpeg: None,
+        last: None,
     };
     let sink: &mut dyn Sink = match &mut fmp4 {
         Some(f) => f,
@@ -839,6 +840,10 @@ fn session_thread(
 struct JpegSink {
     out: mpsc::Sender<Out>,
     idle_jpeg: Option<Vec<u8>>,
+    /// The last speaking frame's image and its JPEG: a held frame of a photo avatar shows the
+    /// same image again, and over capacity most frames are held, so it is sent again without
+    /// encoding (which would take a loaded CPU's time from the frames' clock).
+    last: Option<(crate::media::image::Frame, Vec<u8>)>,
 }
 
 fn encode_jpeg(frame: &crate::media::image::Frame) -> Result<Vec<u8>, engine::Error> {
@@ -890,15 +895,20 @@ impl Sink for JpegSink {
     }
 
     fn frame(&mut self, f: OutFrame<'_>) -> Result<(), engine::Error> {
-        let fresh;
         let jpeg: &[u8] = if f.idle {
             if self.idle_jpeg.is_none() {
                 self.idle_jpeg = Some(encode_jpeg(f.image)?);
             }
             self.idle_jpeg.as_deref().unwrap_or_default()
         } else {
-            fresh = encode_jpeg(f.image)?;
-            &fresh
+            if !self
+                .last
+                .as_ref()
+                .is_some_and(|(image, _)| image == f.image)
+            {
+                self.last = Some((f.image.clone(), encode_jpeg(f.image)?));
+            }
+            self.last.as_ref().map_or(&[][..], |(_, jpeg)| jpeg)
         };
         let mut msg = Vec::with_capacity(16 + jpeg.len() + f.audio.len() * 2);
         msg.extend_from_slice(&(f.index as u32).to_le_bytes());
@@ -1067,5 +1077,60 @@ pub async fn wait_closed(sessions: &Sessions, limit: Duration) {
     let until = Instant::now() + limit + Duration::from_secs(1);
     while sessions.count() > 0 && Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::media::image::Frame;
+
+    /// The JPEG of each binary message `sink` sent.
+    fn sent_jpegs(rx: &mut mpsc::Receiver<Out>) -> Vec<Vec<u8>> {
+        let mut out = Vec::new();
+        while let Ok(msg) = rx.try_recv() {
+            if let Out::Binary(b) = msg {
+                let n = u32::from_le_bytes(b[12..16].try_into().unwrap()) as usize;
+                out.push(b[16..16 + n].to_vec());
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn jpeg_frames_are_encoded_once_per_distinct_image_and_each_shows_its_own() {
+        let (tx, mut rx) = mpsc::channel(16);
+        let mut sink = JpegSink {
+            out: tx,
+            idle_jpeg: None,
+            last: None,
+        };
+        let image = |v: u8| Frame::new(16, 8, vec![v; 16 * 8 * 3]);
+        let (a, b, idle) = (image(40), image(200), image(120));
+        let audio = [0.0f32; 640];
+        // A drawn face, held twice, the idle face between, held again, then a new face.
+        let order = [
+            (&a, false),
+            (&a, false),
+            (&idle, true),
+            (&a, false),
+            (&b, false),
+        ];
+        for (index, (img, is_idle)) in order.iter().enumerate() {
+            sink.frame(OutFrame {
+                index: index as u64,
+                pts: index as f64 / 25.0,
+                image: img,
+                audio: &audio,
+                idle: *is_idle,
+            })
+            .unwrap();
+        }
+        let got = sent_jpegs(&mut rx);
+        assert_eq!(got.len(), order.len());
+        for (jpeg, (img, _)) in got.iter().zip(order) {
+            assert_eq!(jpeg, &encode_jpeg(img).unwrap());
+        }
+        assert_ne!(got[3], got[4], "a new image is encoded anew");
     }
 }
