@@ -23,6 +23,14 @@ pub const FILE_NAME: &str = "jobs.db";
 /// How long a call waits for the file while another handle writes it.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// SQLite's "database is locked" (SQLITE_BUSY, or one of its extended codes).
+fn is_busy(e: &sqlx::Error) -> bool {
+    const SQLITE_BUSY: i32 = 5;
+    e.as_database_error()
+        .and_then(|d| d.code()?.parse::<i32>().ok())
+        .is_some_and(|code| code & 0xff == SQLITE_BUSY)
+}
+
 /// The SQLite job store (see the module documentation).
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
@@ -43,14 +51,28 @@ impl SqliteStore {
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Full)
             .busy_timeout(BUSY_TIMEOUT);
-        let pool = SqlitePoolOptions::new()
-            .max_connections(1)
-            .min_connections(1)
-            .idle_timeout(None)
-            .max_lifetime(None)
-            .connect_with(options)
-            .await
-            .map_err(|e| StoreError::Db(format!("opening {}: {e}", path.display())))?;
+        // Turning a new file to WAL takes an exclusive lock that the busy timeout does not
+        // wait for: a handle opening the file at the same moment (another process starting)
+        // is told "database is locked" at once. Opening is retried until the busy timeout.
+        let started = std::time::Instant::now();
+        let pool = loop {
+            let opened = SqlitePoolOptions::new()
+                .max_connections(1)
+                .min_connections(1)
+                .idle_timeout(None)
+                .max_lifetime(None)
+                .connect_with(options.clone())
+                .await;
+            match opened {
+                Err(e) if is_busy(&e) && started.elapsed() < BUSY_TIMEOUT => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                r => {
+                    break r
+                        .map_err(|e| StoreError::Db(format!("opening {}: {e}", path.display())))?
+                }
+            }
+        };
         let store = SqliteStore { pool, path };
         store
             .migrate()
@@ -108,3 +130,22 @@ sql::job_store!(SqliteStore {
         Ok(job)
     }
 });
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two stores opening one new file at the same moment (two processes starting on one data
+    /// directory): both open, neither is told the database is locked.
+    #[tokio::test]
+    async fn two_stores_opening_one_new_file_at_once_both_open() {
+        let mut failed = Vec::new();
+        for _ in 0..40 {
+            let dir = tempfile::tempdir().unwrap();
+            let (a, b) = tokio::join!(SqliteStore::open(dir.path()), SqliteStore::open(dir.path()));
+            failed.extend(a.err());
+            failed.extend(b.err());
+        }
+        assert!(failed.is_empty(), "{failed:?}");
+    }
+}
