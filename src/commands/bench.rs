@@ -188,6 +188,15 @@ struct Plan {
 }
 
 impl Plan {
+    /// Table header cells, one per batch size: `batch 64{unit} | batch 512{unit}`.
+    fn batch_columns(&self, unit: &str) -> String {
+        self.batches
+            .iter()
+            .map(|b| format!("batch {b}{unit}"))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    }
+
     /// Fills in the defaults for `device` (no device is opened).
     fn new(a: &BenchArgs, device: DeviceKind) -> Result<Plan, CliError> {
         let cuda = device == DeviceKind::Cuda;

@@ -4,6 +4,41 @@
 //! This layer knows nothing of tokio, HTTP or media; it turns a checkpoint file into a
 //! [`Wav2Lip`] that maps mel windows and face crops to predicted faces.
 
+/// The names of a fieldless enum's values, as flags and settings spell them: `NAMES` in
+/// order, and `FromStr` (input trimmed) whose error reads `"x" is not <what> (a, b or c)`.
+macro_rules! named_enum {
+    ($ty:ident, $what:literal, { $($name:literal => $variant:ident),+ $(,)? }) => {
+        impl $ty {
+            /// The names `FromStr` accepts.
+            pub const NAMES: &'static [&'static str] = &[$($name),+];
+        }
+
+        impl std::str::FromStr for $ty {
+            type Err = String;
+
+            fn from_str(s: &str) -> std::result::Result<Self, String> {
+                match s.trim() {
+                    $($name => Ok($ty::$variant),)+
+                    _ => Err(format!(
+                        "{s:?} is not {} ({})",
+                        $what,
+                        $crate::model::one_of(Self::NAMES)
+                    )),
+                }
+            }
+        }
+    };
+}
+
+/// `a`, `a or b`, `a, b or c`.
+fn one_of(names: &[&str]) -> String {
+    match names {
+        [] => String::new(),
+        [only] => only.to_string(),
+        [rest @ .., last] => format!("{} or {last}", rest.join(", ")),
+    }
+}
+
 pub mod arch;
 pub mod checkpoint;
 pub mod cpu;
@@ -150,40 +185,10 @@ pub enum Precision {
     Bf16,
 }
 
-impl DeviceKind {
-    /// The names `FromStr` accepts.
-    pub const NAMES: &'static [&'static str] = &["cpu", "cuda"];
-}
-
-impl std::str::FromStr for DeviceKind {
-    type Err = String;
-
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s.trim() {
-            "cpu" => Ok(DeviceKind::Cpu),
-            "cuda" => Ok(DeviceKind::Cuda),
-            _ => Err(format!("{s:?} is not a device (cpu or cuda)")),
-        }
-    }
-}
-
-impl std::str::FromStr for Precision {
-    type Err = String;
-
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s.trim() {
-            "f32" => Ok(Precision::F32),
-            "f16" => Ok(Precision::F16),
-            "bf16" => Ok(Precision::Bf16),
-            _ => Err(format!("{s:?} is not a precision (f32, f16 or bf16)")),
-        }
-    }
-}
+named_enum!(DeviceKind, "a device", { "cpu" => Cpu, "cuda" => Cuda });
+named_enum!(Precision, "a precision", { "f32" => F32, "f16" => F16, "bf16" => Bf16 });
 
 impl Precision {
-    /// The names `FromStr` accepts.
-    pub const NAMES: &'static [&'static str] = &["f32", "f16", "bf16"];
-
     pub fn dtype(self) -> DType {
         match self {
             Precision::F32 => DType::F32,
@@ -396,8 +401,27 @@ pub fn compute_dtype(device: &Device, precision: Precision) -> DType {
 
 #[cfg(test)]
 mod tests {
-    use super::cudnn::CudnnError;
-    use super::Error;
+    use super::cudnn::{CudnnError, Upsampling};
+    use super::{one_of, DeviceKind, Error, Precision};
+
+    #[test]
+    fn unknown_names_are_refused_with_the_names_there_are() {
+        let err = |r: Result<(), String>| r.unwrap_err();
+        assert_eq!(
+            err(" F64 ".parse::<Precision>().map(drop)),
+            r#"" F64 " is not a precision (f32, f16 or bf16)"#
+        );
+        assert_eq!(
+            err("gpu".parse::<DeviceKind>().map(drop)),
+            r#""gpu" is not a device (cpu or cuda)"#
+        );
+        assert_eq!(
+            err("bilinear".parse::<Upsampling>().map(drop)),
+            r#""bilinear" is not an upsampling (subpixel or transposed)"#
+        );
+        assert_eq!(" bf16\n".parse::<Precision>(), Ok(Precision::Bf16));
+        assert_eq!(one_of(&["a"]), "a");
+    }
 
     fn cudnn(status: &str, code: u32) -> CudnnError {
         CudnnError {

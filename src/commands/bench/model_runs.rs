@@ -118,18 +118,11 @@ pub(super) fn model(
     weights: &Arc<GeneratorWeights>,
 ) -> Result<(Value, Value), CliError> {
     let cuda = plan.device == DeviceKind::Cuda;
-    let batch_cols = |unit: &str| {
-        plan.batches
-            .iter()
-            .map(|b| format!("batch {b}{unit}"))
-            .collect::<Vec<_>>()
-            .join(" | ")
-    };
     println!(
         "## Model only ({}, frames/s, one instance)\n",
         device_name(plan.device)
     );
-    println!("| dtype | convolutions | {} |", batch_cols(""));
+    println!("| dtype | convolutions | {} |", plan.batch_columns(""));
     println!("|---|---|{}", "---|".repeat(plan.batches.len()));
     let mut rows = Vec::new();
     let mut memory = Vec::new();
@@ -222,7 +215,7 @@ pub(super) fn model(
     );
     println!(
         "| dtype | convolutions | before load | loaded | {} |",
-        batch_cols(" peak")
+        plan.batch_columns(" peak")
     );
     println!("|---|---|---|---|{}", "---|".repeat(plan.batches.len()));
     let mut memory_rows = Vec::new();
@@ -624,11 +617,7 @@ pub(super) fn layers(plan: &Plan, weights: &Arc<GeneratorWeights>) -> Result<Val
         let cell = |ms: f32, b: usize| format!("{ms:.3} ({:.2})", ms as f64 * 1e3 / b as f64);
         println!(
             "| layer | input c×h×w | algorithm at batch {largest} | math | workspace MiB | fused | {} |",
-            plan.batches
-                .iter()
-                .map(|b| format!("batch {b}"))
-                .collect::<Vec<_>>()
-                .join(" | ")
+            plan.batch_columns("")
         );
         println!(
             "|---|---|---|---|---|---|{}",

@@ -84,10 +84,9 @@ pub enum ConvLayout {
     Nhwc,
 }
 
-impl ConvLayout {
-    /// The names `FromStr` accepts.
-    pub const NAMES: &'static [&'static str] = &["nchw", "nhwc"];
+named_enum!(ConvLayout, "a layout", { "nchw" => Nchw, "nhwc" => Nhwc });
 
+impl ConvLayout {
     /// The axis channels are on in a 4-D activation.
     pub fn channel_axis(self) -> usize {
         match self {
@@ -129,18 +128,6 @@ impl ConvLayout {
     }
 }
 
-impl std::str::FromStr for ConvLayout {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim() {
-            "nchw" => Ok(ConvLayout::Nchw),
-            "nhwc" => Ok(ConvLayout::Nhwc),
-            _ => Err(format!("{s:?} is not a layout (nchw or nhwc)")),
-        }
-    }
-}
-
 /// Which convolution path CUDA models use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -175,24 +162,7 @@ pub enum Upsampling {
     Transposed,
 }
 
-impl Upsampling {
-    /// The names `FromStr` accepts.
-    pub const NAMES: &'static [&'static str] = &["subpixel", "transposed"];
-}
-
-impl std::str::FromStr for Upsampling {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim() {
-            "subpixel" => Ok(Upsampling::Subpixel),
-            "transposed" => Ok(Upsampling::Transposed),
-            _ => Err(format!(
-                "{s:?} is not an upsampling (subpixel or transposed)"
-            )),
-        }
-    }
-}
+named_enum!(Upsampling, "an upsampling", { "subpixel" => Subpixel, "transposed" => Transposed });
 
 static SETTINGS: OnceLock<ConvSettings> = OnceLock::new();
 
@@ -217,24 +187,7 @@ pub fn enabled() -> bool {
     settings().engine == ConvEngine::Cudnn
 }
 
-impl ConvEngine {
-    /// The names `FromStr` accepts.
-    pub const NAMES: &'static [&'static str] = &["cudnn", "candle"];
-}
-
-impl std::str::FromStr for ConvEngine {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim() {
-            "cudnn" => Ok(ConvEngine::Cudnn),
-            "candle" => Ok(ConvEngine::Candle),
-            _ => Err(format!(
-                "{s:?} is not a convolution engine (cudnn or candle)"
-            )),
-        }
-    }
-}
+named_enum!(ConvEngine, "a convolution engine", { "cudnn" => Cudnn, "candle" => Candle });
 
 #[cfg(test)]
 mod tests {
