@@ -15,7 +15,9 @@ use crate::media::audio::DEFAULT_MAX_SECONDS;
 use crate::media::image::{ImageLimits, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE};
 use crate::media::video::clip::{ClipLimits, DEFAULT_MAX_CLIP_SECONDS};
 use crate::media::video::{self, EncoderSettings, PRESETS};
-use crate::model::cudnn::{ConvEngine, ConvLayout, ConvSettings, Upsampling};
+use crate::model::cudnn::{
+    Arena, ConvEngine, ConvLayout, ConvSettings, Epilogue, InputPad, Upsampling,
+};
 use crate::model::{self, DeviceKind, GeneratorWeights, Precision};
 
 /// The model, its instances and the batcher.
@@ -92,10 +94,28 @@ pub struct ConvArgs {
     #[arg(long, env = "LIPSYNC_CONV_LAYOUT", default_value = "nhwc", value_parser = choice::<ConvLayout>(ConvLayout::NAMES))]
     pub conv_layout: ConvLayout,
     /// How the cuDNN path runs the decoder's stride-2 transposed convolutions: subpixel (one
-    /// forward convolution with four phases of output channels, then a pixel shuffle) or
-    /// transposed (cuDNN's backward-data convolution).
+    /// 3×3 forward convolution to four phases of output channels, then a pixel shuffle: 4× the
+    /// multiply-adds), subpixel2x2 (a 2×2 window: 1.78×), phases (four phase convolutions:
+    /// 1×), transposed (cuDNN's backward-data convolution: 1×), or auto (every form timed per
+    /// layer and batch during warm-up, the fastest kept in the autotune cache).
     #[arg(long, env = "LIPSYNC_CONV_UPSAMPLING", default_value = "subpixel", value_parser = choice::<Upsampling>(Upsampling::NAMES))]
     pub conv_upsampling: Upsampling,
+    /// What follows each convolution on the cuDNN path: own (one kernel of lipsync's applies
+    /// bias + ReLU + residual, the pixel shuffle, and writes into the layer's slice of the
+    /// skip concatenation, the output's sigmoid included; activations planned in one arena),
+    /// auto (as own, but cuDNN's fused convolution where it was timed faster), or separate
+    /// (layer by layer: bias, shuffle, concatenation and sigmoid as separate operations).
+    /// own and auto need --conv-layout nhwc.
+    #[arg(long, env = "LIPSYNC_CONV_EPILOGUE", default_value = "separate", value_parser = choice::<Epilogue>(Epilogue::NAMES))]
+    pub conv_epilogue: Epilogue,
+    /// Pad the 6-channel face and 1-channel mel inputs to 8 channels (zero channels and zero
+    /// weights), so half-precision tensor-core NHWC kernels apply to the first layers.
+    #[arg(long, env = "LIPSYNC_CONV_INPUT_PAD", default_value = "none", value_parser = choice::<InputPad>(InputPad::NAMES))]
+    pub conv_input_pad: InputPad,
+    /// With --conv-epilogue own or auto: the activations in one device arena per instance,
+    /// planned from the graph's liveness (on), or allocated one by one (off).
+    #[arg(long, env = "LIPSYNC_CONV_ARENA", default_value = "on", value_parser = choice::<Arena>(Arena::NAMES))]
+    pub conv_arena: Arena,
     /// The most workspace one cuDNN convolution may use, e.g. 256M or 2G: faster algorithms
     /// that need more are not considered. The search allocates this much once during warm-up.
     #[arg(long, env = "LIPSYNC_CUDNN_WORKSPACE", default_value = "256M", value_parser = parse_bytes)]
@@ -103,15 +123,27 @@ pub struct ConvArgs {
 }
 
 impl ConvArgs {
-    /// Makes these the process's settings (see [`crate::model::cudnn::configure`]).
-    pub fn apply(&self) {
-        crate::model::cudnn::configure(ConvSettings {
+    /// Makes these the process's settings (see [`crate::model::cudnn::configure`]), or says
+    /// why they cannot run together.
+    pub fn apply(&self) -> Result<(), model::Error> {
+        let settings = self.settings();
+        settings.check().map_err(model::Error::Settings)?;
+        crate::model::cudnn::configure(settings);
+        Ok(())
+    }
+
+    /// The settings these flags give.
+    pub fn settings(&self) -> ConvSettings {
+        ConvSettings {
             engine: self.conv_engine,
             cache_file: self.autotune_cache.clone(),
             layout: self.conv_layout,
             workspace_limit: self.cudnn_workspace as usize,
             upsampling: self.conv_upsampling,
-        });
+            epilogue: self.conv_epilogue,
+            input_pad: self.conv_input_pad,
+            arena: self.conv_arena,
+        }
     }
 }
 
@@ -252,7 +284,7 @@ impl EngineArgs {
         warm_up: bool,
     ) -> Result<(Engine, model::weights::Summary), model::Error> {
         r.device.check(r.cuda_device)?;
-        self.conv.apply();
+        self.conv.apply()?;
         let (mut weights, summary) = GeneratorWeights::from_file(&self.checkpoint)?;
         if !weights.is_folded() {
             weights = weights.fold()?; // once for all instances
@@ -377,12 +409,35 @@ mod tests {
 
     #[test]
     fn the_cudnn_path_defaults_to_nhwc_subpixel_and_256m_and_takes_each_flag() {
-        use crate::model::cudnn::{ConvEngine, ConvLayout, Upsampling};
+        use crate::model::cudnn::{Arena, ConvEngine, ConvLayout, Epilogue, InputPad, Upsampling};
         let c = parse(&[]).engine.conv;
         assert_eq!(c.conv_engine, ConvEngine::Cudnn);
         assert_eq!(c.conv_layout, ConvLayout::Nhwc);
         assert_eq!(c.conv_upsampling, Upsampling::Subpixel);
         assert_eq!(c.cudnn_workspace, 256 << 20);
+        assert_eq!(c.conv_epilogue, Epilogue::Separate);
+        assert_eq!(c.conv_input_pad, InputPad::None);
+        assert_eq!(c.conv_arena, Arena::On);
+        let c = parse(&[
+            "--conv-upsampling",
+            "phases",
+            "--conv-epilogue",
+            "own",
+            "--conv-input-pad",
+            "8",
+            "--conv-arena",
+            "off",
+        ])
+        .engine
+        .conv;
+        assert_eq!(c.conv_upsampling, Upsampling::Phases);
+        assert_eq!(c.conv_epilogue, Epilogue::Own);
+        assert_eq!(c.conv_input_pad, InputPad::Eight);
+        assert_eq!(c.conv_arena, Arena::Off);
+        for up in ["auto", "subpixel2x2"] {
+            let c = parse(&["--conv-upsampling", up]).engine.conv;
+            assert_eq!(c.conv_upsampling.name(), up);
+        }
         let c = parse(&[
             "--conv-layout",
             "nchw",
@@ -399,6 +454,9 @@ mod tests {
         for bad in [
             ["--conv-layout", "chwn"],
             ["--conv-upsampling", "nearest"],
+            ["--conv-epilogue", "fused"],
+            ["--conv-input-pad", "16"],
+            ["--conv-arena", "maybe"],
             ["--cudnn-workspace", "lots"],
         ] {
             let args = ["lipsync", "--checkpoint", "w", bad[0], bad[1]];

@@ -24,9 +24,12 @@
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Device, Tensor};
 use lipsync::model::arch::{FACE_CHANNELS, FACE_SIZE, MEL_BINS, MEL_STEPS};
-use lipsync::model::cudnn::{ChoiceSource, ConvLayout, CudnnEngine};
+use lipsync::model::cudnn::{
+    Arena, ChoiceSource, ConvLayout, ConvSettings, CudnnEngine, Epilogue, InputPad, Upsampling,
+};
 use lipsync::model::wav2lip::{
-    accept_own_path, cudnn_check_floor, face_psnr, ConvBlock, CONV_CHECK_MARGIN_DB,
+    accept_own_path, cudnn_check_floor, face_psnr, ActivationRanges, ConvBlock,
+    CONV_CHECK_MARGIN_DB,
 };
 use lipsync::model::{init, DeviceKind, Wav2Lip};
 
@@ -287,18 +290,44 @@ fn layers_in(dtype: DType, layout: ConvLayout) {
 }
 
 fn generator_in(dtype: DType, layout: ConvLayout) {
+    generator_with(
+        dtype,
+        ConvSettings {
+            layout,
+            ..ConvSettings::default()
+        },
+    );
+}
+
+/// The planned path (`--conv-epilogue own|auto`) in `dtype` with these choices.
+fn planned_in(dtype: DType, up: Upsampling, epilogue: Epilogue, pad: InputPad, arena: Arena) {
+    generator_with(
+        dtype,
+        ConvSettings {
+            upsampling: up,
+            epilogue,
+            input_pad: pad,
+            arena,
+            ..ConvSettings::default()
+        },
+    );
+}
+
+fn generator_with(dtype: DType, settings: ConvSettings) {
     let (dev, _) = gpu();
     let cpu = cpu_model();
     let (mel, face) = inputs();
     let reference = cpu.forward(&mel, &face).unwrap();
     let weights = init::random_weights(7).unwrap();
     let mut own = Wav2Lip::load(&weights, &dev, dtype).unwrap();
-    own.use_conv_layout(layout).unwrap();
+    own.use_conv_settings(settings.clone()).unwrap();
+    let layout = settings.layout;
+    let dtype_layout = format!("{dtype:?} {}", settings.cache_identity());
     assert_eq!(own.conv_engine(), "cudnn", "the own path must be available");
     let mut candle = Wav2Lip::load(&weights, &dev, dtype).unwrap();
     candle.use_candle_operations();
     let floor = cudnn_check_floor(dtype);
-    eprintln!("\n{dtype:?} {layout:?} generator: batch | own max diff | own face PSNR | candle max diff | candle face PSNR");
+    eprintln!("\n{dtype_layout} generator: batch | own max diff | own face PSNR | candle max diff | candle face PSNR");
     let mut broken = Vec::new();
     let run = |n: usize, broken: &mut Vec<String>| {
         let (m, f) = (tile(&mel, n, &dev, dtype), tile(&face, n, &dev, dtype));
@@ -323,7 +352,28 @@ fn generator_in(dtype: DType, layout: ConvLayout) {
         }
     };
     for n in batches() {
-        run(n, &mut broken);
+        // The planned path's first pass at a batch times what `auto` leaves open; the
+        // second runs the choices.
+        for _ in 0..if settings.planned() { 2 } else { 1 } {
+            run(n, &mut broken);
+        }
+    }
+    if let Some(g) = own.planned_graph(2).unwrap() {
+        let forms: Vec<String> = g
+            .layers
+            .iter()
+            .filter_map(|l| l.form.map(|f| format!("{} {}", l.path, f.name())))
+            .collect();
+        let fused: Vec<&str> = g
+            .layers
+            .iter()
+            .filter(|l| l.fused)
+            .map(|l| l.path.as_str())
+            .collect();
+        eprintln!(
+            "  forms at batch 2: {forms:?}; fused: {fused:?}; copied skips {:?}",
+            g.copied
+        );
     }
     // After warm-up, a batch size never seen takes cuDNN's heuristic choice (no search).
     own.finish_warm_up();
@@ -349,11 +399,99 @@ fn generator_in(dtype: DType, layout: ConvLayout) {
             .all(|r| r.source != ChoiceSource::Heuristic),
         "warm-up batches must be timed"
     );
+    // Overflow checks on every layer: the maxima come back and nothing overflows.
+    let ranges = ActivationRanges::measure(&weights).unwrap();
+    own.check_overflow(&ranges);
+    let n = 2;
+    let (m, f) = (tile(&mel, n, &dev, dtype), tile(&face, n, &dev, dtype));
+    let (guarded, overflow) = own.forward_guarded(&m, &f).unwrap();
+    assert!(
+        !overflow,
+        "{dtype_layout}: overflow flagged on calibrated weights"
+    );
+    let plain = own.forward(&m, &f).unwrap();
+    let same = face_psnr(&guarded, &plain).unwrap();
+    assert!(
+        same > 60.0,
+        "{dtype_layout}: guarded and plain passes differ ({same:.1} dB)"
+    );
     assert!(
         broken.is_empty(),
-        "{dtype:?} {layout:?}: {}",
+        "{dtype_layout} ({layout:?}): {}",
         broken.join("\n")
     );
+}
+
+#[test]
+fn planned_generator_in_f16_own_phases_padded() {
+    planned_in(
+        DType::F16,
+        Upsampling::Phases,
+        Epilogue::Own,
+        InputPad::Eight,
+        Arena::On,
+    );
+}
+
+#[test]
+fn planned_generator_in_f16_auto() {
+    planned_in(
+        DType::F16,
+        Upsampling::Auto,
+        Epilogue::Auto,
+        InputPad::Eight,
+        Arena::On,
+    );
+}
+
+#[test]
+fn planned_generator_in_bf16_auto() {
+    planned_in(
+        DType::BF16,
+        Upsampling::Auto,
+        Epilogue::Auto,
+        InputPad::Eight,
+        Arena::On,
+    );
+}
+
+#[test]
+fn planned_generator_in_f32_subpixel2x2_arena_off() {
+    planned_in(
+        DType::F32,
+        Upsampling::Subpixel2x2,
+        Epilogue::Own,
+        InputPad::None,
+        Arena::Off,
+    );
+}
+
+#[test]
+fn planned_generator_in_f16_transposed_unpadded() {
+    planned_in(
+        DType::F16,
+        Upsampling::Transposed,
+        Epilogue::Own,
+        InputPad::None,
+        Arena::On,
+    );
+}
+
+#[test]
+fn separate_generator_in_f16_every_form() {
+    for up in [
+        Upsampling::Auto,
+        Upsampling::Subpixel2x2,
+        Upsampling::Phases,
+    ] {
+        planned_in(
+            DType::F16,
+            up,
+            Epilogue::Separate,
+            InputPad::Eight,
+            Arena::On,
+        );
+    }
 }
 
 #[test]
@@ -420,8 +558,19 @@ fn generator_in_bf16_nhwc() {
 fn the_start_up_check_accepts_the_own_path_at_the_largest_batch() {
     let (dev, _) = gpu();
     let weights = init::random_weights(7).unwrap();
-    for dtype in DTYPES {
+    let planned = ConvSettings {
+        upsampling: Upsampling::Auto,
+        epilogue: Epilogue::Auto,
+        input_pad: InputPad::Eight,
+        ..ConvSettings::default()
+    };
+    for (dtype, settings) in DTYPES
+        .into_iter()
+        .map(|d| (d, ConvSettings::default()))
+        .chain(DTYPES.into_iter().map(|d| (d, planned.clone())))
+    {
         let mut m = Wav2Lip::load(&weights, &dev, dtype).unwrap();
+        m.use_conv_settings(settings).unwrap();
         let largest = batches().into_iter().max().unwrap_or(2);
         let psnr = m.verify_cudnn_path_at(largest).unwrap();
         eprintln!(

@@ -47,8 +47,11 @@ pub struct BenchArgs {
     /// (one instance against several at the same frames in flight), accuracy (every dtype and
     /// path against an exact f32 reference), autotune (load and warm-up without and with the
     /// autotune cache file), encoder, e2e, layers (each layer's time in one forward pass of
-    /// the own cuDNN path, by batch) [default: all; encoder only with --encode-frames above
-    /// 0, layers only on CUDA].
+    /// the own cuDNN path, by batch), memory (the planned path's arena peak per batch size,
+    /// no GPU needed), compare (the model path's configurations of --compare-configs in one
+    /// process: each upsampling form timed per layer, frames/s, per-layer times, peak memory
+    /// and accuracy; CUDA) [default: all but memory and compare; encoder only with
+    /// --encode-frames above 0, layers only on CUDA].
     #[arg(long, value_delimiter = ',', value_parser = choice::<Section>(Section::NAMES))]
     pub sections: Vec<Section>,
     /// Precisions of the model and accuracy runs, comma-separated [default: f32,f16,bf16 on
@@ -115,6 +118,12 @@ pub struct BenchArgs {
     /// JSON.
     #[arg(long, hide = true)]
     pub autotune_probe: bool,
+    /// The configurations the compare section runs, comma-separated, at most 4, each
+    /// UPSAMPLING:EPILOGUE:INPUT_PAD:ARENA (the --conv-* flags' values) [default: the old
+    /// default subpixel:separate:none:on, auto:auto:8:on, and two ablations: auto:own:8:on
+    /// (no cuDNN fusion) and auto:auto:none:on (unpadded inputs)].
+    #[arg(long, value_delimiter = ',')]
+    pub compare_configs: Vec<String>,
 }
 
 /// A part of the bench.
@@ -128,6 +137,8 @@ pub enum Section {
     Encoder,
     E2e,
     Layers,
+    Memory,
+    Compare,
 }
 
 impl Section {
@@ -140,8 +151,10 @@ impl Section {
         "encoder",
         "e2e",
         "layers",
+        "memory",
+        "compare",
     ];
-    const ALL: [Section; 7] = [
+    const ALL: [Section; 9] = [
         Section::Model,
         Section::Instances,
         Section::Accuracy,
@@ -149,6 +162,8 @@ impl Section {
         Section::Encoder,
         Section::E2e,
         Section::Layers,
+        Section::Memory,
+        Section::Compare,
     ];
 
     fn name(self) -> &'static str {
@@ -212,6 +227,7 @@ impl Plan {
                 .into_iter()
                 .filter(|&s| s != Section::Encoder || a.encode_frames > 0)
                 .filter(|&s| s != Section::Layers || cuda)
+                .filter(|&s| !matches!(s, Section::Memory | Section::Compare))
                 .collect()
         } else {
             if a.sections.contains(&Section::Encoder) && a.encode_frames == 0 {
@@ -380,7 +396,7 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
         return Ok(());
     }
     let checkpoint = a.checkpoint.clone().expect("clap requires --checkpoint");
-    a.conv.apply();
+    a.conv.apply()?;
     let device = a.device.unwrap_or_else(DeviceKind::default_for_host);
     let plan = Plan::new(&a, device)?;
     let (weights, _) = GeneratorWeights::from_file(&checkpoint)?;
@@ -439,6 +455,8 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
             Section::Encoder => results["encoder"] = encoder(&a, &plan, &avatar()?)?,
             Section::E2e => results["end_to_end"] = end_to_end(&a, &plan, &weights, &avatar()?)?,
             Section::Layers => results["layers"] = model_runs::layers(&plan, &weights)?,
+            Section::Memory => results["planned_memory"] = model_runs::memory(&a, &plan)?,
+            Section::Compare => results["compare"] = model_runs::compare(&a, &plan, &weights)?,
         }
         save(&results)?;
     }
@@ -689,7 +707,9 @@ mod tests {
         let all = Plan::new(&args(&[]), DeviceKind::Cpu).unwrap();
         assert_eq!(all.sections, Section::ALL[..6].to_vec());
         let all = Plan::new(&args(&[]), DeviceKind::Cuda).unwrap();
-        assert_eq!(all.sections, Section::ALL.to_vec());
+        assert_eq!(all.sections, Section::ALL[..7].to_vec());
+        let named = Plan::new(&args(&["--sections", "compare,memory"]), DeviceKind::Cpu).unwrap();
+        assert_eq!(named.sections, [Section::Memory, Section::Compare]);
         let no_encoder = Plan::new(&args(&["--encode-frames", "0"]), DeviceKind::Cpu).unwrap();
         assert!(!no_encoder.sections.contains(&Section::Encoder));
         assert!(no_encoder.sections.contains(&Section::E2e));

@@ -156,15 +156,72 @@ pub fn weight_bytes(dtype: DType) -> u64 {
     WEIGHT_VALUES * dtype.size_in_bytes() as u64
 }
 
-/// Estimated device memory of a forward pass of `n` frames: the weights, the workspace, and
-/// per frame the activations and convolution scratch. Measured on an H200 (2026-11-26,
-/// `lipsync bench --sections model`, peak device memory during two forwards, own cuDNN path,
-/// less the CUDA context): f16 1.6 GiB at batch 64, 2.1 at 256, 3.5 at 512, a slope of about
-/// 5.7 MiB (3.0 M half values) per frame and about 0.7 GiB at none; f32 6.3 GiB at 512 (its
-/// algorithms need less scratch per value). This estimate is those figures rounded up: 3.9 GB
-/// at 512 in f16, 7.0 GB in f32.
+/// Estimated device memory of a forward pass of `n` frames with the process's convolution
+/// settings ([`estimated_bytes_with`]).
 pub fn estimated_bytes(n: usize, dtype: DType) -> u64 {
-    weight_bytes(dtype) + WORKSPACE_BYTES + FRAME_VALUES * n as u64 * dtype.size_in_bytes() as u64
+    estimated_bytes_with(n, dtype, crate::model::cudnn::settings())
+}
+
+/// Device memory an instance of the planned path (`--conv-epilogue own|auto`, arena on)
+/// holds outside its arena, beside its weights: the cuDNN and cuBLAS handles, the chosen
+/// algorithms' workspace, the weights in cuDNN's filter layout and the upsampling forms',
+/// the inputs and the output. See [`estimated_bytes_with`].
+pub const PLANNED_OUTSIDE_BYTES: u64 = 600 << 20;
+
+/// [`planned_bytes`] for these options, batch and element size, computed once per process
+/// (the pool asks before every batch).
+fn planned_arena(opts: &crate::model::netplan::NetOptions, n: usize, elem: usize) -> usize {
+    use std::collections::HashMap;
+    type Key = (crate::model::netplan::NetOptions, usize, usize);
+    static CACHE: Mutex<Option<HashMap<Key, usize>>> = Mutex::new(None);
+    let key = (opts.clone(), n, elem);
+    let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    *cache
+        .get_or_insert_with(HashMap::new)
+        .entry(key)
+        .or_insert_with(|| crate::model::netplan::planned_bytes(opts, n, elem))
+}
+
+/// Estimated device memory of a forward pass of `n` frames.
+///
+/// - **Planned path** (`--conv-epilogue own|auto` in NHWC with `--conv-arena on`): the
+///   planned peak of the arena at `n` ([`crate::model::netplan`]), the inputs and output of
+///   the batch, the weights, and [`PLANNED_OUTSIDE_BYTES`].
+/// - **Otherwise**: the weights, the workspace, and per frame the activations and
+///   convolution scratch. Measured on an H200 (2026-11-26, `lipsync bench --sections model`,
+///   peak device memory during two forwards, own cuDNN path, less the CUDA context): f16 1.6
+///   GiB at batch 64, 2.1 at 256, 3.5 at 512, a slope of about 5.7 MiB (3.0 M half values)
+///   per frame and about 0.7 GiB at none; f32 6.3 GiB at 512 (its algorithms need less
+///   scratch per value). This estimate is those figures rounded up: 3.9 GB at 512 in f16,
+///   7.0 GB in f32.
+pub fn estimated_bytes_with(
+    n: usize,
+    dtype: DType,
+    settings: &crate::model::cudnn::ConvSettings,
+) -> u64 {
+    use crate::model::arch::{FACE_CHANNELS, FACE_SIZE, MEL_BINS, MEL_STEPS};
+    use crate::model::cudnn::Arena;
+    use crate::model::netplan::NetOptions;
+    let elem = dtype.size_in_bytes() as u64;
+    if settings.planned() && settings.arena == Arena::On {
+        // `auto` may choose any form per layer: the largest plan of them.
+        let forms = match settings.upsampling.form() {
+            Some(f) => vec![f],
+            None => crate::model::upsample::UpForm::ALL.to_vec(),
+        };
+        let arena = forms
+            .into_iter()
+            .map(|form| planned_arena(&NetOptions::new(settings.input_pad, form), n, elem as usize))
+            .max()
+            .unwrap_or(0) as u64;
+        let io = n as u64
+            * (MEL_BINS * MEL_STEPS
+                + FACE_CHANNELS * FACE_SIZE * FACE_SIZE
+                + 3 * FACE_SIZE * FACE_SIZE) as u64
+            * elem;
+        return weight_bytes(dtype) + PLANNED_OUTSIDE_BYTES + arena + io;
+    }
+    weight_bytes(dtype) + WORKSPACE_BYTES + FRAME_VALUES * n as u64 * elem
 }
 
 /// Estimated device memory of recomputing `n` frames in f32 for a model in `half`: the f32
@@ -893,6 +950,42 @@ mod tests {
         );
         assert!(estimated_bytes(2, DType::F16) > one);
         assert!(estimated_bytes(1, DType::F32) > one);
+    }
+
+    #[test]
+    fn the_planned_paths_estimate_is_its_arena_plan_and_what_lies_outside() {
+        use crate::model::cudnn::{Arena, ConvSettings, Epilogue, InputPad, Upsampling};
+        use crate::model::netplan::{planned_bytes, NetOptions};
+        use crate::model::upsample::UpForm;
+        let planned = ConvSettings {
+            epilogue: Epilogue::Own,
+            input_pad: InputPad::Eight,
+            upsampling: Upsampling::Phases,
+            ..ConvSettings::default()
+        };
+        for n in [1, 64, 512] {
+            let est = estimated_bytes_with(n, DType::F16, &planned);
+            let arena = planned_bytes(&NetOptions::new(InputPad::Eight, UpForm::Phases), n, 2);
+            let io = (n * (80 * 16 + 6 * 96 * 96 + 3 * 96 * 96) * 2) as u64;
+            assert_eq!(
+                est,
+                weight_bytes(DType::F16) + PLANNED_OUTSIDE_BYTES + arena as u64 + io
+            );
+        }
+        // The arena is the planned peak: at 512 in f16 within 1.5 GiB, so one instance's
+        // estimate stays under 2.3 GiB and three fit 6 GB with the CUDA context.
+        let at_512 = estimated_bytes_with(512, DType::F16, &planned);
+        assert!(at_512 < (23 << 30) / 10, "{at_512}");
+        assert!(at_512 < estimated_bytes_with(512, DType::F16, &ConvSettings::default()));
+        // The separate path (and an arena turned off) keep the measured layer-by-layer figure.
+        let off = ConvSettings {
+            arena: Arena::Off,
+            ..planned
+        };
+        assert_eq!(
+            estimated_bytes_with(512, DType::F16, &off),
+            estimated_bytes_with(512, DType::F16, &ConvSettings::default())
+        );
     }
 
     use crate::engine::backend::Prediction;

@@ -44,7 +44,10 @@ pub mod checkpoint;
 pub mod cpu;
 pub mod cudnn;
 pub mod init;
-pub mod subpixel;
+pub mod kernels;
+pub mod netexec;
+pub mod netplan;
+pub mod upsample;
 pub mod wav2lip;
 pub mod weights;
 
@@ -94,6 +97,9 @@ pub enum Error {
     Device(String),
     #[error("bad model input: {0}")]
     BadInput(String),
+    /// Convolution-path flags that cannot run together.
+    #[error("{0}")]
+    Settings(String),
     /// A cuDNN call of the own convolution path failed. Out of memory
     /// ([`Error::is_out_of_memory`]) may pass with a smaller batch; any other status
     /// ([`Error::is_cudnn_failure`], e.g. NOT_SUPPORTED) means the own path cannot run this
@@ -120,6 +126,7 @@ impl Error {
             Error::NonFinite { .. } => "non_finite",
             Error::Device(_) => "device",
             Error::BadInput(_) => "bad_input",
+            Error::Settings(_) => "settings",
             Error::Cudnn(_) => "cudnn",
             Error::Candle(_) => "internal",
         }
@@ -401,7 +408,7 @@ pub fn compute_dtype(device: &Device, precision: Precision) -> DType {
 
 #[cfg(test)]
 mod tests {
-    use super::cudnn::{CudnnError, Upsampling};
+    use super::cudnn::{Arena, CudnnError, Epilogue, InputPad, Upsampling};
     use super::{one_of, DeviceKind, Error, Precision};
 
     #[test]
@@ -417,7 +424,19 @@ mod tests {
         );
         assert_eq!(
             err("bilinear".parse::<Upsampling>().map(drop)),
-            r#""bilinear" is not an upsampling (subpixel or transposed)"#
+            r#""bilinear" is not an upsampling (auto, subpixel, subpixel2x2, phases or transposed)"#
+        );
+        assert_eq!(
+            err("fused".parse::<Epilogue>().map(drop)),
+            r#""fused" is not an epilogue (auto, own or separate)"#
+        );
+        assert_eq!(
+            err("16".parse::<InputPad>().map(drop)),
+            r#""16" is not an input padding (8 or none)"#
+        );
+        assert_eq!(
+            err("yes".parse::<Arena>().map(drop)),
+            r#""yes" is not an arena setting (on or off)"#
         );
         assert_eq!(" bf16\n".parse::<Precision>(), Ok(Precision::Bf16));
         assert_eq!(one_of(&["a"]), "a");

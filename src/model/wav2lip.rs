@@ -7,7 +7,8 @@ use candle_core::{DType, Device, Tensor};
 
 use super::arch::{self, LayerKind, LayerSpec};
 use super::cpu::CpuNet;
-use super::cudnn::ConvLayout;
+use super::cudnn::{ConvDims, ConvLayout, InputPad};
+use super::upsample::{FormConv, UpForm};
 use super::weights::GeneratorWeights;
 use super::{Error, Result};
 
@@ -18,6 +19,9 @@ use super::{Error, Result};
 pub struct ConvBlock {
     path: String,
     spec: LayerSpec,
+    /// The convolution as cuDNN runs it: the spec's, or an upsampling form's (non-square
+    /// kernels, padding on one axis), with the input channels the weight reads.
+    dims: ConvDims,
     weight: Tensor,
     /// Shaped `(1, cout, 1, 1)` to broadcast over the output.
     bias: Tensor,
@@ -43,6 +47,7 @@ impl ConvBlock {
             .to_device(dev)?;
         Ok(ConvBlock {
             path: path.to_string(),
+            dims: ConvDims::of(&spec),
             spec,
             weight,
             bias,
@@ -57,14 +62,67 @@ impl ConvBlock {
         &self.spec
     }
 
-    /// A layer from its parts (tests build single layers this way).
+    /// A layer from its parts (tests build single layers this way). The input channels are
+    /// the weight's.
     pub fn from_parts(path: &str, spec: LayerSpec, weight: Tensor, bias: Tensor) -> Self {
+        let mut dims = ConvDims::of(&spec);
+        if let [a, b, ..] = *weight.dims() {
+            dims.cin = if dims.transposed { a } else { b };
+        }
         ConvBlock {
             path: path.to_string(),
             spec,
+            dims,
             weight,
             bias,
         }
+    }
+
+    /// Convolution `c` of an upsampling form of this (transposed) layer as a layer of its
+    /// own: its weights and bias ([`upsample::form_parts`]), followed by ReLU. Its path is
+    /// the layer's with the form and the convolution's number.
+    pub fn form_part(
+        &self,
+        form: UpForm,
+        i: usize,
+        c: &FormConv,
+        weight: Tensor,
+        bias: Tensor,
+    ) -> Self {
+        ConvBlock {
+            path: format!("{} {}.{i}", self.path, form.name()),
+            spec: LayerSpec {
+                kind: LayerKind::Conv,
+                cin: self.spec.cin,
+                cout: c.cout(self.spec.cout),
+                kernel: c.kh.max(c.kw),
+                stride: (1, 1),
+                padding: c.ph.max(c.pw),
+                output_padding: 0,
+                residual: false,
+            },
+            dims: ConvDims::of_form(c, &self.spec).with_cin(self.dims.cin),
+            weight,
+            bias,
+        }
+    }
+
+    /// This layer reading an input of `cin` channels, the channels beyond its own read by
+    /// zero weights (`--conv-input-pad`).
+    pub fn with_input_channels(&self, cin: usize) -> Result<Self> {
+        if cin <= self.dims.cin || self.dims.transposed {
+            return Ok(self.clone());
+        }
+        Ok(ConvBlock {
+            dims: self.dims.with_cin(cin),
+            weight: self.weight.pad_with_zeros(1, 0, cin - self.dims.cin)?,
+            ..self.clone()
+        })
+    }
+
+    /// The convolution as cuDNN runs it.
+    pub fn dims(&self) -> &ConvDims {
+        &self.dims
     }
 
     /// The (folded) convolution weight, PyTorch layout.
@@ -79,7 +137,16 @@ impl ConvBlock {
 
     /// The convolution plus bias, before residual and activation.
     pub fn conv(&self, x: &Tensor) -> Result<Tensor> {
-        conv_layer(x, &self.weight, &self.bias, &self.spec)
+        let d = &self.dims;
+        if d.kh == d.kw && d.pad.0 == d.pad.1 && d.kh == self.spec.kernel {
+            return conv_layer(x, &self.weight, &self.bias, &self.spec);
+        }
+        // An upsampling form's convolution: stride 1, padding per axis.
+        let x = x
+            .pad_with_zeros(2, d.pad.0, d.pad.0)?
+            .pad_with_zeros(3, d.pad.1, d.pad.1)?;
+        let y = x.conv2d(&self.weight, 0, 1, 1, 1)?;
+        Ok(y.broadcast_add(&self.bias.reshape((1, d.cout, 1, 1))?)?)
     }
 
     /// Residual add (after BN, before ReLU) and ReLU; the bare output conv has neither.
@@ -193,6 +260,9 @@ pub struct Wav2Lip {
     /// The own cuDNN convolution path (CUDA with `--conv-engine cudnn`).
     #[cfg(feature = "cuda")]
     cudnn: Option<std::sync::Arc<super::cudnn::CudnnEngine>>,
+    /// The planned pass over it (`--conv-epilogue own|auto` in NHWC).
+    #[cfg(feature = "cuda")]
+    planned: Option<std::sync::Arc<super::cudnn::PlannedNet>>,
     /// Layers whose output [`Self::forward_guarded`] checks for overflow (none until
     /// [`Self::check_overflow`]).
     overflow: OverflowChecks,
@@ -239,31 +309,29 @@ impl Wav2Lip {
         } else {
             None
         };
-        Ok(Wav2Lip {
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut model = Wav2Lip {
             face_encoder_blocks,
             audio_encoder,
             face_decoder_blocks,
             output_block,
             cpu,
             #[cfg(feature = "cuda")]
-            cudnn: match device {
-                Device::Cuda(dev) if super::cudnn::enabled() => {
-                    match super::cudnn::CudnnEngine::new(dev, dtype) {
-                        Ok(engine) => Some(std::sync::Arc::new(engine)),
-                        Err(e) => {
-                            tracing::warn!(
-                                "cuDNN path unavailable ({e}); using candle's operations"
-                            );
-                            None
-                        }
-                    }
-                }
-                _ => None,
-            },
+            cudnn: None,
+            #[cfg(feature = "cuda")]
+            planned: None,
             overflow: OverflowChecks::default(),
             device: device.clone(),
             dtype,
-        })
+        };
+        #[cfg(feature = "cuda")]
+        if super::cudnn::enabled() {
+            if let Err(e) = model.use_conv_settings(super::cudnn::settings().clone()) {
+                tracing::warn!("cuDNN path unavailable ({e}); using candle's operations");
+                model.use_candle_operations();
+            }
+        }
+        Ok(model)
     }
 
     pub fn device(&self) -> &Device {
@@ -479,6 +547,20 @@ impl Wav2Lip {
         if let Some(engine) = &self.cudnn {
             engine.finish_warm_up();
         }
+        #[cfg(feature = "cuda")]
+        if let Some(planned) = &self.planned {
+            planned.finish_warm_up();
+        }
+    }
+
+    /// `--conv-upsampling auto`'s choices the process knows (empty on other paths).
+    #[cfg(feature = "cuda")]
+    pub fn cudnn_form_choices(
+        &self,
+    ) -> std::collections::BTreeMap<String, super::cudnn::FormChoice> {
+        self.cudnn
+            .as_ref()
+            .map_or_else(Default::default, |e| e.form_choices())
     }
 
     /// What the cuDNN path runs for each layer and input shape so far (empty on other paths).
@@ -491,13 +573,48 @@ impl Wav2Lip {
     /// plans are made again; the process's timed choices are kept). Nothing on other paths.
     #[cfg(feature = "cuda")]
     pub fn use_conv_layout(&mut self, layout: ConvLayout) -> Result<()> {
-        if let (Some(engine), Device::Cuda(dev)) = (&self.cudnn, &self.device) {
+        if let Some(engine) = &self.cudnn {
             if engine.layout() != layout {
-                let engine = super::cudnn::CudnnEngine::with_layout(dev, self.dtype, layout)?;
-                self.cudnn = Some(std::sync::Arc::new(engine));
+                let settings = super::cudnn::ConvSettings {
+                    layout,
+                    ..engine.settings().clone()
+                };
+                self.use_conv_settings(settings)?;
             }
         }
         Ok(())
+    }
+
+    /// Runs the own cuDNN path with `settings` from now on (a new engine, and a planned pass
+    /// where the settings ask for one; the process's timed choices are kept). On the CPU
+    /// nothing changes.
+    #[cfg(feature = "cuda")]
+    pub fn use_conv_settings(&mut self, settings: super::cudnn::ConvSettings) -> Result<()> {
+        let Device::Cuda(dev) = &self.device else {
+            return Ok(());
+        };
+        let planned = settings.planned();
+        let engine = std::sync::Arc::new(super::cudnn::CudnnEngine::with_settings(
+            dev, self.dtype, settings,
+        )?);
+        self.planned = if planned {
+            Some(std::sync::Arc::new(super::cudnn::PlannedNet::new(
+                engine.clone(),
+            )?))
+        } else {
+            None
+        };
+        self.cudnn = Some(engine);
+        Ok(())
+    }
+
+    /// The planned pass's graph at batch `n`, when the model runs one (for reports).
+    #[cfg(feature = "cuda")]
+    pub fn planned_graph(&self, n: usize) -> Result<Option<std::sync::Arc<super::netplan::Graph>>> {
+        match &self.planned {
+            Some(p) => Ok(Some(p.graph_for(self, n)?)),
+            None => Ok(None),
+        }
     }
 
     /// Runs candle's operations from now on (the reference path).
@@ -506,6 +623,7 @@ impl Wav2Lip {
         #[cfg(feature = "cuda")]
         {
             self.cudnn = None;
+            self.planned = None;
         }
     }
 
@@ -514,10 +632,14 @@ impl Wav2Lip {
     /// ([`super::cpu`]); everything else candle's operations.
     pub fn forward(&self, mel: &Tensor, face: &Tensor) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
+        if let Some(planned) = &self.planned {
+            check_inputs(mel, face)?;
+            let none = HashSet::new();
+            return Ok(planned.forward(self, mel, face, &none, false)?.faces);
+        }
+        #[cfg(feature = "cuda")]
         if let Some(engine) = &self.cudnn {
-            return self.forward_in(engine.layout(), mel, face, &mut |block, x| {
-                engine.forward(block, x)
-            });
+            return self.forward_own(engine, mel, face, &mut |block, x| engine.forward(block, x));
         }
         let Some(net) = &self.cpu else {
             return self.forward_candle(mel, face);
@@ -545,13 +667,18 @@ impl Wav2Lip {
     /// concatenations, layout conversions and sigmoid). `None` without the own path.
     #[cfg(feature = "cuda")]
     pub fn profile_layers(&self, mel: &Tensor, face: &Tensor) -> Result<Option<LayerProfile>> {
+        if let Some(planned) = &self.planned {
+            check_inputs(mel, face)?;
+            let none = HashSet::new();
+            return Ok(planned.forward(self, mel, face, &none, true)?.profile);
+        }
         let Some(engine) = &self.cudnn else {
             return Ok(None);
         };
         let layout = engine.layout();
         let mut marks = Vec::new();
         let start = engine.mark()?;
-        let y = self.forward_in(layout, mel, face, &mut |b, x| {
+        let y = self.forward_own(engine, mel, face, &mut |b, x| {
             let (d0, d1, d2, d3) = x.dims4()?;
             let before = engine.mark()?;
             let y = engine.forward(b, x)?;
@@ -658,8 +785,14 @@ impl Wav2Lip {
             Ok(y)
         };
         #[cfg(feature = "cuda")]
+        if let Some(planned) = &self.planned {
+            check_inputs(mel, face)?;
+            let out = planned.forward(self, mel, face, &self.overflow.layers, false)?;
+            return Ok((out.faces, out.maxima));
+        }
+        #[cfg(feature = "cuda")]
         let y = if let Some(engine) = &self.cudnn {
-            self.forward_in(engine.layout(), mel, face, &mut |b, x| {
+            self.forward_own(engine, mel, face, &mut |b, x| {
                 checked(b, engine.forward(b, x)?)
             })?
         } else {
@@ -687,7 +820,21 @@ impl Wav2Lip {
         face: &Tensor,
         layer: &mut dyn FnMut(&ConvBlock, &Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
-        self.forward_in(ConvLayout::Nchw, mel, face, layer)
+        self.forward_in(ConvLayout::Nchw, InputPad::None, mel, face, layer)
+    }
+
+    /// The layer-by-layer pass of the own cuDNN path: in its layout, its inputs padded as
+    /// its settings say.
+    #[cfg(feature = "cuda")]
+    fn forward_own(
+        &self,
+        engine: &super::cudnn::CudnnEngine,
+        mel: &Tensor,
+        face: &Tensor,
+        layer: &mut dyn FnMut(&ConvBlock, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let s = engine.settings();
+        self.forward_in(s.layout, s.input_pad, mel, face, layer)
     }
 
     /// [`Self::forward_with`] with the activations between layers in `layout`: inputs and
@@ -696,6 +843,7 @@ impl Wav2Lip {
     fn forward_in(
         &self,
         layout: ConvLayout,
+        pad: InputPad,
         mel: &Tensor,
         face: &Tensor,
         layer: &mut dyn FnMut(&ConvBlock, &Tensor) -> Result<Tensor>,
@@ -703,6 +851,13 @@ impl Wav2Lip {
         let n = check_inputs(mel, face)?;
         let to_layout = |t: &Tensor| -> Result<Tensor> {
             let t = t.to_device(&self.device)?.to_dtype(self.dtype)?;
+            // Zero channels up to the padded count (`--conv-input-pad 8`): the first layers
+            // read them with zero weights ([`ConvBlock::with_input_channels`]).
+            let c = t.dim(1)?;
+            let t = match pad.channels(c) {
+                p if p > c => t.pad_with_zeros(1, 0, p - c)?,
+                _ => t,
+            };
             Ok(layout.from_nchw(&t)?)
         };
         let (mel, face) = (to_layout(mel)?, to_layout(face)?);

@@ -261,8 +261,10 @@ pub(super) fn instances(
         plan.service_text()
     );
     let first = plan.instances.first().copied().unwrap_or(1);
-    println!("| instances | batch each | frames in flight | frames/s | vs {first} instance(s) |");
-    println!("|---|---|---|---|---|");
+    println!(
+        "| instances | batch each | frames in flight | frames/s | vs {first} instance(s) | device MiB after warm-up | device MiB at peak |"
+    );
+    println!("|---|---|---|---|---|---|---|");
     let mut rows = Vec::new();
     let mut base = None;
     for &n in &plan.instances {
@@ -273,38 +275,68 @@ pub(super) fn instances(
         let errors = Mutex::new(None);
         let barrier = Barrier::new(n);
         let paths = Mutex::new(Vec::new());
+        // Device memory in use (the whole device: contexts included) once every instance
+        // has warmed up, and its peak while they run.
+        let after_warm_up = Mutex::new(None);
+        let meter = Mutex::new(None::<Meter>);
+        let peak = AtomicU64::new(0);
+        let running = AtomicBool::new(true);
         std::thread::scope(|s| {
-            for _ in 0..n {
-                s.spawn(|| {
-                    let run = || -> Result<(), CliError> {
-                        let ready = (|| {
-                            let m = load_wav2lip(
-                                weights,
-                                plan.device,
-                                plan.cuda_device,
-                                plan.service,
-                                batch,
-                            )?;
-                            let (mel, face) = inputs(batch, m.device())?;
-                            forward_sync(&m, &mel, &face, true)?;
-                            Ok::<_, CliError>((m, mel, face))
-                        })();
-                        barrier.wait(); // even when this one failed, so the others go on
-                        let (m, mel, face) = ready?;
-                        paths.lock().unwrap().push(m.conv_engine());
-                        let (runs, t) = timed(a.seconds, || forward_sync(&m, &mel, &face, true))?;
-                        rates
-                            .lock()
-                            .unwrap()
-                            .push((runs * batch) as f64 / t.as_secs_f64());
-                        Ok(())
-                    };
-                    if let Err(e) = run() {
-                        *errors.lock().unwrap() = Some(e.to_string());
+            s.spawn(|| {
+                while running.load(Ordering::Relaxed) {
+                    if let Some(used) = meter.lock().unwrap().as_ref().and_then(|m| m.in_use()) {
+                        peak.fetch_max(used, Ordering::Relaxed);
                     }
-                });
+                    std::thread::sleep(MEMORY_SAMPLE);
+                }
+            });
+            let workers: Vec<_> = (0..n)
+                .map(|_| {
+                    s.spawn(|| {
+                        let run = || -> Result<(), CliError> {
+                            let ready = (|| {
+                                let m = load_wav2lip(
+                                    weights,
+                                    plan.device,
+                                    plan.cuda_device,
+                                    plan.service,
+                                    batch,
+                                )?;
+                                let (mel, face) = inputs(batch, m.device())?;
+                                forward_sync(&m, &mel, &face, true)?;
+                                Ok::<_, CliError>((m, mel, face))
+                            })();
+                            // Even when this one failed, so the others go on.
+                            if barrier.wait().is_leader() {
+                                if let Ok((m, _, _)) = &ready {
+                                    let meter_now = Meter::new(m.device());
+                                    *after_warm_up.lock().unwrap() = meter_now.in_use();
+                                    *meter.lock().unwrap() = Some(meter_now);
+                                }
+                            }
+                            let (m, mel, face) = ready?;
+                            paths.lock().unwrap().push(m.conv_engine());
+                            let (runs, t) =
+                                timed(a.seconds, || forward_sync(&m, &mel, &face, true))?;
+                            rates
+                                .lock()
+                                .unwrap()
+                                .push((runs * batch) as f64 / t.as_secs_f64());
+                            Ok(())
+                        };
+                        if let Err(e) = run() {
+                            *errors.lock().unwrap() = Some(e.to_string());
+                        }
+                    })
+                })
+                .collect();
+            for w in workers {
+                let _ = w.join();
             }
+            running.store(false, Ordering::Relaxed);
         });
+        let after_warm_up = after_warm_up.into_inner().unwrap();
+        let peak = Some(peak.into_inner()).filter(|&p| p > 0);
         if let Some(e) = errors.into_inner().unwrap() {
             return Err(CliError::Jobs(format!("instance run failed: {e}")));
         }
@@ -313,13 +345,16 @@ pub(super) fn instances(
         let mut paths = paths.into_inner().unwrap();
         paths.dedup();
         println!(
-            "| {n} | {batch} | {} | {fps:.1} | {:.2}x |",
+            "| {n} | {batch} | {} | {fps:.1} | {:.2}x | {} | {} |",
             n * batch,
-            fps / f64::max(base, 1e-9)
+            fps / f64::max(base, 1e-9),
+            mib(after_warm_up),
+            mib(peak.or(after_warm_up)),
         );
         rows.push(json!({
             "instances": n, "batch": batch, "frames_in_flight": n * batch, "fps": fps,
-            "dtype": plan.service, "paths": paths
+            "dtype": plan.service, "paths": paths,
+            "device_bytes_after_warm_up": after_warm_up, "device_bytes_peak": peak,
         }));
     }
     Ok(Value::Array(rows))
@@ -686,4 +721,362 @@ pub(super) fn layers(plan: &Plan, weights: &Arc<GeneratorWeights>) -> Result<Val
             })).collect::<Vec<_>>(),
         }))
     }
+}
+
+/// Batch sizes the memory section plans when `--batches` is not given: serve's on CUDA.
+const MEMORY_BATCHES: [usize; 6] = [1, 16, 64, 128, 256, 512];
+
+/// The planned path's arena (`--conv-epilogue own|auto`) per batch size, from the graph's
+/// liveness alone (no GPU): for the flags' input padding and each upsampling form the flags
+/// allow (`auto` picks among them per layer at warm-up), in every `--dtypes`, with the skip
+/// concatenations the planner writes by a copy to stay within budget, and the estimate
+/// `--gpu-memory-limit` splits batches by.
+pub(super) fn memory(a: &BenchArgs, plan: &Plan) -> Result<Value, CliError> {
+    use lipsync::engine::pool::estimated_bytes_with;
+    use lipsync::model::cudnn::{Epilogue, Upsampling};
+    use lipsync::model::netplan::{ArenaPlan, Graph, NetOptions, ARENA_BUDGET_PER_FRAME};
+    use lipsync::model::upsample::UpForm;
+    let conv = a.conv.settings();
+    let batches: Vec<usize> = if a.batches.is_empty() {
+        MEMORY_BATCHES.to_vec()
+    } else {
+        plan.batches.clone()
+    };
+    let forms = match conv.upsampling.form() {
+        Some(f) => vec![f],
+        None => UpForm::ALL.to_vec(),
+    };
+    let mib = |b: usize| format!("{:.1}", b as f64 / 1048576.0);
+    println!(
+        "\n## Planned memory (one instance's activation arena, --conv-input-pad {}; MiB; budget \
+         {} MiB at batch 512 in f16)\n",
+        conv.input_pad.name(),
+        mib(ARENA_BUDGET_PER_FRAME * 512)
+    );
+    println!(
+        "| upsampling | dtype | skips copied | live peak per frame (MiB) | {} | estimate at batch {} |",
+        batches
+            .iter()
+            .map(|b| format!("batch {b}"))
+            .collect::<Vec<_>>()
+            .join(" | "),
+        batches.iter().max().copied().unwrap_or(1)
+    );
+    println!("|---|---|---|---|{}---|", "---|".repeat(batches.len()));
+    let mut rows = Vec::new();
+    for form in forms {
+        let g = Graph::new(&NetOptions::new(conv.input_pad, form));
+        for p in &plan.dtypes {
+            let dtype = p.dtype();
+            let elem = dtype.size_in_bytes();
+            let planned: Vec<usize> = batches
+                .iter()
+                .map(|&n| {
+                    let arena = ArenaPlan::new(&g, n, elem);
+                    debug_assert!(arena.check(&g).is_ok());
+                    arena.bytes
+                })
+                .collect();
+            let largest = batches.iter().max().copied().unwrap_or(1);
+            let settings = lipsync::model::cudnn::ConvSettings {
+                epilogue: Epilogue::Own,
+                upsampling: Upsampling::of(form),
+                ..conv.clone()
+            };
+            let estimate = estimated_bytes_with(largest, dtype, &settings);
+            let copied: Vec<String> = g.copied.iter().map(|b| format!("block {b}")).collect();
+            println!(
+                "| {} | {} | {} | {} | {} | {} |",
+                form.name(),
+                dtype.as_str(),
+                if copied.is_empty() {
+                    "none".into()
+                } else {
+                    copied.join(", ")
+                },
+                mib(g.live_peak() * elem),
+                planned
+                    .iter()
+                    .map(|&b| mib(b))
+                    .collect::<Vec<_>>()
+                    .join(" | "),
+                mib(estimate as usize)
+            );
+            rows.push(json!({
+                "upsampling": form.name(), "dtype": dtype.as_str(), "copied": g.copied,
+                "live_peak_bytes_per_frame": g.live_peak() * elem,
+                "planned_bytes": batches.iter().zip(&planned)
+                    .map(|(b, p)| json!({ "batch": b, "bytes": p })).collect::<Vec<_>>(),
+                "estimated_bytes": estimate,
+            }));
+        }
+    }
+    Ok(Value::Array(rows))
+}
+
+/// The configurations the compare section runs by default: the old default, everything
+/// `auto`, and two ablations (no cuDNN fusion; unpadded inputs).
+pub(super) const COMPARE_DEFAULT: [&str; 4] = [
+    "subpixel:separate:none:on",
+    "auto:auto:8:on",
+    "auto:own:8:on",
+    "auto:auto:none:on",
+];
+
+/// `UPSAMPLING:EPILOGUE:INPUT_PAD:ARENA` over the flags' other settings.
+pub(super) fn compare_config(
+    text: &str,
+    base: &lipsync::model::cudnn::ConvSettings,
+) -> Result<lipsync::model::cudnn::ConvSettings, CliError> {
+    let parts: Vec<&str> = text.split(':').collect();
+    let bad = |why: String| CliError::Jobs(format!("--compare-configs {text:?}: {why}"));
+    let [up, epi, pad, arena] = parts[..] else {
+        return Err(bad("want UPSAMPLING:EPILOGUE:INPUT_PAD:ARENA".into()));
+    };
+    let settings = lipsync::model::cudnn::ConvSettings {
+        upsampling: up.parse().map_err(bad)?,
+        epilogue: epi.parse().map_err(bad)?,
+        input_pad: pad.parse().map_err(bad)?,
+        arena: arena.parse().map_err(bad)?,
+        ..base.clone()
+    };
+    settings.check().map_err(bad)?;
+    Ok(settings)
+}
+
+/// The compare section's configurations (at most 4).
+pub(super) fn compare_configs(
+    a: &BenchArgs,
+) -> Result<Vec<(String, lipsync::model::cudnn::ConvSettings)>, CliError> {
+    let base = a.conv.settings();
+    let texts: Vec<String> = if a.compare_configs.is_empty() {
+        COMPARE_DEFAULT.iter().map(|s| s.to_string()).collect()
+    } else {
+        a.compare_configs.clone()
+    };
+    if texts.len() > 4 {
+        return Err(CliError::Jobs(format!(
+            "--compare-configs: at most 4 configurations, not {}",
+            texts.len()
+        )));
+    }
+    texts
+        .iter()
+        .map(|t| Ok((t.clone(), compare_config(t, &base)?)))
+        .collect()
+}
+
+/// The model path's configurations in one process on the same weights, in the service
+/// precision at each batch: during the first configuration with `auto` upsampling every
+/// form is timed per layer (the table of forms); then per configuration frames/s, the peak
+/// device memory of its forwards, the accuracy against the exact f32 reference (the start-up
+/// check's measure and floor), and each layer's time at the largest batch. CUDA only.
+pub(super) fn compare(
+    a: &BenchArgs,
+    plan: &Plan,
+    weights: &Arc<GeneratorWeights>,
+) -> Result<Value, CliError> {
+    let configs = compare_configs(a)?;
+    println!(
+        "\n## Compare ({}, batches {}; one process, the same weights)\n",
+        plan.service_text(),
+        plan.batches
+            .iter()
+            .map(|b| b.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    for (i, (text, s)) in configs.iter().enumerate() {
+        println!(
+            "{}. `{text}`: --conv-upsampling {} --conv-epilogue {} --conv-input-pad {} \
+             --conv-arena {} --conv-layout {} (planned path: {})",
+            i + 1,
+            s.upsampling.name(),
+            s.epilogue.name(),
+            s.input_pad.name(),
+            s.arena.name(),
+            s.layout.name(),
+            if s.planned() { "yes" } else { "no" }
+        );
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = weights;
+        println!("\nTimes need the CUDA build (the cuDNN path): nothing measured here.");
+        Ok(
+            json!({ "configs": configs.iter().map(|(t, _)| t).collect::<Vec<_>>(), "measured": false }),
+        )
+    }
+    #[cfg(feature = "cuda")]
+    {
+        compare_cuda(a, plan, weights, &configs)
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn compare_cuda(
+    a: &BenchArgs,
+    plan: &Plan,
+    weights: &Arc<GeneratorWeights>,
+    configs: &[(String, lipsync::model::cudnn::ConvSettings)],
+) -> Result<Value, CliError> {
+    use lipsync::model::wav2lip::{cudnn_check_floor, LayerProfile};
+    let dev = plan.device.open_instance(plan.cuda_device)?;
+    let dtype = model::compute_dtype(&dev, plan.service);
+    let meter = Meter::new(&dev);
+    let floor = cudnn_check_floor(dtype);
+    let largest = plan.largest_batch();
+    let mut results = Vec::new();
+    let mut profiles: Vec<(String, LayerProfile)> = Vec::new();
+    let mut forms_table = None;
+    println!(
+        "\n| configuration | batch | frames/s | ms per batch | peak device MiB | PSNR vs f32 (dB, floor {floor}) | path |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (text, settings) in configs {
+        let before = meter.in_use();
+        let mut m = Wav2Lip::load(weights, &dev, dtype)?;
+        m.use_conv_settings(settings.clone())?;
+        // Warm-up as an instance runs it: every batch once (searches; the planned path's
+        // first pass times the forms and the fusion), then once more with the choices.
+        for &b in &plan.batches {
+            let (mel, face) = inputs(b, &dev)?;
+            forward_sync(&m, &mel, &face, false)?;
+            forward_sync(&m, &mel, &face, false)?;
+        }
+        m.finish_warm_up();
+        if forms_table.is_none() && settings.upsampling == lipsync::model::cudnn::Upsampling::Auto {
+            forms_table = Some(m.cudnn_form_choices());
+        }
+        for &b in &plan.batches {
+            let (mel, face) = inputs(b, &dev)?;
+            let peak = meter.peak_during(|| {
+                forward_sync(&m, &mel, &face, false)?;
+                forward_sync(&m, &mel, &face, false)
+            })?;
+            let (runs, t) = timed(a.seconds, || forward_sync(&m, &mel, &face, false))?;
+            let fps = (runs * b) as f64 / t.as_secs_f64();
+            if b == largest {
+                let mut best: Option<LayerProfile> = None;
+                for _ in 0..LAYER_RUNS {
+                    if let Some(p) = m.profile_layers(&mel, &face)? {
+                        best = Some(match best {
+                            None => p,
+                            Some(mut q) => {
+                                for (x, y) in q.layers.iter_mut().zip(&p.layers) {
+                                    x.ms = x.ms.min(y.ms);
+                                }
+                                q.total_ms = q.total_ms.min(p.total_ms);
+                                q
+                            }
+                        });
+                    }
+                }
+                if let Some(p) = best {
+                    profiles.push((text.clone(), p));
+                }
+            }
+            // The accuracy at the largest batch (the start-up check's; it also runs candle's
+            // slow operations once).
+            let check = if b == largest {
+                Some(m.check_conv_path(b, floor)?)
+            } else {
+                None
+            };
+            let used = match (peak, before) {
+                (Some(p), Some(b0)) => Some(p.saturating_sub(b0)),
+                _ => None,
+            };
+            println!(
+                "| `{text}` | {b} | {fps:.0} | {:.2} | {} | {} | {} |",
+                1e3 * b as f64 / fps,
+                mib(used),
+                check.as_ref().map_or("-".into(), |c| format!(
+                    "{:.1}{}",
+                    c.own_psnr,
+                    if c.accepted {
+                        ""
+                    } else {
+                        " (refused: candle's operations from here)"
+                    }
+                )),
+                m.conv_engine()
+            );
+            results.push(json!({
+                "config": text, "batch": b, "fps": fps, "peak_bytes": used,
+                "psnr": check.as_ref().map(|c| c.own_psnr),
+                "accepted": check.as_ref().map(|c| c.accepted),
+                "path": m.conv_engine(),
+            }));
+        }
+        drop(m);
+    }
+    // The forms, as timed in the warm-up of the first `auto` configuration.
+    let mut forms_rows = Vec::new();
+    if let Some(table) = forms_table {
+        println!(
+            "\n### Upsampling forms timed per layer (ms per batch, least of 3; the fastest kept)\n"
+        );
+        println!("| convolution and batch | subpixel | subpixel2x2 | phases | transposed | kept |");
+        println!("|---|---|---|---|---|---|");
+        for (key, choice) in &table {
+            let cell = |f: lipsync::model::upsample::UpForm| {
+                choice
+                    .ms
+                    .get(&f)
+                    .map_or("-".to_string(), |ms| format!("{ms:.3}"))
+            };
+            use lipsync::model::upsample::UpForm::*;
+            println!(
+                "| {key} | {} | {} | {} | {} | {} |",
+                cell(Subpixel),
+                cell(Subpixel2x2),
+                cell(Phases),
+                cell(Transposed),
+                choice.form.name()
+            );
+            forms_rows.push(json!({ "key": key, "form": choice.form, "ms": choice.ms }));
+        }
+    }
+    // Each layer at the largest batch, µs per frame, side by side.
+    if let Some((_, first)) = profiles.first() {
+        println!(
+            "\n### Layers at batch {largest} (µs per frame, CUDA events; convolutions and their epilogue)\n"
+        );
+        println!(
+            "| layer | {} |",
+            profiles
+                .iter()
+                .map(|(t, _)| format!("`{t}`"))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        );
+        println!("|---|{}", "---|".repeat(profiles.len()));
+        let us = |ms: f32| format!("{:.2}", ms as f64 * 1e3 / largest as f64);
+        for layer in &first.layers {
+            let cells: Vec<String> = profiles
+                .iter()
+                .map(|(_, p)| {
+                    p.layers
+                        .iter()
+                        .find(|l| l.path == layer.path)
+                        .map_or("-".into(), |l| us(l.ms))
+                })
+                .collect();
+            println!("| {} | {} |", layer.path, cells.join(" | "));
+        }
+        let sums: Vec<String> = profiles
+            .iter()
+            .map(|(_, p)| us(p.layers.iter().map(|l| l.ms).sum()))
+            .collect();
+        println!("| all layers | {} |", sums.join(" | "));
+        let between: Vec<String> = profiles
+            .iter()
+            .map(|(_, p)| us(p.total_ms - p.layers.iter().map(|l| l.ms).sum::<f32>()))
+            .collect();
+        println!("| between layers | {} |", between.join(" | "));
+        let whole: Vec<String> = profiles.iter().map(|(_, p)| us(p.total_ms)).collect();
+        println!("| whole pass | {} |", whole.join(" | "));
+    }
+    Ok(json!({ "runs": results, "forms": forms_rows }))
 }

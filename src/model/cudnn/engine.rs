@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cudnn::sys;
 use candle_core::cuda_backend::cudarc::driver::{
-    sys as driver_sys, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
-    ValidAsZeroBits,
+    result as driver_result, sys as driver_sys, CudaEvent, CudaSlice, CudaStream, DevicePtr,
+    DevicePtrMut, DeviceRepr, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{CustomOp1, DType, Layout, Shape, Storage, Tensor};
@@ -19,9 +19,9 @@ use serde::{Deserialize, Serialize};
 use super::plan::{
     pick, Candidate, Choice, CudnnError, FuseTiming, Fusion, MathType, PlanCache, PlanKey,
 };
-use super::{settings, ConvLayout, Upsampling, CONVOLUTIONS_METRIC};
-use crate::model::arch::{LayerKind, LayerSpec};
-use crate::model::subpixel;
+use super::{settings, ConvLayout, ConvSettings, CONVOLUTIONS_METRIC};
+use crate::model::arch::LayerKind;
+use crate::model::upsample::{self, UpForm};
 use crate::model::wav2lip::ConvBlock;
 use crate::model::{Error, Result};
 
@@ -165,14 +165,39 @@ fn set_math(conv: &ConvDesc, math: MathType) -> candle_core::Result<()> {
 
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct CacheFile {
-    /// GPU name and cuDNN version: choices are only valid for the same pair.
+    /// GPU name, cuDNN version and the convolution settings: choices are only valid for the
+    /// same.
     device: String,
     algos: BTreeMap<String, Choice>,
+    /// `--conv-upsampling auto`'s choices, by layer shape, batch and path (absent in files
+    /// written before it existed).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    upsampling: BTreeMap<String, FormChoice>,
+}
+
+/// The form `--conv-upsampling auto` chose for an upsampling layer at one batch, with every
+/// form's time (the least of a few runs, milliseconds, including what joins the phases).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FormChoice {
+    pub form: UpForm,
+    pub ms: BTreeMap<UpForm, f32>,
+}
+
+impl FormChoice {
+    /// The fastest of the timed forms (ties: the first in [`UpForm::ALL`]'s order).
+    pub fn fastest(ms: BTreeMap<UpForm, f32>) -> Option<FormChoice> {
+        let form = UpForm::ALL
+            .into_iter()
+            .filter(|f| ms.get(f).is_some_and(|t| t.is_finite()))
+            .min_by(|a, b| ms[a].total_cmp(&ms[b]))?;
+        Some(FormChoice { form, ms })
+    }
 }
 
 struct Autotune {
     device: String,
     algos: BTreeMap<String, Choice>,
+    forms: BTreeMap<String, FormChoice>,
     searched: usize,
     /// Choices not yet written to the cache file.
     dirty: bool,
@@ -183,6 +208,7 @@ impl Autotune {
     fn get(device: &str) -> &'static Mutex<Autotune> {
         AUTOTUNE.get_or_init(|| {
             let mut algos = BTreeMap::new();
+            let mut forms = BTreeMap::new();
             if let Some(path) = &settings().cache_file {
                 match std::fs::read(path) {
                     Ok(bytes) => match serde_json::from_slice::<CacheFile>(&bytes) {
@@ -193,6 +219,7 @@ impl Autotune {
                                 file.algos.len()
                             );
                             algos = file.algos;
+                            forms = file.upsampling;
                         }
                         Ok(file) => tracing::warn!(
                             "autotune cache {} is for {:?}, not {device:?}; searching again",
@@ -211,6 +238,7 @@ impl Autotune {
             Mutex::new(Autotune {
                 device: device.to_string(),
                 algos,
+                forms,
                 searched: 0,
                 dirty: false,
             })
@@ -232,6 +260,7 @@ impl Autotune {
         let file = CacheFile {
             device: self.device.clone(),
             algos: self.algos.clone(),
+            upsampling: self.forms.clone(),
         };
         let write = || -> std::io::Result<()> {
             if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -409,6 +438,8 @@ struct Plan {
     workspace: usize,
     /// Bias, residual and ReLU inside the convolution call, or applied afterwards.
     fusion: Fusion,
+    /// cuDNN refused this plan's fused call (it is never tried again).
+    refused: bool,
     /// The timing that decided `fusion`, if any (`choice.fuse` for this kind of layer).
     fuse_timing: Option<FuseTiming>,
     source: ChoiceSource,
@@ -428,9 +459,12 @@ struct Inner {
     /// NHWC only: each layer's weights in cuDNN's NHWC filter layout `(k, r, s, c)`, made on
     /// first use from the PyTorch layout `(k, c, r, s)`; by layer and weight shape.
     nhwc_weights: HashMap<String, Tensor>,
-    /// The forward convolution each stride-2 transposed layer runs as
-    /// ([`Upsampling::Subpixel`]), made on first use; by layer.
-    subpixel: HashMap<String, ConvBlock>,
+    /// The forward convolutions of each stride-2 transposed layer's upsampling forms, made
+    /// on first use; by layer and form.
+    forms: HashMap<(String, UpForm), Vec<ConvBlock>>,
+    /// The first layers reading inputs padded with zero channels (`--conv-input-pad 8`):
+    /// their weights padded to match, made on first use; by layer and channels.
+    padded: HashMap<(String, usize), ConvBlock>,
 }
 
 /// The own cuDNN convolution path of one model instance.
@@ -445,12 +479,9 @@ pub struct CudnnEngine {
     stream: Arc<CudaStream>,
     dev: CudaDevice,
     dtype: DType,
-    /// How activations are laid out between layers.
-    layout: ConvLayout,
-    /// The most workspace an algorithm may use.
-    workspace_limit: usize,
-    /// How stride-2 transposed convolutions run.
-    upsampling: Upsampling,
+    /// How activations are laid out, the workspace limit, upsampling, epilogue, input
+    /// padding and arena.
+    settings: ConvSettings,
     device_name: String,
 }
 
@@ -458,7 +489,7 @@ impl std::fmt::Debug for CudnnEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudnnEngine")
             .field("dtype", &self.dtype)
-            .field("layout", &self.layout)
+            .field("layout", &self.settings.layout)
             .field("device", &self.device_name)
             .finish()
     }
@@ -478,14 +509,30 @@ impl Drop for CudnnEngine {
 }
 
 impl CudnnEngine {
-    /// An engine on the device's stream (the instance's own stream), in the process's layout
-    /// ([`super::ConvSettings`]).
+    /// An engine on the device's stream (the instance's own stream), with the process's
+    /// settings ([`super::ConvSettings`]).
     pub fn new(dev: &CudaDevice, dtype: DType) -> Result<Self> {
-        Self::with_layout(dev, dtype, settings().layout)
+        Self::with_settings(dev, dtype, settings().clone())
     }
 
-    /// An engine whose layers take and return activations in `layout`.
+    /// An engine whose layers take and return activations in `layout` (the process's other
+    /// settings).
     pub fn with_layout(dev: &CudaDevice, dtype: DType, layout: ConvLayout) -> Result<Self> {
+        Self::with_settings(
+            dev,
+            dtype,
+            ConvSettings {
+                layout,
+                ..settings().clone()
+            },
+        )
+    }
+
+    /// An engine with its own settings (one process comparing several: `lipsync bench
+    /// --sections compare`). Algorithm choices are shared by the process whatever the
+    /// settings: they are keyed by shape, dtype and layout.
+    pub fn with_settings(dev: &CudaDevice, dtype: DType, settings: ConvSettings) -> Result<Self> {
+        settings.check().map_err(Error::Settings)?;
         data_type(dtype)?;
         let stream = dev.cuda_stream();
         // cuDNN binds its handle to the context current on this thread.
@@ -528,29 +575,79 @@ impl CudnnEngine {
                 plans: PlanCache::default(),
                 unfusable: HashSet::new(),
                 nhwc_weights: HashMap::new(),
-                subpixel: HashMap::new(),
+                forms: HashMap::new(),
+                padded: HashMap::new(),
             }),
             searching: AtomicBool::new(true),
             stream,
             dev: dev.clone(),
             dtype,
-            layout,
-            workspace_limit: settings().workspace_limit,
-            upsampling: settings().upsampling,
-            // The autotune cache file's identity: choices made under another workspace limit
-            // are not reused (a lower limit could not run them, a higher one never searches).
-            device_name: format!(
-                "{gpu} / cuDNN {version} / workspace {} MiB",
-                settings().workspace_limit >> 20
-            ),
+            // The autotune cache file's identity: choices made under other settings are not
+            // reused (a lower workspace limit could not run them, a higher one never
+            // searches; another upsampling, epilogue, padding or arena times other things).
+            device_name: format!("{gpu} / cuDNN {version} / {}", settings.cache_identity()),
+            settings,
         })
+    }
+
+    /// The instance's stream, which every call of the engine is on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The instance's device.
+    pub fn device(&self) -> &CudaDevice {
+        &self.dev
+    }
+
+    /// The engine's settings.
+    pub fn settings(&self) -> &ConvSettings {
+        &self.settings
+    }
+
+    /// The model's dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Whether the warm-up is still on (searches and timings allowed).
+    pub fn searching(&self) -> bool {
+        self.searching.load(Ordering::SeqCst)
     }
 
     /// Ends the warm-up: shapes seen from now on take cuDNN's heuristic choice instead of a
     /// search, the search workspace is freed and new choices are written to the cache file.
     pub fn finish_warm_up(&self) {
         self.searching.store(false, Ordering::SeqCst);
-        self.inner.lock().unwrap().search_workspace = None;
+        // The upsampling forms no layer runs: their weights (and filter-layout copies) are
+        // freed; with `auto` every form was made for the timing.
+        let keep: HashSet<UpForm> = match self.settings.upsampling.form() {
+            Some(f) => HashSet::from([f]),
+            None => {
+                let mut keep: HashSet<UpForm> = Autotune::get(&self.device_name)
+                    .lock()
+                    .unwrap()
+                    .forms
+                    .values()
+                    .map(|c| c.form)
+                    .collect();
+                keep.insert(Self::FALLBACK_FORM);
+                keep
+            }
+        };
+        let mut inner = self.inner.lock().unwrap();
+        inner.search_workspace = None;
+        let dropped: Vec<String> = inner
+            .forms
+            .iter()
+            .filter(|((_, f), _)| !keep.contains(f))
+            .flat_map(|(_, blocks)| blocks.iter().map(|b| format!("{} ", b.path())))
+            .collect();
+        inner.forms.retain(|(_, f), _| keep.contains(f));
+        inner
+            .nhwc_weights
+            .retain(|key, _| !dropped.iter().any(|p| key.starts_with(p.as_str())));
+        drop(inner);
         if let Some(tune) = AUTOTUNE.get() {
             tune.lock().unwrap().save();
         }
@@ -558,22 +655,168 @@ impl CudnnEngine {
 
     /// How the engine's layers take and return activations.
     pub fn layout(&self) -> ConvLayout {
-        self.layout
+        self.settings.layout
     }
 
-    /// The forward convolution a stride-2 transposed layer runs as, when it does.
-    fn subpixel_block(&self, block: &ConvBlock) -> Result<Option<ConvBlock>> {
-        if self.upsampling != Upsampling::Subpixel || !subpixel::applies(block.spec()) {
-            return Ok(None);
+    /// The forward convolutions an upsampling form of a stride-2 transposed layer runs (none
+    /// for `Transposed`), made once per layer and form.
+    pub fn form_blocks(&self, block: &ConvBlock, form: UpForm) -> Result<Vec<ConvBlock>> {
+        if form == UpForm::Transposed {
+            return Ok(Vec::new());
         }
-        let mut inner = self.inner.lock().unwrap();
-        if let Some(b) = inner.subpixel.get(block.path()) {
-            return Ok(Some(b.clone()));
+        let key = (block.path().to_string(), form);
+        if let Some(b) = self.inner.lock().unwrap().forms.get(&key) {
+            return Ok(b.clone());
         }
-        let (w, b) = subpixel::conv_parts(block.spec(), block.weight(), block.bias())?;
-        let sub = ConvBlock::from_parts(block.path(), subpixel::conv_spec(block.spec()), w, b);
-        inner.subpixel.insert(block.path().to_string(), sub.clone());
-        Ok(Some(sub))
+        let parts = upsample::form_parts(form, block.spec(), block.weight(), block.bias())?;
+        let blocks: Vec<ConvBlock> = parts
+            .into_iter()
+            .enumerate()
+            .map(|(i, (c, w, b))| block.form_part(form, i, &c, w, b))
+            .collect();
+        self.inner.lock().unwrap().forms.insert(key, blocks.clone());
+        Ok(blocks)
+    }
+
+    /// `block` reading an input of `cin` channels: itself, or (an input padded with zero
+    /// channels) a copy with zero weights for them, made once.
+    pub fn padded_block(&self, block: &ConvBlock, cin: usize) -> Result<ConvBlock> {
+        if cin <= block.dims().cin {
+            return Ok(block.clone());
+        }
+        let key = (block.path().to_string(), cin);
+        if let Some(b) = self.inner.lock().unwrap().padded.get(&key) {
+            return Ok(b.clone());
+        }
+        let b = block.with_input_channels(cin)?;
+        self.inner.lock().unwrap().padded.insert(key, b.clone());
+        Ok(b)
+    }
+
+    /// The key of an upsampling layer's form choice: its shape at this input, the dtype and
+    /// layout, and whether the planned path (own epilogue) or the separate one joins the
+    /// phases (they cost differently).
+    fn form_key(&self, block: &ConvBlock, input: [usize; 4], planned: bool) -> String {
+        let key = PlanKey::of_dims(block.path(), block.dims(), input);
+        format!(
+            "{} {}",
+            key.tune_key(self.dtype, self.layout()),
+            if planned { "planned" } else { "separate" }
+        )
+    }
+
+    /// The form an upsampling layer runs at this input: the setting's, or with `auto` the
+    /// one timed for this shape (`None`: not timed yet).
+    pub fn known_form(
+        &self,
+        block: &ConvBlock,
+        input: [usize; 4],
+        planned: bool,
+    ) -> Option<UpForm> {
+        if let Some(f) = self.settings.upsampling.form() {
+            return Some(f);
+        }
+        let key = self.form_key(block, input, planned);
+        let tune = Autotune::get(&self.device_name).lock().unwrap();
+        tune.forms.get(&key).map(|c| c.form)
+    }
+
+    /// The form to run when none was timed for a shape: subpixel, the first GPU run's
+    /// default.
+    pub const FALLBACK_FORM: UpForm = UpForm::Subpixel;
+
+    /// Records `auto`'s choice for an upsampling layer at this input (and marks the cache
+    /// file for writing).
+    pub fn record_form(
+        &self,
+        block: &ConvBlock,
+        input: [usize; 4],
+        planned: bool,
+        choice: FormChoice,
+    ) {
+        let key = self.form_key(block, input, planned);
+        tracing::debug!("upsampling {key}: {choice:?}");
+        let mut tune = Autotune::get(&self.device_name).lock().unwrap();
+        tune.forms.insert(key, choice);
+        tune.dirty = true;
+    }
+
+    /// The planned path's fusion timing of `block` at `input` (`(n, c, h, w)`): cuDNN's
+    /// fused call against the convolution followed by the own epilogue, if timed.
+    pub(super) fn own_fusion(&self, block: &ConvBlock, input: [usize; 4]) -> Option<FuseTiming> {
+        let key = PlanKey::of_dims(block.path(), block.dims(), input);
+        let tune = Autotune::get(&self.device_name).lock().unwrap();
+        tune.algos
+            .get(&key.tune_key(self.dtype, self.layout()))?
+            .fuse
+            .get_own(block.spec().residual)
+    }
+
+    /// Records [`Self::own_fusion`]'s timing with the process's choice for the shape (and
+    /// marks the cache file for writing).
+    pub(super) fn record_own_fusion(
+        &self,
+        block: &ConvBlock,
+        input: [usize; 4],
+        timing: FuseTiming,
+    ) {
+        let key = PlanKey::of_dims(block.path(), block.dims(), input);
+        let tune_key = key.tune_key(self.dtype, self.layout());
+        tracing::debug!(
+            "{} {input:?}: fused {:.3} ms, convolution + own epilogue {:.3} ms",
+            block.path(),
+            timing.fused_ms,
+            timing.unfused_ms
+        );
+        let mut tune = Autotune::get(&self.device_name).lock().unwrap();
+        if let Some(c) = tune.algos.get_mut(&tune_key) {
+            c.fuse.set_own(block.spec().residual, timing);
+            tune.dirty = true;
+        }
+    }
+
+    /// Every form choice the process knows, by key (for the bench's table).
+    pub fn form_choices(&self) -> BTreeMap<String, FormChoice> {
+        Autotune::get(&self.device_name)
+            .lock()
+            .unwrap()
+            .forms
+            .clone()
+    }
+
+    /// Times `run` for each form, interleaved: one untimed run each (its searches), then the
+    /// least of [`FORM_TIMING_RUNS`] timed runs, CUDA events on the instance's stream. A
+    /// form whose run fails is left out (with a debug line).
+    pub fn time_forms(
+        &self,
+        forms: &[UpForm],
+        mut run: impl FnMut(UpForm) -> Result<()>,
+    ) -> Result<BTreeMap<UpForm, f32>> {
+        let mut ok: Vec<UpForm> = Vec::new();
+        for &f in forms {
+            match run(f) {
+                Ok(()) => ok.push(f),
+                Err(e) if e.is_out_of_memory() => return Err(e),
+                Err(e) => tracing::debug!("upsampling form {f:?} cannot run here: {e}"),
+            }
+        }
+        // Every run queued with its events first, read after: reading an event waits for
+        // the device, and a run started on an idle device would pay its launches.
+        let mut marks = Vec::with_capacity(FORM_TIMING_RUNS * ok.len());
+        for _ in 0..FORM_TIMING_RUNS {
+            for &f in &ok {
+                let start = self.mark()?;
+                run(f)?;
+                marks.push((f, start, self.mark()?));
+            }
+        }
+        let mut best: BTreeMap<UpForm, f32> = ok.iter().map(|&f| (f, f32::INFINITY)).collect();
+        for (f, start, end) in &marks {
+            let ms = start.elapsed_ms(end).map_err(candle_core::Error::from)?;
+            let t = best.get_mut(f).expect("timed forms");
+            *t = t.min(ms);
+        }
+        Ok(best)
     }
 
     /// An event recorded now on the instance's stream (for timing layers).
@@ -611,10 +854,55 @@ impl CudnnEngine {
     /// [`Error::Cudnn`]. During warm-up, a plan's first run is followed by the timing of its
     /// fused call against the unfused sequence ([`Self::time_fusion`]).
     pub fn forward(&self, block: &ConvBlock, x: &Tensor) -> Result<Tensor> {
-        if let Some(sub) = self.subpixel_block(block)? {
-            let z = self.forward(&sub, x)?;
-            return subpixel::shuffle(&z, block.spec().cout, self.layout);
+        let layout = self.layout();
+        let logical = {
+            let (a, b, c, d) = x.dims4()?;
+            layout.logical([a, b, c, d])
+        };
+        if logical[1] > block.dims().cin {
+            let padded = self.padded_block(block, logical[1])?;
+            return self.forward(&padded, x);
         }
+        if upsample::applies(block.spec()) {
+            let form = match self.known_form(block, logical, false) {
+                Some(f) => f,
+                None if self.searching() => {
+                    let x = x.contiguous()?;
+                    let ms = self
+                        .time_forms(&UpForm::ALL, |f| self.forward_form(block, &x, f).map(drop))?;
+                    let choice = FormChoice::fastest(ms).ok_or_else(|| {
+                        Error::Settings(format!("no upsampling form runs {}", block.path()))
+                    })?;
+                    let form = choice.form;
+                    self.record_form(block, logical, false, choice);
+                    form
+                }
+                None => Self::FALLBACK_FORM,
+            };
+            return self.forward_form(block, x, form);
+        }
+        self.forward_one(block, x)
+    }
+
+    /// An upsampling layer through `form`: its convolutions (bias and ReLU as the plans
+    /// fuse them), the phases joined by candle's operations.
+    fn forward_form(&self, block: &ConvBlock, x: &Tensor, form: UpForm) -> Result<Tensor> {
+        if form == UpForm::Transposed {
+            return self.forward_one(block, x);
+        }
+        let layout = self.layout();
+        let (a, b, c, d) = x.dims4()?;
+        let [_, _, h, w] = layout.logical([a, b, c, d]);
+        let z = self
+            .form_blocks(block, form)?
+            .iter()
+            .map(|part| self.forward_one(part, x))
+            .collect::<Result<Vec<_>>>()?;
+        upsample::assemble(form, &z, block.spec().cout, (h, w), layout)
+    }
+
+    /// One convolution layer as it is (no form, no padding).
+    fn forward_one(&self, block: &ConvBlock, x: &Tensor) -> Result<Tensor> {
         let x = x.contiguous()?;
         let ran = self.layer(block, &x, Mode::Planned)?;
         if ran.to_time {
@@ -641,7 +929,7 @@ impl CudnnEngine {
             let s = block.spec();
             let bias = block
                 .bias()
-                .reshape(self.layout.physical([1, s.cout, 1, 1]).to_vec())?;
+                .reshape(self.layout().physical([1, s.cout, 1, 1]).to_vec())?;
             let y = y.broadcast_add(&bias)?;
             block.activate(y, x)?
         };
@@ -659,7 +947,7 @@ impl CudnnEngine {
     /// fails otherwise falls back to the untimed rule, with a warning (the layer's result is
     /// already computed: the request does not fail for it).
     fn time_fusion(&self, block: &ConvBlock, x: &Tensor) {
-        let Ok(key) = plan_key(block, x.dims(), self.layout) else {
+        let Ok(key) = plan_key(block, x.dims(), self.layout()) else {
             return;
         };
         let residual = block.spec().residual;
@@ -721,7 +1009,7 @@ impl CudnnEngine {
             timing.unfused_ms
         );
         let mut tune = Autotune::get(&self.device_name).lock().unwrap();
-        if let Some(c) = tune.algos.get_mut(&key.tune_key(self.dtype, self.layout)) {
+        if let Some(c) = tune.algos.get_mut(&key.tune_key(self.dtype, self.layout())) {
             // Only for the choice the plan runs (another instance may have replaced it).
             if c.algo == algo && c.math.to_run(self.dtype) == math {
                 c.fuse.set(residual, timing);
@@ -780,12 +1068,13 @@ impl CudnnEngine {
         bufs: (u64, u64, u64),
     ) -> candle_core::Result<Plan> {
         let s = block.spec();
+        let d = key.dims();
         let transposed = key.transposed;
         let [n, c, h, w] = key.input;
-        let (oh, ow) = output_size(s, h, w);
-        let x = tensor4(self.dtype, [n, c, h, w], self.layout)?;
-        let y = tensor4(self.dtype, [n, s.cout, oh, ow], self.layout)?;
-        let bias = tensor4(self.dtype, [1, s.cout, 1, 1], self.layout)?;
+        let (oh, ow) = d.output(h, w);
+        let x = tensor4(self.dtype, [n, c, h, w], self.layout())?;
+        let y = tensor4(self.dtype, [n, d.cout, oh, ow], self.layout())?;
+        let bias = tensor4(self.dtype, [1, d.cout, 1, 1], self.layout())?;
         let wd = FilterDesc::new()?;
         // PyTorch layouts: conv (cout, cin, k, k); transposed (cin, cout, k, k), which is the
         // filter of the forward convolution whose data gradient the transposed conv is. The
@@ -797,7 +1086,7 @@ impl CudnnEngine {
                 sys::cudnnSetFilter4dDescriptor(
                     wd.0,
                     data_type(self.dtype)?,
-                    format(self.layout),
+                    format(self.layout()),
                     k0,
                     k1,
                     k2,
@@ -811,10 +1100,10 @@ impl CudnnEngine {
             unsafe {
                 sys::cudnnSetConvolution2dDescriptor(
                     conv.0,
-                    s.padding as c_int,
-                    s.padding as c_int,
-                    s.stride.0 as c_int,
-                    s.stride.1 as c_int,
+                    d.pad.0 as c_int,
+                    d.pad.1 as c_int,
+                    d.stride.0 as c_int,
+                    d.stride.1 as c_int,
                     1,
                     1,
                     sys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
@@ -827,7 +1116,7 @@ impl CudnnEngine {
         set_math(&conv, MathType::for_search(self.dtype))?;
         let descs = (&x, &wd, &conv, &y);
 
-        let tune_key = key.tune_key(self.dtype, self.layout);
+        let tune_key = key.tune_key(self.dtype, self.layout());
         // Held during the search, so instances do not time each other's kernels.
         let mut tune = Autotune::get(&self.device_name).lock().unwrap();
         let known = tune.algos.get(&tune_key).and_then(|c| {
@@ -875,6 +1164,7 @@ impl CudnnEngine {
             choice,
             workspace,
             fusion,
+            refused: false,
             fuse_timing,
             source,
         })
@@ -951,7 +1241,7 @@ impl CudnnEngine {
             transposed,
             &cands,
             "search",
-            ws_bytes.min(self.workspace_limit),
+            ws_bytes.min(self.settings.workspace_limit),
         )
     }
 
@@ -959,17 +1249,17 @@ impl CudnnEngine {
     /// to 16 MiB), so a large `--cudnn-workspace` narrows the search instead of failing every
     /// warm-up batch; algorithms are then timed only within what was allocated.
     fn search_buffer(&self) -> candle_core::Result<CudaSlice<u8>> {
-        let mut bytes = self.workspace_limit.max(1);
+        let mut bytes = self.settings.workspace_limit.max(1);
         loop {
             // SAFETY: scratch memory for cuDNN; never read by us.
             match unsafe { self.stream.alloc::<u8>(bytes) } {
                 Ok(buf) => {
-                    if bytes < self.workspace_limit {
+                    if bytes < self.settings.workspace_limit {
                         tracing::warn!(
                             "cuDNN search workspace: {} MiB of the {} MiB allowed could be \
                              allocated; algorithms needing more are not considered",
                             bytes >> 20,
-                            self.workspace_limit >> 20
+                            self.settings.workspace_limit >> 20
                         );
                     }
                     return Ok(buf);
@@ -1027,8 +1317,12 @@ impl CudnnEngine {
             )?;
             candidates(&perf, count, transposed)
         };
-        let (algo, mut choice) =
-            self.choose(transposed, &cands, "heuristic", self.workspace_limit)?;
+        let (algo, mut choice) = self.choose(
+            transposed,
+            &cands,
+            "heuristic",
+            self.settings.workspace_limit,
+        )?;
         choice.ms = -1.0;
         Ok((algo, choice))
     }
@@ -1081,25 +1375,79 @@ impl CudnnEngine {
         layout: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         let block = op.block;
-        let s = block.spec();
+        let d = *block.dims();
         let Some((start, end)) = layout.contiguous_offsets() else {
             candle_core::bail!("cuDNN layer {}: input not contiguous", block.path());
         };
-        let key = plan_key(block, layout.dims(), self.layout)?;
+        let key = plan_key(block, layout.dims(), self.layout())?;
         let dims = key.input;
-        let (oh, ow) = output_size(s, dims[2], dims[3]);
+        let (oh, ow) = d.output(dims[2], dims[3]);
         let x = storage.as_cuda_slice::<T>()?.slice(start..end);
-        let w_tensor = self.weight(block)?;
-        let (w_store, w_layout) = w_tensor.storage_and_layout();
-        let (b_store, b_layout) = block.bias().storage_and_layout();
-        let weight = cuda_slice_of::<T>(&w_store, w_layout)?;
-        let bias = cuda_slice_of::<T>(&b_store, b_layout)?;
-        let len = dims[0] * s.cout * oh * ow;
+        let len = dims[0] * d.cout * oh * ow;
         // SAFETY: every element is written before it is read: the convolution calls run with
         // beta = 0 (the output is not read), and the fused call reads the output as z only
-        // after it is zeroed below.
+        // after it is zeroed ([`Self::call`]).
         let mut y = unsafe { self.dev.alloc::<T>(len)? };
+        let ran = {
+            let (x_ptr, _sx) = x.device_ptr(&self.stream);
+            // cuDNN writes the output: a mutable access, so cudarc records the write.
+            let (y_ptr, _sy) = y.device_ptr_mut(&self.stream);
+            self.call(
+                block,
+                &key,
+                (x_ptr, y_ptr),
+                len * std::mem::size_of::<T>(),
+                op.mode,
+            )?
+        };
+        if op.mode == Mode::Planned {
+            // The forward passes' calls only, not the warm-up's timing runs.
+            metrics::counter!(CONVOLUTIONS_METRIC, "fused" => if ran.fused { "true" } else { "false" })
+                .increment(1);
+            op.to_time.set(ran.to_time);
+        }
+        op.fused.set(ran.fused);
+        Ok((
+            CudaStorage::wrap_cuda_slice(y, self.dev.clone()),
+            Shape::from(self.layout().physical([dims[0], d.cout, oh, ow]).to_vec()),
+        ))
+    }
 
+    /// The device address of a contiguous tensor's first element.
+    pub(super) fn address(&self, t: &Tensor) -> candle_core::Result<u64> {
+        let (storage, layout) = t.storage_and_layout();
+        let Storage::Cuda(s) = &*storage else {
+            candle_core::bail!("cuDNN path: a tensor is not on the GPU");
+        };
+        if !layout.is_contiguous() {
+            candle_core::bail!("cuDNN path: a tensor is not contiguous");
+        }
+        let base = match t.dtype() {
+            DType::F16 => s.as_cuda_slice::<f16>()?.device_ptr(&self.stream).0,
+            DType::BF16 => s.as_cuda_slice::<bf16>()?.device_ptr(&self.stream).0,
+            DType::F32 => s.as_cuda_slice::<f32>()?.device_ptr(&self.stream).0,
+            other => candle_core::bail!("cuDNN path: no {other:?} tensors"),
+        };
+        Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
+    }
+
+    /// The cuDNN call of one layer on device addresses: its input `x` (the plan's shape in
+    /// `key`) and its output `y` of `y_bytes`. In `mode`, the fused call (bias, residual =
+    /// the input, ReLU: only convolutions have one, and cuDNN may refuse it, which leaves the
+    /// plan unfused from then on) or the convolution alone (beta = 0). Makes the plan first
+    /// if there is none (a search during warm-up writes `y`).
+    pub(super) fn call(
+        &self,
+        block: &ConvBlock,
+        key: &PlanKey,
+        (x_ptr, y_ptr): (u64, u64),
+        y_bytes: usize,
+        mode: Mode,
+    ) -> candle_core::Result<Ran<()>> {
+        let s = block.spec();
+        let w_tensor = self.weight(block)?;
+        let w_ptr = self.address(&w_tensor)?;
+        let b_ptr = self.address(block.bias())?;
         let stream = &self.stream;
         let mut guard = self.inner.lock().unwrap();
         let Inner {
@@ -1111,61 +1459,91 @@ impl CudnnEngine {
             unfusable,
             ..
         } = &mut *guard;
-        let plan = match op.mode {
-            Mode::Planned => {
-                let (x_ptr, _sx) = x.device_ptr(stream);
-                let (w_ptr, _sw) = weight.device_ptr(stream);
-                // A search writes the output: a mutable access.
-                let (y_ptr, _sy) = y.device_ptr_mut(stream);
-                plans.get_or_try_insert(&key, || {
-                    self.make_plan(handle, search_workspace, block, &key, (x_ptr, w_ptr, y_ptr))
-                })?
-            }
-            // Timing runs follow the run that made the plan, and never search.
-            Mode::Fused | Mode::Unfused => match plans.get_mut(&key) {
-                Some(plan) => plan,
-                None => candle_core::bail!("cuDNN layer {}: no plan to time", block.path()),
-            },
-        };
-        let try_fused = match op.mode {
+        let plan = plans.get_or_try_insert(key, || {
+            self.make_plan(handle, search_workspace, block, key, (x_ptr, w_ptr, y_ptr))
+        })?;
+        let try_fused = match mode {
             Mode::Planned => plan.fusion.runs_fused(),
-            Mode::Fused => plan.fusion != Fusion::Unfused,
+            // Timings ask for the fused call whatever was decided, unless cuDNN refused it.
+            Mode::Fused => !plan.refused && s.kind == LayerKind::Conv,
             Mode::Unfused => false,
         };
         if try_fused && !s.residual {
             // The fused call's z is the output itself, scaled by 0: start from zeros, not from
             // whatever the allocation (or a search) left there (0 × NaN is NaN).
-            stream.memset_zeros(&mut y)?;
+            // SAFETY: `y_ptr` is a live allocation of at least `y_bytes` on this stream.
+            unsafe {
+                driver_result::memset_d8_async(y_ptr, 0, y_bytes, stream.cu_stream())
+                    .map_err(candle_core::Error::from)?;
+            }
         }
-        let done_fused = {
-            let (x_ptr, _sx) = x.device_ptr(stream);
-            let (w_ptr, _sw) = weight.device_ptr(stream);
-            let (b_ptr, _sb) = bias.device_ptr(stream);
-            // cuDNN writes the output: a mutable access, so cudarc records the write.
-            let (y_ptr, _sy) = y.device_ptr_mut(stream);
-            let need = plan.workspace;
-            let ws = self.workspace(workspace, need)? as *mut c_void;
-            // f32 scaling factors for every storage type (f32 compute; cuDNN takes float
-            // factors for FLOAT, HALF and BFLOAT16 data).
-            let (one, zero) = (1f32, 0f32);
-            let one_p = &one as *const f32 as *const c_void;
-            let zero_p = &zero as *const f32 as *const c_void;
-            let (xp, wp, yp) = (
-                x_ptr as *const c_void,
-                w_ptr as *const c_void,
-                y_ptr as *mut c_void,
-            );
-            let mut done_fused = false;
-            if let (true, Algo::Fwd(algo)) = (try_fused, plan.algo) {
-                // z: the input itself for residual layers (same shape as the output), else
-                // the zeroed output scaled by 0.
-                let (alpha2, z, zp) = if s.residual {
-                    (one_p, plan.x.0, xp)
-                } else {
-                    (zero_p, plan.y.0, yp as *const c_void)
-                };
-                let status = unsafe {
-                    sys::cudnnConvolutionBiasActivationForward(
+        let need = plan.workspace;
+        let ws = self.workspace(workspace, need)? as *mut c_void;
+        // f32 scaling factors for every storage type (f32 compute; cuDNN takes float
+        // factors for FLOAT, HALF and BFLOAT16 data).
+        let (one, zero) = (1f32, 0f32);
+        let one_p = &one as *const f32 as *const c_void;
+        let zero_p = &zero as *const f32 as *const c_void;
+        let (xp, wp, yp) = (
+            x_ptr as *const c_void,
+            w_ptr as *const c_void,
+            y_ptr as *mut c_void,
+        );
+        let mut done_fused = false;
+        if let (true, Algo::Fwd(algo)) = (try_fused, plan.algo) {
+            // z: the input itself for residual layers (same shape as the output), else
+            // the zeroed output scaled by 0.
+            let (alpha2, z, zp) = if s.residual {
+                (one_p, plan.x.0, xp)
+            } else {
+                (zero_p, plan.y.0, yp as *const c_void)
+            };
+            let status = unsafe {
+                sys::cudnnConvolutionBiasActivationForward(
+                    handle.0,
+                    one_p,
+                    plan.x.0,
+                    xp,
+                    plan.w.0,
+                    wp,
+                    plan.conv.0,
+                    algo,
+                    ws,
+                    need,
+                    alpha2,
+                    z,
+                    zp,
+                    plan.bias.0,
+                    b_ptr as *const c_void,
+                    relu.0,
+                    plan.y.0,
+                    yp,
+                )
+            };
+            match check(status, "fused convolution") {
+                Ok(()) => done_fused = true,
+                Err(e) if e.is_out_of_memory() => return Err(e.into()),
+                Err(e) => {
+                    // Not every type/layout/algorithm combination has a fused kernel: run
+                    // this plan unfused from now on, and say so once per layer.
+                    plan.fusion.refused();
+                    plan.refused = true;
+                    if unfusable.insert(block.path().to_string()) {
+                        tracing::warn!(
+                            "{} ({:?}, {}, {:?}): {e}; running it unfused",
+                            block.path(),
+                            self.dtype,
+                            plan.choice.algo,
+                            plan.choice.math
+                        );
+                    }
+                }
+            }
+        }
+        if !done_fused {
+            let status = match plan.algo {
+                Algo::Fwd(algo) => unsafe {
+                    sys::cudnnConvolutionForward(
                         handle.0,
                         one_p,
                         plan.x.0,
@@ -1176,96 +1554,47 @@ impl CudnnEngine {
                         algo,
                         ws,
                         need,
-                        alpha2,
-                        z,
-                        zp,
-                        plan.bias.0,
-                        b_ptr as *const c_void,
-                        relu.0,
+                        zero_p,
                         plan.y.0,
                         yp,
                     )
-                };
-                match check(status, "fused convolution") {
-                    Ok(()) => done_fused = true,
-                    Err(e) if e.is_out_of_memory() => return Err(e.into()),
-                    Err(e) => {
-                        // Not every type/layout/algorithm combination has a fused kernel: run
-                        // this plan unfused from now on, and say so once per layer.
-                        plan.fusion.refused();
-                        if unfusable.insert(block.path().to_string()) {
-                            tracing::warn!(
-                                "{} ({:?}, {}, {:?}): {e}; running it unfused",
-                                block.path(),
-                                self.dtype,
-                                plan.choice.algo,
-                                plan.choice.math
-                            );
-                        }
-                    }
-                }
-            }
-            if !done_fused {
-                let status = match plan.algo {
-                    Algo::Fwd(algo) => unsafe {
-                        sys::cudnnConvolutionForward(
-                            handle.0,
-                            one_p,
-                            plan.x.0,
-                            xp,
-                            plan.w.0,
-                            wp,
-                            plan.conv.0,
-                            algo,
-                            ws,
-                            need,
-                            zero_p,
-                            plan.y.0,
-                            yp,
-                        )
-                    },
-                    Algo::Bwd(algo) => unsafe {
-                        sys::cudnnConvolutionBackwardData(
-                            handle.0,
-                            one_p,
-                            plan.w.0,
-                            wp,
-                            plan.x.0,
-                            xp,
-                            plan.conv.0,
-                            algo,
-                            ws,
-                            need,
-                            zero_p,
-                            plan.y.0,
-                            yp,
-                        )
-                    },
-                };
-                check(status, "convolution")?;
-            }
-            done_fused
-        };
+                },
+                Algo::Bwd(algo) => unsafe {
+                    sys::cudnnConvolutionBackwardData(
+                        handle.0,
+                        one_p,
+                        plan.w.0,
+                        wp,
+                        plan.x.0,
+                        xp,
+                        plan.conv.0,
+                        algo,
+                        ws,
+                        need,
+                        zero_p,
+                        plan.y.0,
+                        yp,
+                    )
+                },
+            };
+            check(status, "convolution")?;
+        }
         let to_time = plan.fusion == Fusion::ToTime;
         drop(guard);
-        if op.mode == Mode::Planned {
-            // The forward passes' calls only, not the warm-up's timing runs.
-            metrics::counter!(CONVOLUTIONS_METRIC, "fused" => if done_fused { "true" } else { "false" })
-                .increment(1);
-            op.to_time.set(to_time);
-        }
-        op.fused.set(done_fused);
-        drop((w_store, b_store));
-        Ok((
-            CudaStorage::wrap_cuda_slice(y, self.dev.clone()),
-            Shape::from(self.layout.physical([dims[0], s.cout, oh, ow]).to_vec()),
-        ))
+        // The weights stay alive in the engine's caches and the model: nothing is freed
+        // before the stream has used it.
+        drop(w_tensor);
+        Ok(Ran {
+            y: (),
+            fused: done_fused,
+            to_time,
+        })
     }
 
     /// A layer's weights as the engine's filter descriptor reads them: PyTorch's layout in
     /// NCHW; in NHWC `(k, r, s, c)`, permuted once per layer and kept.
     fn weight(&self, block: &ConvBlock) -> candle_core::Result<Tensor> {
-        if self.layout == ConvLayout::Nchw {
+        if self.layout() == ConvLayout::Nchw {
             return Ok(block.weight().clone());
         }
         let key = format!("{} {:?}", block.path(), block.weight().dims());
@@ -1307,35 +1636,6 @@ fn workspace_size(
     Ok(bytes)
 }
 
-/// Output height and width of a layer for an input of `h`×`w`.
-fn output_size(s: &LayerSpec, h: usize, w: usize) -> (usize, usize) {
-    if s.kind == LayerKind::ConvTranspose {
-        (
-            (h - 1) * s.stride.0 + s.kernel + s.output_padding - 2 * s.padding,
-            (w - 1) * s.stride.1 + s.kernel + s.output_padding - 2 * s.padding,
-        )
-    } else {
-        (
-            (h + 2 * s.padding - s.kernel) / s.stride.0 + 1,
-            (w + 2 * s.padding - s.kernel) / s.stride.1 + 1,
-        )
-    }
-}
-
-/// The CUDA buffer behind a contiguous tensor that starts at offset 0 (the weights).
-fn cuda_slice_of<'a, T: CudaDType>(
-    storage: &'a Storage,
-    layout: &Layout,
-) -> candle_core::Result<&'a CudaSlice<T>> {
-    if !layout.is_contiguous() || layout.start_offset() != 0 {
-        candle_core::bail!("cuDNN weights must be contiguous from offset 0");
-    }
-    match storage {
-        Storage::Cuda(s) => s.as_cuda_slice::<T>(),
-        _ => candle_core::bail!("cuDNN weights must be on the GPU"),
-    }
-}
-
 /// A plan's key for a layer and its input's dimensions in `layout`.
 fn plan_key(
     block: &ConvBlock,
@@ -1346,23 +1646,29 @@ fn plan_key(
         .try_into()
         .map_err(|_| candle_core::Error::Msg("cuDNN layer: input is not 4-D".into()))?;
     let dims = layout.logical(dims);
-    let wdims: [usize; 4] = block
-        .weight()
-        .dims()
-        .try_into()
-        .map_err(|_| candle_core::Error::Msg("cuDNN layer: weight is not 4-D".into()))?;
-    Ok(PlanKey::new(block.path(), block.spec(), dims, wdims))
+    if dims[1] != block.dims().cin {
+        candle_core::bail!(
+            "cuDNN layer {}: input has {} channels, the layer reads {}",
+            block.path(),
+            dims[1],
+            block.dims().cin
+        );
+    }
+    Ok(PlanKey::of_dims(block.path(), block.dims(), dims))
 }
 
 /// The smallest search workspace tried when the limit cannot be allocated.
 const SEARCH_WORKSPACE_FLOOR: usize = 16 << 20;
 
 /// Timed runs of the fused call and of the unfused sequence, per plan, once (during warm-up).
-const FUSE_TIMING_RUNS: usize = 3;
+pub(super) const FUSE_TIMING_RUNS: usize = 3;
+
+/// Timed runs of each upsampling form, per layer and batch, once (during warm-up).
+const FORM_TIMING_RUNS: usize = 3;
 
 /// Which form of a layer a run calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mode {
+pub(super) enum Mode {
     /// The plan's (making the plan first if there is none).
     Planned,
     /// The fused call unless the layer has none or cuDNN refused it (fusion timing).
@@ -1372,12 +1678,12 @@ enum Mode {
 }
 
 /// A layer's output, and how it was made.
-struct Ran {
-    y: Tensor,
+pub(super) struct Ran<Y = Tensor> {
+    pub(super) y: Y,
     /// Bias, residual and ReLU were applied inside the convolution call.
-    fused: bool,
+    pub(super) fused: bool,
     /// The plan waits for its fusion timing.
-    to_time: bool,
+    pub(super) to_time: bool,
 }
 
 /// The custom operation candle runs for one layer.

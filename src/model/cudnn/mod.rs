@@ -56,14 +56,20 @@ use std::sync::OnceLock;
 
 use serde::Serialize;
 
+use crate::model::upsample::UpForm;
+
 #[cfg(feature = "cuda")]
 mod engine;
+#[cfg(feature = "cuda")]
+mod net;
 mod plan;
 #[cfg(feature = "cuda")]
 pub use candle_core::cuda_backend::cudarc::driver::CudaEvent;
 #[cfg(feature = "cuda")]
-pub use engine::{autotune_counts, ChoiceSource, CudnnEngine, LayerReport};
-pub use plan::{fuse_decision, FuseTiming, FuseTimings, Fusion, PlanCache, PlanKey};
+pub use engine::{autotune_counts, ChoiceSource, CudnnEngine, FormChoice, LayerReport};
+#[cfg(feature = "cuda")]
+pub use net::{PassOutput, PlannedNet};
+pub use plan::{fuse_decision, ConvDims, FuseTiming, FuseTimings, Fusion, PlanCache, PlanKey};
 pub use plan::{pick, status_is_out_of_memory, Candidate, Choice, CudnnError, MathType};
 
 /// Counter of the own path's convolution calls in forward passes (not the warm-up's fusion
@@ -85,6 +91,12 @@ pub enum ConvLayout {
 }
 
 named_enum!(ConvLayout, "a layout", { "nchw" => Nchw, "nhwc" => Nhwc });
+
+impl ConvLayout {
+    pub fn name(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+}
 
 impl ConvLayout {
     /// The axis channels are on in a 4-D activation.
@@ -150,36 +162,198 @@ pub struct ConvSettings {
     pub workspace_limit: usize,
     /// How the decoder's stride-2 transposed convolutions run.
     pub upsampling: Upsampling,
+    /// What follows each convolution: the own epilogue kernel, cuDNN's fused call where
+    /// timed faster, or separate operations.
+    pub epilogue: Epilogue,
+    /// Whether the 6-channel face and 1-channel mel inputs are padded to 8 channels.
+    pub input_pad: InputPad,
+    /// Whether the planned path's activations live in one arena per instance.
+    pub arena: Arena,
 }
 
-/// How the own path runs the stride-2 transposed convolutions ([`crate::model::subpixel`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+impl Default for ConvSettings {
+    /// The flags' defaults.
+    fn default() -> Self {
+        ConvSettings {
+            engine: ConvEngine::Cudnn,
+            cache_file: None,
+            layout: ConvLayout::Nhwc,
+            workspace_limit: DEFAULT_WORKSPACE_LIMIT,
+            upsampling: Upsampling::Subpixel,
+            epilogue: Epilogue::Separate,
+            input_pad: InputPad::None,
+            arena: Arena::On,
+        }
+    }
+}
+
+impl ConvSettings {
+    /// Whether the forward pass runs as one planned graph ([`crate::model::netplan`]): the
+    /// own or automatic epilogue in NHWC. The separate epilogue (and NCHW) runs layer by
+    /// layer on candle's buffers.
+    pub fn planned(&self) -> bool {
+        self.epilogue != Epilogue::Separate && self.layout == ConvLayout::Nhwc
+    }
+
+    /// The settings an autotune cache file belongs to (with the GPU and cuDNN version): a
+    /// file written under other settings is not reused.
+    pub fn cache_identity(&self) -> String {
+        format!(
+            "workspace {} MiB / layout {} / upsampling {} / epilogue {} / input pad {} / arena {}",
+            self.workspace_limit >> 20,
+            self.layout.name(),
+            self.upsampling.name(),
+            self.epilogue.name(),
+            self.input_pad.name(),
+            self.arena.name()
+        )
+    }
+
+    /// Why these settings cannot run, if they cannot: the own epilogue needs NHWC.
+    pub fn check(&self) -> Result<(), String> {
+        if self.epilogue == Epilogue::Own && self.layout != ConvLayout::Nhwc {
+            return Err(
+                "--conv-epilogue own needs --conv-layout nhwc (its kernels write \
+                        channels-last activations)"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// How the own path runs the stride-2 transposed convolutions ([`crate::model::upsample`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Upsampling {
-    /// One forward convolution with four phases of output channels, then a pixel shuffle.
+    /// Every form timed per layer and batch during warm-up; the fastest is kept (and stored
+    /// in the autotune cache).
+    Auto,
+    /// One 3×3 forward convolution with four phases of output channels, then a pixel shuffle.
     Subpixel,
+    /// One 2×2 forward convolution to the four phases, then a pixel shuffle.
+    Subpixel2x2,
+    /// Four phase convolutions (1×1, 1×2, 2×1, 2×2), interleaved by the epilogue.
+    Phases,
     /// cuDNN's backward-data convolution.
     Transposed,
 }
 
-named_enum!(Upsampling, "an upsampling", { "subpixel" => Subpixel, "transposed" => Transposed });
+named_enum!(Upsampling, "an upsampling", {
+    "auto" => Auto,
+    "subpixel" => Subpixel,
+    "subpixel2x2" => Subpixel2x2,
+    "phases" => Phases,
+    "transposed" => Transposed,
+});
+
+impl Upsampling {
+    pub fn name(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+
+    /// The setting that runs one form.
+    pub fn of(form: UpForm) -> Upsampling {
+        match form {
+            UpForm::Subpixel => Upsampling::Subpixel,
+            UpForm::Subpixel2x2 => Upsampling::Subpixel2x2,
+            UpForm::Phases => Upsampling::Phases,
+            UpForm::Transposed => Upsampling::Transposed,
+        }
+    }
+
+    /// The one form this setting runs (`None`: `auto`, chosen per layer).
+    pub fn form(self) -> Option<UpForm> {
+        match self {
+            Upsampling::Auto => None,
+            Upsampling::Subpixel => Some(UpForm::Subpixel),
+            Upsampling::Subpixel2x2 => Some(UpForm::Subpixel2x2),
+            Upsampling::Phases => Some(UpForm::Phases),
+            Upsampling::Transposed => Some(UpForm::Transposed),
+        }
+    }
+}
+
+/// What runs after each convolution (`--conv-epilogue`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Epilogue {
+    /// Per layer, cuDNN's fused call (bias + residual + ReLU inside the convolution) where it
+    /// was timed faster than the convolution and the own kernel, else the own kernel.
+    Auto,
+    /// Every convolution followed by the own kernel: bias + ReLU (+ residual), the pixel
+    /// shuffle, the write into its slice of the concatenation (with the skip feature), the
+    /// output's sigmoid.
+    Own,
+    /// Layer by layer on candle's buffers: bias, ReLU, shuffle, concatenation and sigmoid as
+    /// separate operations (or cuDNN's fused call where timed faster).
+    Separate,
+}
+
+named_enum!(Epilogue, "an epilogue", { "auto" => Auto, "own" => Own, "separate" => Separate });
+
+impl Epilogue {
+    pub fn name(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+}
+
+/// Whether the first layers' inputs are padded to 8 channels (`--conv-input-pad`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum InputPad {
+    /// Face (6 channels) and mel (1 channel) padded with zero channels to 8, so half-precision
+    /// tensor-core NHWC kernels apply to the first layers.
+    #[serde(rename = "8")]
+    Eight,
+    #[serde(rename = "none")]
+    None,
+}
+
+named_enum!(InputPad, "an input padding", { "8" => Eight, "none" => None });
+
+impl InputPad {
+    pub fn name(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+
+    /// Channels of a `c`-channel input as the first layer reads it.
+    pub fn channels(self, c: usize) -> usize {
+        match self {
+            InputPad::Eight => c.next_multiple_of(8),
+            InputPad::None => c,
+        }
+    }
+}
+
+/// Whether the planned path's activations come from one arena (`--conv-arena`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arena {
+    /// One device buffer per instance, every activation at its planned offset (a buffer is
+    /// reused once its last reader has run).
+    On,
+    /// Each activation allocated when first written and freed after its last reader.
+    Off,
+}
+
+named_enum!(Arena, "an arena setting", { "on" => On, "off" => Off });
+
+impl Arena {
+    pub fn name(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+}
 
 static SETTINGS: OnceLock<ConvSettings> = OnceLock::new();
 
 /// Sets the convolution path for models created from now on (once per process; later calls
-/// are ignored). Without a call: cuDNN, no cache file.
+/// are ignored). Without a call: the flags' defaults ([`ConvSettings::default`]).
 pub fn configure(settings: ConvSettings) {
     let _ = SETTINGS.set(settings);
 }
 
 pub fn settings() -> &'static ConvSettings {
-    SETTINGS.get_or_init(|| ConvSettings {
-        engine: ConvEngine::Cudnn,
-        cache_file: None,
-        layout: ConvLayout::Nhwc,
-        workspace_limit: DEFAULT_WORKSPACE_LIMIT,
-        upsampling: Upsampling::Subpixel,
-    })
+    SETTINGS.get_or_init(ConvSettings::default)
 }
 
 /// Whether CUDA models use the own path.
@@ -218,7 +392,77 @@ mod tests {
             let u: Upsampling = name.parse().unwrap();
             assert_eq!(serde_json::to_value(u).unwrap(), *name);
         }
+        for name in Epilogue::NAMES {
+            let e: Epilogue = name.parse().unwrap();
+            assert_eq!(serde_json::to_value(e).unwrap(), *name);
+            assert_eq!(e.name(), *name);
+        }
+        for name in InputPad::NAMES {
+            let p: InputPad = name.parse().unwrap();
+            assert_eq!(serde_json::to_value(p).unwrap(), *name);
+        }
+        for name in Arena::NAMES {
+            let a: Arena = name.parse().unwrap();
+            assert_eq!(serde_json::to_value(a).unwrap(), *name);
+        }
         assert!("NCHWC".parse::<ConvLayout>().is_err());
         assert!("bilinear".parse::<Upsampling>().is_err());
+        assert!("4".parse::<InputPad>().is_err());
+        // Every form has its setting, and `auto` none.
+        assert_eq!(Upsampling::Auto.form(), None);
+        for u in Upsampling::NAMES.iter().skip(1) {
+            let form = u.parse::<Upsampling>().unwrap().form().unwrap();
+            assert_eq!(form.name(), *u);
+        }
+        assert_eq!(InputPad::Eight.channels(6), 8);
+        assert_eq!(InputPad::Eight.channels(1), 8);
+        assert_eq!(InputPad::None.channels(6), 6);
+    }
+
+    #[test]
+    fn the_own_epilogue_needs_nhwc_and_every_flag_is_in_the_cache_identity() {
+        let base = ConvSettings::default();
+        assert!(base.check().is_ok());
+        let nchw_own = ConvSettings {
+            layout: ConvLayout::Nchw,
+            epilogue: Epilogue::Own,
+            ..base.clone()
+        };
+        assert!(nchw_own.check().unwrap_err().contains("nhwc"));
+        assert!(!nchw_own.planned());
+        let variants = [
+            ConvSettings {
+                upsampling: Upsampling::Auto,
+                ..base.clone()
+            },
+            ConvSettings {
+                epilogue: Epilogue::Own,
+                ..base.clone()
+            },
+            ConvSettings {
+                input_pad: InputPad::Eight,
+                ..base.clone()
+            },
+            ConvSettings {
+                arena: Arena::Off,
+                ..base.clone()
+            },
+            ConvSettings {
+                workspace_limit: 1 << 30,
+                ..base.clone()
+            },
+            ConvSettings {
+                layout: ConvLayout::Nchw,
+                ..base.clone()
+            },
+        ];
+        for v in &variants {
+            assert_ne!(v.cache_identity(), base.cache_identity(), "{v:?}");
+        }
+        assert!(ConvSettings {
+            epilogue: Epilogue::Auto,
+            ..base
+        }
+        .planned());
     }
 }

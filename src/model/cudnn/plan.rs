@@ -10,9 +10,88 @@ use serde::{Deserialize, Serialize};
 
 use super::ConvLayout;
 use crate::model::arch::{LayerKind, LayerSpec};
+use crate::model::upsample::FormConv;
 
 // ---------------------------------------------------------------------------------------------
 // Plan keys.
+
+/// One convolution as cuDNN runs it: a layer's, or one of an upsampling form's (whose
+/// kernels may be 1×2 with padding on one axis only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ConvDims {
+    /// A transposed convolution (cuDNN's backward-data) rather than a convolution.
+    pub transposed: bool,
+    pub cin: usize,
+    pub cout: usize,
+    /// Kernel height and width.
+    pub kh: usize,
+    pub kw: usize,
+    pub stride: (usize, usize),
+    /// Symmetric zero padding, rows and columns.
+    pub pad: (usize, usize),
+    pub output_padding: usize,
+}
+
+impl ConvDims {
+    /// A layer's convolution.
+    pub fn of(spec: &LayerSpec) -> Self {
+        ConvDims {
+            transposed: spec.kind == LayerKind::ConvTranspose,
+            cin: spec.cin,
+            cout: spec.cout,
+            kh: spec.kernel,
+            kw: spec.kernel,
+            stride: spec.stride,
+            pad: (spec.padding, spec.padding),
+            output_padding: spec.output_padding,
+        }
+    }
+
+    /// One convolution of an upsampling form for the layer `spec`.
+    pub fn of_form(c: &FormConv, spec: &LayerSpec) -> Self {
+        ConvDims {
+            transposed: false,
+            cin: spec.cin,
+            cout: c.cout(spec.cout),
+            kh: c.kh,
+            kw: c.kw,
+            stride: (1, 1),
+            pad: (c.ph, c.pw),
+            output_padding: 0,
+        }
+    }
+
+    /// The same convolution reading `cin` input channels (an input padded with zero
+    /// channels, read by zero weights).
+    pub fn with_cin(self, cin: usize) -> Self {
+        ConvDims { cin, ..self }
+    }
+
+    /// Output height and width for an `h`×`w` input.
+    pub fn output(&self, h: usize, w: usize) -> (usize, usize) {
+        if self.transposed {
+            (
+                (h - 1) * self.stride.0 + self.kh + self.output_padding - 2 * self.pad.0,
+                (w - 1) * self.stride.1 + self.kw + self.output_padding - 2 * self.pad.1,
+            )
+        } else {
+            (
+                (h + 2 * self.pad.0 - self.kh) / self.stride.0 + 1,
+                (w + 2 * self.pad.1 - self.kw) / self.stride.1 + 1,
+            )
+        }
+    }
+
+    /// The weight's dimensions in PyTorch's layout: `(cout, cin, kh, kw)`, transposed
+    /// `(cin, cout, kh, kw)`.
+    pub fn weight(&self) -> [usize; 4] {
+        if self.transposed {
+            [self.cin, self.cout, self.kh, self.kw]
+        } else {
+            [self.cout, self.cin, self.kh, self.kw]
+        }
+    }
+}
 
 /// Everything a layer's descriptors and algorithm depend on: the layer (path and spec), the
 /// full input shape and the weight shape. Two layers, or one layer at two input sizes, never
@@ -24,35 +103,60 @@ pub struct PlanKey {
     pub transposed: bool,
     /// `(n, c, h, w)` of the input.
     pub input: [usize; 4],
-    /// The weight in PyTorch layout: `(cout, cin, k, k)`, transposed `(cin, cout, k, k)`.
+    /// The weight in PyTorch layout: `(cout, cin, kh, kw)`, transposed `(cin, cout, kh, kw)`.
     pub weight: [usize; 4],
     pub stride: (usize, usize),
-    pub padding: usize,
+    /// Rows and columns.
+    pub padding: (usize, usize),
     pub output_padding: usize,
 }
 
 impl PlanKey {
     pub fn new(path: &str, spec: &LayerSpec, input: [usize; 4], weight: [usize; 4]) -> Self {
+        let mut key = Self::of_dims(path, &ConvDims::of(spec), input);
+        key.weight = weight;
+        key
+    }
+
+    /// The key of a convolution of `dims` at `path` on an input of `(n, c, h, w)`.
+    pub fn of_dims(path: &str, dims: &ConvDims, input: [usize; 4]) -> Self {
         PlanKey {
             path: path.to_string(),
-            transposed: spec.kind == LayerKind::ConvTranspose,
+            transposed: dims.transposed,
             input,
-            weight,
-            stride: spec.stride,
-            padding: spec.padding,
-            output_padding: spec.output_padding,
+            weight: dims.weight(),
+            stride: dims.stride,
+            padding: dims.pad,
+            output_padding: dims.output_padding,
+        }
+    }
+
+    /// The convolution's dimensions.
+    pub fn dims(&self) -> ConvDims {
+        let [a, b, kh, kw] = self.weight;
+        let (cin, cout) = if self.transposed { (a, b) } else { (b, a) };
+        ConvDims {
+            transposed: self.transposed,
+            cin,
+            cout,
+            kh,
+            kw,
+            stride: self.stride,
+            pad: self.padding,
+            output_padding: self.output_padding,
         }
     }
 
     /// The key of the process-wide algorithm choice (and of the cache file): the shape,
     /// type and layout of the convolution without the layer's name, so layers of equal shape
     /// share one search. NCHW keys have no layout word (the cache files written before NHWC
-    /// existed stay valid).
+    /// existed stay valid), nor do square paddings a second number.
     pub fn tune_key(&self, dtype: DType, layout: ConvLayout) -> String {
         let [n, c, h, w] = self.input;
         let [a, b, kh, kw] = self.weight;
+        let (ph, pw) = self.padding;
         format!(
-            "{}{} {dtype:?} x{n}x{c}x{h}x{w} w{a}x{b}x{kh}x{kw} s{}x{} p{} op{}",
+            "{}{} {dtype:?} x{n}x{c}x{h}x{w} w{a}x{b}x{kh}x{kw} s{}x{} p{ph}{} op{}",
             if self.transposed { "bwd_data" } else { "fwd" },
             if layout == ConvLayout::Nhwc {
                 " nhwc"
@@ -61,7 +165,11 @@ impl PlanKey {
             },
             self.stride.0,
             self.stride.1,
-            self.padding,
+            if ph == pw {
+                String::new()
+            } else {
+                format!("x{pw}")
+            },
             self.output_padding,
         )
     }
@@ -263,18 +371,45 @@ pub struct FuseTiming {
 }
 
 /// A choice's fusion timings. Layers with and without a residual add run different fused and
-/// unfused sequences, so each is timed on its own.
+/// unfused sequences, so each is timed on its own; so are the two paths' unfused sequences
+/// (separate operations, or the own epilogue kernel of the planned path).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct FuseTimings {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plain: Option<FuseTiming>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub residual: Option<FuseTiming>,
+    /// The fused call against the convolution and the own epilogue kernel.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub own_plain: Option<FuseTiming>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub own_residual: Option<FuseTiming>,
 }
 
 impl FuseTimings {
     pub fn is_empty(&self) -> bool {
-        self.plain.is_none() && self.residual.is_none()
+        self.plain.is_none()
+            && self.residual.is_none()
+            && self.own_plain.is_none()
+            && self.own_residual.is_none()
+    }
+
+    /// The timing against the own epilogue of layers with (`residual`) or without a
+    /// residual add.
+    pub fn get_own(&self, residual: bool) -> Option<FuseTiming> {
+        if residual {
+            self.own_residual
+        } else {
+            self.own_plain
+        }
+    }
+
+    pub fn set_own(&mut self, residual: bool, timing: FuseTiming) {
+        if residual {
+            self.own_residual = Some(timing);
+        } else {
+            self.own_plain = Some(timing);
+        }
     }
 
     /// The timing of layers with (`residual`) or without a residual add.
@@ -466,6 +601,41 @@ mod tests {
         // The batch still matters.
         get(&mut cache, [3, s.cin, 48, 48], w);
         assert_eq!(cache.len(), 6);
+    }
+
+    #[test]
+    fn conv_dims_give_output_sizes_weights_and_keys_for_layers_and_forms() {
+        use crate::model::upsample::{self, UpForm};
+        let up = *arch::FACE_DECODER_BLOCKS
+            .iter()
+            .flat_map(|b| b.iter())
+            .find(|s| upsample::applies(s))
+            .unwrap();
+        let d = ConvDims::of(&up);
+        assert!(d.transposed);
+        assert_eq!(d.output(3, 3), (6, 6));
+        assert_eq!(d.weight(), [up.cin, up.cout, 3, 3]);
+        for form in [UpForm::Subpixel, UpForm::Subpixel2x2, UpForm::Phases] {
+            for c in form.convs() {
+                let fd = ConvDims::of_form(&c, &up);
+                assert_eq!(fd.output(3, 5), c.out_size(3, 5), "{form:?}");
+                let key = PlanKey::of_dims("x", &fd, [2, up.cin, 3, 5]);
+                assert_eq!(key.dims(), fd);
+                // Unequal paddings show in the tune key; equal ones as before.
+                let text = key.tune_key(DType::F16, ConvLayout::Nhwc);
+                if c.ph != c.pw {
+                    assert!(text.contains(&format!("p{}x{}", c.ph, c.pw)), "{text}");
+                } else {
+                    assert!(text.contains(&format!("p{} ", c.ph)), "{text}");
+                }
+            }
+        }
+        let s = conv_spec();
+        let d = ConvDims::of(&s).with_cin(s.cin + 2);
+        assert_eq!(d.weight(), [s.cout, s.cin + 2, 3, 3]);
+        assert_eq!(d.output(48, 48), (48, 48));
+        let strided = ConvDims::of(&arch::AUDIO_ENCODER[3]);
+        assert_eq!(strided.output(80, 16), (27, 16));
     }
 
     #[test]
@@ -687,6 +857,12 @@ mod tests {
         );
         c.fuse.set(false, timing(4.0, 3.0));
         assert_eq!(c.fuse.get(false), Some(timing(4.0, 3.0)));
+        // The planned path's timings (against the own epilogue) are kept apart.
+        assert_eq!(c.fuse.get_own(false), None);
+        c.fuse.set_own(false, timing(5.0, 6.0));
+        c.fuse.set_own(true, timing(7.0, 6.0));
+        assert_eq!(c.fuse.get(false), Some(timing(4.0, 3.0)));
+        assert_eq!(c.fuse.get_own(true), Some(timing(7.0, 6.0)));
         let back: Choice = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
         assert_eq!(back, c);
         // A cached choice keeps its timings when made usable for a dtype.
