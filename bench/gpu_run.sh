@@ -401,7 +401,7 @@ stage_service() {
   [ -s "$WORK/autotune.json" ] && cache="written by an earlier stage on this machine"
   start_server --autotune-cache "$WORK/autotune.json" || return 1
   md "## Server" "" "\`lipsync serve --autotune-cache FILE\`, otherwise its defaults (the Docker image" \
-    "sets the cache file too): ready (loaded and warmed up) after $READY_S s; autotune cache" \
+    "sets the cache file too)$(conv_env): ready (loaded and warmed up) after $READY_S s; autotune cache" \
     "$cache." ""
   python3 "$HELPER" info-md "$URL" >> "$BODY"
   python3 "$HELPER" metrics-md "$URL" --save "$STAGE_DIR/m0.json" > /dev/null
@@ -465,7 +465,7 @@ stage_live() {
   start_server --autotune-cache "$WORK/autotune.json" || return 1
   local max
   max=$(python3 "$HELPER" get "$URL/info" | python3 -c 'import json,sys; print(json.load(sys.stdin)["sessions"]["max_sessions"])')
-  md "## Live sessions" "" "\`lipsync serve --autotune-cache FILE\`, otherwise its defaults (ready after $READY_S s):" \
+  md "## Live sessions" "" "\`lipsync serve --autotune-cache FILE\`, otherwise its defaults$(conv_env) (ready after $READY_S s):" \
     "--max-sessions is $max (from the warm-up's batch times). Each session: 1 s of idle video," \
     "then $LIVE_SECONDS s of speech in 20 ms messages paced in real time, fMP4 back; a level's" \
     "sessions open over 1 s. Latency: an audio chunk sent → the fragment holding its first" \
@@ -833,6 +833,14 @@ measured() {
       ;;
     live) grep -qE "^\| 1 session \| 1 \| 1 \| 0 \| 0 \| [1-9][0-9]* \| $n \|" "$f" ;;
   esac
+}
+
+# The convolution settings given to the server through the environment, if any (", with
+# LIPSYNC_CONV_EPILOGUE=auto ...").
+conv_env() {
+  local v
+  v=$(env | grep -E '^LIPSYNC_(CONV|CUDNN)_' | sort | tr '\n' ' ' | sed 's/ $//')
+  [ -z "$v" ] || printf ', with %s' "$v"
 }
 
 # Whether a process runs (a zombie waiting for its reaper does not).

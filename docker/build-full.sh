@@ -33,7 +33,7 @@ if ! docker image inspect "$rust_image" >/dev/null 2>&1 && ! docker pull -q "$ru
     cp -a "$sysroot/bin" "$sysroot/lib" "$ctx/rust/"
     cat >"$ctx/Dockerfile" <<'EOF'
 FROM debian:bookworm-slim
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev pkg-config make \
+RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ libc6-dev pkg-config make \
     && rm -rf /var/lib/apt/lists/*
 COPY rust /usr/local/rust
 ENV CARGO_HOME=/usr/local/cargo PATH=/usr/local/rust/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
