@@ -194,11 +194,13 @@ done
 if [ "${LIPSYNC_PROFILE_TORCH:-1}" != 0 ] && "$PYTHON" -c 'import torch' 2>/dev/null; then
   device=${LIPSYNC_PROFILE_TORCH_DEVICE:-cuda}
   dtypes=${LIPSYNC_PROFILE_TORCH_DTYPES:-f16}
-  compile=(--compile --compile-dtypes f16 --compile-layouts channels_last --budget 75)
+  tbatches=${LIPSYNC_PROFILE_TORCH_BATCHES:-$BATCHES}
+  tlayouts=${LIPSYNC_PROFILE_TORCH_LAYOUTS:-nchw,channels_last}
+  compile=(--compile --compile-dtypes f16 --compile-layouts channels_last --budget "${LIPSYNC_PROFILE_TORCH_BUDGET:-75}" --profile)
   [ "${LIPSYNC_PROFILE_COMPILE:-1}" != 0 ] || compile=()
-  md "## PyTorch ($device), the same weights: \`bench/pytorch_reference.py --dtypes $dtypes --batches $BATCHES ${compile[*]}\`" ""
+  md "## PyTorch ($device), the same weights: \`bench/pytorch_reference.py --dtypes $dtypes --batches $tbatches --layouts $tlayouts ${compile[*]}\`" ""
   part "${LIPSYNC_PROFILE_TORCH_SECONDS:-120}" "pytorch" "$PYTHON" bench/pytorch_reference.py \
-    --checkpoint "$WEIGHTS" --device "$device" --dtypes "$dtypes" --batches "$BATCHES" --seconds 1 \
-    --layouts nchw,channels_last "${compile[@]}"
+    --checkpoint "$WEIGHTS" --device "$device" --dtypes "$dtypes" --batches "$tbatches" --seconds 1 \
+    --layouts "$tlayouts" "${compile[@]}"
 fi
 say "done"

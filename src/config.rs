@@ -98,7 +98,7 @@ pub struct ConvArgs {
     /// multiply-adds), subpixel2x2 (a 2×2 window: 1.78×), phases (four phase convolutions:
     /// 1×), transposed (cuDNN's backward-data convolution: 1×), or auto (every form timed per
     /// layer and batch during warm-up, the fastest kept in the autotune cache).
-    #[arg(long, env = "LIPSYNC_CONV_UPSAMPLING", default_value = "subpixel", value_parser = choice::<Upsampling>(Upsampling::NAMES))]
+    #[arg(long, env = "LIPSYNC_CONV_UPSAMPLING", default_value = "auto", value_parser = choice::<Upsampling>(Upsampling::NAMES))]
     pub conv_upsampling: Upsampling,
     /// What follows each convolution on the cuDNN path: own (one kernel of lipsync's applies
     /// bias + ReLU + residual, the pixel shuffle, and writes into the layer's slice of the
@@ -106,7 +106,7 @@ pub struct ConvArgs {
     /// auto (as own, but cuDNN's fused convolution where it was timed faster), or separate
     /// (layer by layer: bias, shuffle, concatenation and sigmoid as separate operations).
     /// own and auto need --conv-layout nhwc.
-    #[arg(long, env = "LIPSYNC_CONV_EPILOGUE", default_value = "separate", value_parser = choice::<Epilogue>(Epilogue::NAMES))]
+    #[arg(long, env = "LIPSYNC_CONV_EPILOGUE", default_value = "auto", value_parser = choice::<Epilogue>(Epilogue::NAMES))]
     pub conv_epilogue: Epilogue,
     /// Pad the 6-channel face and 1-channel mel inputs to 8 channels (zero channels and zero
     /// weights), so half-precision tensor-core NHWC kernels apply to the first layers.
@@ -273,6 +273,11 @@ impl EngineArgs {
             memory_limit: self.gpu_memory_limit,
             warm_up: true,
             fill_latency: Duration::from_millis(self.fill_latency_ms),
+            // The planned path's memory estimate where it runs: on a GPU with the arena.
+            planned_memory: {
+                let s = self.conv.settings();
+                (r.device == DeviceKind::Cuda && s.planned() && s.arena == Arena::On).then_some(s)
+            },
         }
     }
 
@@ -408,14 +413,14 @@ mod tests {
     }
 
     #[test]
-    fn the_cudnn_path_defaults_to_nhwc_subpixel_and_256m_and_takes_each_flag() {
+    fn the_cudnn_path_defaults_to_the_planned_path_in_nhwc_and_takes_each_flag() {
         use crate::model::cudnn::{Arena, ConvEngine, ConvLayout, Epilogue, InputPad, Upsampling};
         let c = parse(&[]).engine.conv;
         assert_eq!(c.conv_engine, ConvEngine::Cudnn);
         assert_eq!(c.conv_layout, ConvLayout::Nhwc);
-        assert_eq!(c.conv_upsampling, Upsampling::Subpixel);
+        assert_eq!(c.conv_upsampling, Upsampling::Auto);
         assert_eq!(c.cudnn_workspace, 256 << 20);
-        assert_eq!(c.conv_epilogue, Epilogue::Separate);
+        assert_eq!(c.conv_epilogue, Epilogue::Auto);
         assert_eq!(c.conv_input_pad, InputPad::None);
         assert_eq!(c.conv_arena, Arena::On);
         let c = parse(&[

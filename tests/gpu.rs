@@ -371,8 +371,8 @@ fn generator_with(dtype: DType, settings: ConvSettings) {
             .map(|l| l.path.as_str())
             .collect();
         eprintln!(
-            "  forms at batch 2: {forms:?}; fused: {fused:?}; copied skips {:?}",
-            g.copied
+            "  forms at batch 2: {forms:?}; fused: {fused:?}; split skips {:?}",
+            g.split
         );
     }
     // After warm-up, a batch size never seen takes cuDNN's heuristic choice (no search).

@@ -405,6 +405,7 @@ mod tests {
                 memory_limit: None,
                 warm_up: false,
                 fill_latency: Duration::from_millis(150),
+                planned_memory: None,
             },
         );
         engine.wait_ready().unwrap();

@@ -58,6 +58,20 @@ pub struct PoolConfig {
     pub warm_up: bool,
     /// While a new request waits, batches are filled up to the size computed within this.
     pub fill_latency: Duration,
+    /// How a batch's device memory is estimated against `memory_limit`: the layer-by-layer
+    /// figure ([`estimated_bytes`]) unless the instances run the planned path on a GPU
+    /// (`Some`: its settings, [`estimated_bytes_with`]).
+    pub planned_memory: Option<crate::model::cudnn::ConvSettings>,
+}
+
+impl PoolConfig {
+    /// A batch of `n` in `dtype`, as [`PoolConfig::planned_memory`] says to estimate it.
+    pub fn estimate(&self, n: usize, dtype: DType) -> u64 {
+        match &self.planned_memory {
+            Some(s) => estimated_bytes_with(n, dtype, s),
+            None => estimated_bytes(n, dtype),
+        }
+    }
 }
 
 /// Seconds a batch of `n` frames takes: `fixed + per_frame · n` (measured at warm-up).
@@ -156,17 +170,21 @@ pub fn weight_bytes(dtype: DType) -> u64 {
     WEIGHT_VALUES * dtype.size_in_bytes() as u64
 }
 
-/// Estimated device memory of a forward pass of `n` frames with the process's convolution
-/// settings ([`estimated_bytes_with`]).
+/// Estimated device memory of a forward pass of `n` frames on the layer-by-layer path (see
+/// [`estimated_bytes_with`]).
 pub fn estimated_bytes(n: usize, dtype: DType) -> u64 {
-    estimated_bytes_with(n, dtype, crate::model::cudnn::settings())
+    weight_bytes(dtype) + WORKSPACE_BYTES + FRAME_VALUES * n as u64 * dtype.size_in_bytes() as u64
 }
 
 /// Device memory an instance of the planned path (`--conv-epilogue own|auto`, arena on)
-/// holds outside its arena, beside its weights: the cuDNN and cuBLAS handles, the chosen
-/// algorithms' workspace, the weights in cuDNN's filter layout and the upsampling forms',
-/// the inputs and the output. See [`estimated_bytes_with`].
-pub const PLANNED_OUTSIDE_BYTES: u64 = 600 << 20;
+/// holds outside its arena, its weights and its batch's inputs and output: the cuDNN and
+/// cuBLAS handles, the chosen algorithms' workspace, the weights in cuDNN's filter layout and
+/// the upsampling forms'. Measured on an H100 (2026-11-26, docs/gpu-runs/2026-11-26c,
+/// `bench --sections instances`: one instance at batch 1536 and three at 512 in f16 held
+/// 6563 and 7081 MiB, so each instance 259 MiB beside its arena and batch, of which 72 MiB are
+/// its weights), rounded up. Memory the process holds once whatever the instances (the CUDA
+/// context and libraries: 1.7 GiB there) is not an instance's.
+pub const PLANNED_OUTSIDE_BYTES: u64 = 200 << 20;
 
 /// [`planned_bytes`] for these options, batch and element size, computed once per process
 /// (the pool asks before every batch).
@@ -221,7 +239,7 @@ pub fn estimated_bytes_with(
             * elem;
         return weight_bytes(dtype) + PLANNED_OUTSIDE_BYTES + arena + io;
     }
-    weight_bytes(dtype) + WORKSPACE_BYTES + FRAME_VALUES * n as u64 * elem
+    estimated_bytes(n, dtype)
 }
 
 /// Estimated device memory of recomputing `n` frames in f32 for a model in `half`: the f32
@@ -487,7 +505,7 @@ fn run_instance(
     );
     // Start-up checks run at the largest batch the instance will run within its memory limit.
     let check_batch = largest_fitting(sizes.iter().copied(), cfg.memory_limit, |k| {
-        estimated_bytes(k, cfg.precision.dtype())
+        cfg.estimate(k, cfg.precision.dtype())
     })
     .unwrap_or(1);
     let model = loader
@@ -502,6 +520,7 @@ fn run_instance(
         pad: cfg.pad_batches,
         cap: cfg.limits.max_batch,
         memory_limit: cfg.memory_limit,
+        planned_memory: cfg.planned_memory.clone(),
     };
     if cfg.warm_up {
         let cost = inst.warm_up()?;
@@ -645,6 +664,8 @@ struct Instance<'a> {
     /// Largest batch this instance asks for.
     cap: usize,
     memory_limit: Option<u64>,
+    /// The planned path's settings, when the instances run it ([`PoolConfig::planned_memory`]).
+    planned_memory: Option<crate::model::cudnn::ConvSettings>,
 }
 
 impl Instance<'_> {
@@ -721,6 +742,15 @@ impl Instance<'_> {
         Ok(Some(BatchCost::fit((small, t_small), (large, t_large))))
     }
 
+    /// A batch of `n` in `dtype` as this instance runs it: the planned path's estimate while
+    /// it runs the own cuDNN path with planned settings, else the layer-by-layer one.
+    fn estimate(&self, n: usize, dtype: DType) -> u64 {
+        match &self.planned_memory {
+            Some(s) if self.model.conv_path() == "cudnn" => estimated_bytes_with(n, dtype, s),
+            _ => estimated_bytes(n, dtype),
+        }
+    }
+
     /// Fails with out of memory when `need` bytes are over the memory limit.
     fn within_limit(&self, need: u64, what: impl std::fmt::Display) -> Result<(), super::Error> {
         match self.memory_limit {
@@ -752,7 +782,7 @@ impl Instance<'_> {
         let size = self.padded(n);
         let dtype = self.model.dtype();
         self.within_limit(
-            estimated_bytes(size, dtype) + self.fallback_weights(),
+            self.estimate(size, dtype) + self.fallback_weights(),
             format_args!("a batch of {size}"),
         )?;
         let (mel, face) = build_inputs(inputs, 0..n, size);
@@ -976,15 +1006,34 @@ mod tests {
         // estimate stays under 2.3 GiB and three fit 6 GB with the CUDA context.
         let at_512 = estimated_bytes_with(512, DType::F16, &planned);
         assert!(at_512 < (23 << 30) / 10, "{at_512}");
-        assert!(at_512 < estimated_bytes_with(512, DType::F16, &ConvSettings::default()));
+        assert!(at_512 < estimated_bytes(512, DType::F16));
         // The separate path (and an arena turned off) keep the measured layer-by-layer figure.
         let off = ConvSettings {
             arena: Arena::Off,
-            ..planned
+            ..planned.clone()
         };
         assert_eq!(
             estimated_bytes_with(512, DType::F16, &off),
-            estimated_bytes_with(512, DType::F16, &ConvSettings::default())
+            estimated_bytes(512, DType::F16)
+        );
+        let separate = ConvSettings {
+            epilogue: Epilogue::Separate,
+            ..planned.clone()
+        };
+        assert_eq!(
+            estimated_bytes_with(512, DType::F16, &separate),
+            estimated_bytes(512, DType::F16)
+        );
+        // A pool estimates by what its instances run.
+        let mut cfg = config(true);
+        assert_eq!(
+            cfg.estimate(64, DType::F16),
+            estimated_bytes(64, DType::F16)
+        );
+        cfg.planned_memory = Some(planned.clone());
+        assert_eq!(
+            cfg.estimate(64, DType::F16),
+            estimated_bytes_with(64, DType::F16, &planned)
         );
     }
 
@@ -1079,6 +1128,7 @@ mod tests {
             memory_limit: None,
             warm_up,
             fill_latency: Duration::from_millis(150),
+            planned_memory: None,
         }
     }
 
@@ -1314,6 +1364,7 @@ mod tests {
             pad: true,
             cap: 8,
             memory_limit,
+            planned_memory: None,
         }
     }
 

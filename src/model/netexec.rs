@@ -35,15 +35,18 @@ pub trait Backend {
 
     /// Convolution `part` of `layer` (of `dims`) on the NHWC activation at `x` of logical
     /// shape `input` (`(n, c, h, w)`), into `y`: raw (no bias), or for a fused layer with
-    /// bias, residual (the input) and ReLU.
+    /// bias, residual (the input) and ReLU. `slice`: the input channels (first, count) of
+    /// the layer's weights `x` holds; `accumulate`: added to what `y` holds.
+    #[allow(clippy::too_many_arguments)]
     fn conv(
         &mut self,
         layer: &Layer,
         part: ConvPart,
         dims: &ConvDims,
         input: [usize; 4],
-        x: u64,
-        y: u64,
+        x_y: (u64, u64),
+        slice: (usize, usize),
+        accumulate: bool,
     ) -> Result<(), Self::Error>;
 
     fn epilogue(&mut self, a: &LsEpilogue) -> Result<(), Self::Error>;
@@ -72,12 +75,13 @@ pub trait Backend {
     }
 }
 
-/// The convolution an [`Op::Conv`] runs.
-pub fn conv_dims(layer: &Layer, part: ConvPart) -> ConvDims {
-    match part {
+/// The convolution an [`Op::Conv`] runs over `slice.1` of the layer's input channels.
+pub fn conv_dims(layer: &Layer, part: ConvPart, slice: (usize, usize)) -> ConvDims {
+    let d = match part {
         ConvPart::Layer => layer.dims(),
         ConvPart::Form(i) => layer.convs()[i],
-    }
+    };
+    d.with_cin(slice.1)
 }
 
 /// The input conversion of the mel windows or the faces at batch `n`.
@@ -141,26 +145,10 @@ pub fn epilogue_args(g: &Graph, n: usize, e: &Epilogue, addr: &Addresses, wide: 
         n: n as i32,
         ..Default::default()
     };
-    match e.layer {
-        Some(li) => {
-            let srcs: Vec<u64> = e.srcs.iter().map(|&b| addr.buffers[b]).collect();
-            layer_sources(&g.layers[li], n, &srcs, &mut a);
-            a.bias = addr.biases[li];
-            a.amax = addr.amax[li];
-        }
-        None => {
-            // A copy: the values as they are.
-            let y = &g.buffers[e.srcs[0]];
-            (a.oh, a.ow, a.cout) = (y.h as i32, y.w as i32, y.c as i32);
-            a.src[0] = LsSrc {
-                ptr: addr.buffers[e.srcs[0]],
-                h: y.h as i32,
-                w: y.w as i32,
-                c: y.c as i32,
-                ..Default::default()
-            };
-        }
-    }
+    let srcs: Vec<u64> = e.srcs.iter().map(|&b| addr.buffers[b]).collect();
+    layer_sources(&g.layers[e.layer], n, &srcs, &mut a);
+    a.bias = addr.biases[e.layer];
+    a.amax = addr.amax[e.layer];
     if let Some(r) = e.residual {
         a.residual = addr.buffers[r];
     }
@@ -218,17 +206,20 @@ pub fn run<B: Backend>(
                 part,
                 src,
                 dst,
+                slice,
+                accumulate,
             } => {
                 let l = &g.layers[*layer];
                 let x = &g.buffers[*src];
-                let dims = conv_dims(l, *part);
+                let dims = conv_dims(l, *part, *slice);
                 backend.conv(
                     l,
                     *part,
                     &dims,
                     [n, x.c, x.h, x.w],
-                    addr.buffers[*src],
-                    addr.buffers[*dst],
+                    (addr.buffers[*src], addr.buffers[*dst]),
+                    *slice,
+                    *accumulate,
                 )?;
                 if l.fused && addr.amax[*layer] != 0 {
                     backend.max_abs(&LsMaxAbs {
@@ -303,16 +294,19 @@ pub(crate) mod tests {
             part: ConvPart,
             dims: &ConvDims,
             [n, c, h, w]: [usize; 4],
-            x: u64,
-            y: u64,
+            (x, y): (u64, u64),
+            (first, count): (usize, usize),
+            accumulate: bool,
         ) -> Result<(), Error> {
+            assert_eq!(
+                c, count,
+                "{}: the input holds the slice's channels",
+                layer.path
+            );
             let xt = Tensor::from_vec(read(x, n * c * h * w), (n, h, w, c), &Device::Cpu)?;
             let xt = ConvLayout::Nhwc.to_nchw(&xt)?;
             let block = self.model.layer(&layer.path).expect("the model's layer");
             let weight = padded(block, layer.cin);
-            if part == ConvPart::Layer {
-                assert_eq!(weight.dims()[..2], dims.weight()[..2], "{}", layer.path);
-            }
             let out = match part {
                 ConvPart::Layer if layer.fused => {
                     let b = ConvBlock::from_parts(
@@ -324,19 +318,30 @@ pub(crate) mod tests {
                     b.forward(&xt)?
                 }
                 ConvPart::Layer => {
+                    // The input channels' weights: dim 1 of (cout, cin, ..), dim 0 of a
+                    // transposed layer's (cin, cout, ..).
+                    let axis = usize::from(!dims.transposed);
+                    let weight = weight.narrow(axis, first, count)?;
+                    assert_eq!(weight.dims()[..2], dims.weight()[..2], "{}", layer.path);
                     let zero = Tensor::zeros(dims.cout, DType::F32, &Device::Cpu)?;
                     conv_layer(&xt, &weight, &zero, block.spec())?
                 }
                 ConvPart::Form(i) => {
                     let form = layer.form.expect("a form convolution");
                     let parts = upsample::form_parts(form, block.spec(), &weight, block.bias())?;
-                    upsample::conv_candle(&parts[i].0, &xt, &parts[i].1)?
+                    let w = parts[i].1.narrow(1, first, count)?;
+                    upsample::conv_candle(&parts[i].0, &xt, &w)?
                 }
             };
             let (oh, ow) = dims.output(h, w);
             assert_eq!(out.dims(), [n, dims.cout, oh, ow], "{}", layer.path);
-            let out = ConvLayout::Nhwc.from_nchw(&out)?;
-            write(y, &out.flatten_all()?.to_vec1::<f32>()?);
+            let mut out: Vec<f32> = ConvLayout::Nhwc.from_nchw(&out)?.flatten_all()?.to_vec1()?;
+            if accumulate {
+                for (o, v) in out.iter_mut().zip(read(y, n * oh * ow * dims.cout)) {
+                    *o += v;
+                }
+            }
+            write(y, &out);
             Ok(())
         }
 
@@ -424,7 +429,7 @@ pub(crate) mod tests {
 
     /// The whole planned pass on the host against the model's own CPU pass, on the test
     /// checkpoint's weights, in configurations that between them cover every upsampling form
-    /// (one per layer), both input paddings, layers run fused, concatenations copied and
+    /// (one per layer), both input paddings, layers run fused, concatenations split and
     /// written directly, and the overflow checks of an epilogue-run, a fused and the output
     /// layer.
     #[test]
@@ -463,8 +468,8 @@ pub(crate) mod tests {
             "output_block.1",
         ];
         let configs = [(mixed, BTreeSet::from([2, 6])), (plain, BTreeSet::new())];
-        for (opts, copied) in configs {
-            let g = Graph::build(&opts, &copied);
+        for (opts, split) in configs {
+            let g = Graph::build(&opts, &split);
             let (faces, maxima) = host_pass(&model, &g, &mel, &face, &checked);
             let psnr = face_psnr(&faces, &reference).unwrap();
             let diff = (&faces - &reference)
@@ -482,7 +487,7 @@ pub(crate) mod tests {
             // plan gives 10-25 dB.
             assert!(
                 psnr > 80.0 && diff < 5e-3,
-                "{opts:?} {copied:?}: max difference {diff} ({psnr:.1} dB)"
+                "{opts:?} {split:?}: max difference {diff} ({psnr:.1} dB)"
             );
             // The checked layers' largest |values| are the f32 pass's.
             let mut want: BTreeMap<String, f32> = BTreeMap::new();
@@ -528,7 +533,7 @@ pub(crate) mod tests {
             .ops
             .iter()
             .find_map(|op| match op {
-                Op::Epilogue(e) if e.layer == Some(up) => Some(e.clone()),
+                Op::Epilogue(e) if e.layer == up => Some(e.clone()),
                 _ => None,
             })
             .unwrap();
@@ -546,7 +551,7 @@ pub(crate) mod tests {
             .ops
             .iter()
             .find_map(|op| match op {
-                Op::Epilogue(e) if e.layer == Some(last) => Some(e.clone()),
+                Op::Epilogue(e) if e.layer == last => Some(e.clone()),
                 _ => None,
             })
             .unwrap();
@@ -558,7 +563,7 @@ pub(crate) mod tests {
             .ops
             .iter()
             .find_map(|op| match op {
-                Op::Epilogue(e) if e.layer == Some(out) => Some(e.clone()),
+                Op::Epilogue(e) if e.layer == out => Some(e.clone()),
                 _ => None,
             })
             .unwrap();

@@ -19,14 +19,16 @@
 //! last reader has run (largest first, lowest free offset). Every size grows with the batch,
 //! so the decisions below are the same at every batch size.
 //!
-//! **Skips.** The fastest way to concatenate is for the decoder block's last epilogue to write
-//! into its slice and copy the skip beside it. That holds the layer's input, its scratch and
-//! the whole concatenation at once; at 96×96 that is the peak. Where the planned peak would
-//! exceed [`ARENA_BUDGET_PER_FRAME`] (1.5 GiB at batch 512 in f16, so that three instances,
-//! their weights, workspace and the CUDA context fit 6 GB), the planner instead lets the
-//! epilogue write the layer's output in place and copies it with the skip into the
-//! concatenation afterwards ([`Graph::copied`]), one concatenation at a time, the one that
-//! lowers the peak most first.
+//! **Skips.** A decoder block's last epilogue writes into its slice of the concatenation and
+//! copies the skip feature beside it. That holds the layer's input, its scratch and the whole
+//! concatenation at once; at 96×96 that is the peak. Where the planned peak would exceed
+//! [`ARENA_BUDGET_PER_FRAME`] (1.5 GiB at batch 512 in f16, so that three instances, their
+//! weights, workspace and the CUDA context fit 6 GB), the planner splits that concatenation
+//! instead ([`Graph::split`]): no concatenation is made; the layer writes its output as it
+//! would otherwise (over its input), and the next layer, whose convolution is linear in its
+//! input channels, runs each of its convolutions twice: over the decoder's channels, then over
+//! the skip's with their weights, adding to the first result (cuDNN's beta = 1). One
+//! concatenation at a time, the one that lowers the peak most first.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -87,12 +89,24 @@ pub struct Layer {
     pub fusable: bool,
     /// The buffer it reads.
     pub input: usize,
+    /// When it reads a split concatenation ([`Graph::split`]): the skip feature's buffer and
+    /// channels, which follow the `cin - skip_c` channels of `input`.
+    pub skip_input: Option<(usize, usize)>,
 }
 
 impl Layer {
     /// The layer's own convolution (cuDNN's backward-data for a transposed one).
     pub fn dims(&self) -> ConvDims {
         ConvDims::of(&self.spec).with_cin(self.cin)
+    }
+
+    /// The input channels each convolution of the layer reads in one go: all of them, or for
+    /// a split concatenation the decoder's `(0, c)` and then the skip's `(c, skip_c)`.
+    pub fn input_slices(&self) -> Vec<(usize, usize)> {
+        match self.skip_input {
+            Some((_, skip_c)) => vec![(0, self.cin - skip_c), (self.cin - skip_c, skip_c)],
+            None => vec![(0, self.cin)],
+        }
     }
 
     /// The convolutions the layer runs, in order: its own, or its form's.
@@ -167,12 +181,11 @@ pub enum Dest {
     Output,
 }
 
-/// The own kernel after a layer's convolution(s), or a copy into a concatenation.
+/// The own kernel after a layer's convolution(s).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Epilogue {
-    /// The layer whose bias, activation and shuffle apply; `None` for a copy (values as
-    /// they are).
-    pub layer: Option<usize>,
+    /// The layer whose bias, activation and shuffle apply.
+    pub layer: usize,
     /// The raw convolution outputs (one, or one per phase convolution of a form).
     pub srcs: Vec<usize>,
     /// Added before the activation (a residual layer's input).
@@ -192,12 +205,16 @@ pub enum Op {
         dst: usize,
     },
     /// A convolution of `layer` reading `src` and writing `dst` (a scratch buffer, or the
-    /// output for a fused layer, whose residual is `src`).
+    /// output for a fused layer, whose residual is `src`): over the input channels `slice`
+    /// (first, count) of the layer's weights, `src` holding exactly those; with `accumulate`
+    /// added to what `dst` holds (the second half of a split concatenation).
     Conv {
         layer: usize,
         part: ConvPart,
         src: usize,
         dst: usize,
+        slice: (usize, usize),
+        accumulate: bool,
     },
     Epilogue(Epilogue),
 }
@@ -207,7 +224,18 @@ impl Op {
     pub fn uses(&self) -> (Vec<usize>, Vec<usize>) {
         match self {
             Op::Input { dst, .. } => (vec![], vec![*dst]),
-            Op::Conv { src, dst, .. } => (vec![*src], vec![*dst]),
+            Op::Conv {
+                src,
+                dst,
+                accumulate,
+                ..
+            } => {
+                if *accumulate {
+                    (vec![*src, *dst], vec![*dst])
+                } else {
+                    (vec![*src], vec![*dst])
+                }
+            }
             Op::Epilogue(e) => {
                 let mut reads = e.srcs.clone();
                 reads.extend(e.residual);
@@ -228,9 +256,9 @@ pub struct Graph {
     pub layers: Vec<Layer>,
     pub buffers: Vec<Buffer>,
     pub ops: Vec<Op>,
-    /// Decoder blocks whose concatenation is written by a copy after the layer's epilogue
-    /// (see the module's notes on skips).
-    pub copied: BTreeSet<usize>,
+    /// Decoder blocks whose concatenation is split: never made, its two parts read by the
+    /// next layer's convolutions in turn (see the module's notes on skips).
+    pub split: BTreeSet<usize>,
     /// The buffers holding the mel windows and the faces.
     pub inputs: (usize, usize),
 }
@@ -241,7 +269,10 @@ struct Value {
     buf: usize,
     h: usize,
     w: usize,
+    /// All its channels (a split concatenation's: the buffer's and the skip's).
     c: usize,
+    /// A split concatenation's second part: the skip feature's buffer and channels.
+    skip: Option<(usize, usize)>,
 }
 
 /// Where a layer's output goes.
@@ -256,17 +287,17 @@ enum Target {
 }
 
 impl Graph {
-    /// The pass for `opts`, with concatenations copied where the budget needs it.
+    /// The pass for `opts`, with concatenations split where the budget needs it.
     pub fn new(opts: &NetOptions) -> Graph {
-        let mut copied = BTreeSet::new();
-        let mut g = Graph::build(opts, &copied);
+        let mut split = BTreeSet::new();
+        let mut g = Graph::build(opts, &split);
         let budget = ARENA_BUDGET_PER_FRAME * 512;
         let mut peak = ArenaPlan::new(&g, 512, 2).bytes;
         while peak > budget {
             let best = (0..arch::FACE_DECODER_BLOCKS.len())
-                .filter(|b| !copied.contains(b))
+                .filter(|b| !split.contains(b))
                 .map(|b| {
-                    let mut c = copied.clone();
+                    let mut c = split.clone();
                     c.insert(b);
                     let g = Graph::build(opts, &c);
                     (ArenaPlan::new(&g, 512, 2).bytes, b, g)
@@ -274,7 +305,7 @@ impl Graph {
                 .min_by_key(|(bytes, b, _)| (*bytes, *b));
             match best {
                 Some((bytes, b, better)) if bytes < peak => {
-                    copied.insert(b);
+                    split.insert(b);
                     peak = bytes;
                     g = better;
                 }
@@ -284,13 +315,13 @@ impl Graph {
         g
     }
 
-    /// The pass with the concatenations of the decoder blocks in `copied` written by a copy.
-    pub fn build(opts: &NetOptions, copied: &BTreeSet<usize>) -> Graph {
+    /// The pass with the concatenations of the decoder blocks in `split` split.
+    pub fn build(opts: &NetOptions, split: &BTreeSet<usize>) -> Graph {
         let mut g = Graph {
             layers: Vec::new(),
             buffers: Vec::new(),
             ops: Vec::new(),
-            copied: copied.clone(),
+            split: split.clone(),
             inputs: (0, 0),
         };
         use arch::{FACE_CHANNELS, FACE_SIZE, MEL_BINS, MEL_STEPS};
@@ -379,6 +410,7 @@ impl Graph {
             h,
             w,
             c,
+            skip: None,
         }
     }
 
@@ -403,6 +435,8 @@ impl Graph {
             matches!(target, Target::Concat { .. }),
             matches!(target, Target::Output),
         );
+        // A split input is summed over two convolutions: bias and ReLU come after both.
+        let fusable = fusable && x.skip.is_none();
         let fused = fusable && opts.fused.contains(path);
         let layer = Layer {
             path: path.to_string(),
@@ -414,9 +448,11 @@ impl Graph {
             fused,
             fusable,
             input: x.buf,
+            skip_input: x.skip,
         };
         let (oh, ow) = layer.output_hw;
         let convs = layer.convs();
+        let slices = layer.input_slices();
         let relu = layer.relu();
         let shuffles = layer.shuffles();
         self.layers.push(layer);
@@ -430,6 +466,8 @@ impl Graph {
                 part: ConvPart::Layer,
                 src: x.buf,
                 dst: y.buf,
+                slice: (0, x.c),
+                accumulate: false,
             });
             return y;
         }
@@ -443,16 +481,26 @@ impl Graph {
                 format!("{path} scratch")
             };
             let z = self.value(&name, zh, zw, d.cout);
-            self.ops.push(Op::Conv {
-                layer: li,
-                part: if shuffles {
-                    ConvPart::Form(i)
-                } else {
-                    ConvPart::Layer
-                },
-                src: x.buf,
-                dst: z.buf,
-            });
+            let part = if shuffles {
+                ConvPart::Form(i)
+            } else {
+                ConvPart::Layer
+            };
+            // Over the input's channels, or a split concatenation's two parts in turn.
+            for (k, &slice) in slices.iter().enumerate() {
+                let src = match (k, x.skip) {
+                    (1, Some((skip, _))) => skip,
+                    _ => x.buf,
+                };
+                self.ops.push(Op::Conv {
+                    layer: li,
+                    part,
+                    src,
+                    dst: z.buf,
+                    slice,
+                    accumulate: k > 0,
+                });
+            }
             srcs.push(z.buf);
         }
         let residual = spec.residual.then_some(x.buf);
@@ -460,7 +508,7 @@ impl Graph {
         match target {
             Target::Output => {
                 self.ops.push(Op::Epilogue(Epilogue {
-                    layer: Some(li),
+                    layer: li,
                     srcs,
                     residual,
                     skip: None,
@@ -472,6 +520,7 @@ impl Graph {
                     h: oh,
                     w: ow,
                     c: cout,
+                    skip: None,
                 }
             }
             Target::New | Target::Concat { .. } => {
@@ -479,7 +528,7 @@ impl Graph {
                     Target::Concat { block, skip } => Some((block, skip)),
                     _ => None,
                 };
-                let direct = concat.filter(|(b, _)| !self.copied.contains(b));
+                let direct = concat.filter(|(b, _)| !self.split.contains(b));
                 if let Some((block, skip)) = direct {
                     let c = self.value(
                         &format!("face_decoder_blocks.{block} concatenation"),
@@ -488,7 +537,7 @@ impl Graph {
                         cout + skip.c,
                     );
                     self.ops.push(Op::Epilogue(Epilogue {
-                        layer: Some(li),
+                        layer: li,
                         srcs,
                         residual,
                         skip: Some(skip.buf),
@@ -503,11 +552,11 @@ impl Graph {
                 // A residual layer writes over its input: the previous layer's output in its
                 // block, which nothing reads after it.
                 let y = match residual {
-                    Some(_) => x,
+                    Some(_) => Value { skip: None, ..x },
                     None => self.value(path, oh, ow, cout),
                 };
                 self.ops.push(Op::Epilogue(Epilogue {
-                    layer: Some(li),
+                    layer: li,
                     srcs,
                     residual,
                     skip: None,
@@ -517,27 +566,15 @@ impl Graph {
                     },
                     act,
                 }));
-                let Some((block, skip)) = concat else {
-                    return y;
-                };
-                let c = self.value(
-                    &format!("face_decoder_blocks.{block} concatenation"),
-                    oh,
-                    ow,
-                    cout + skip.c,
-                );
-                self.ops.push(Op::Epilogue(Epilogue {
-                    layer: None,
-                    srcs: vec![y.buf],
-                    residual: None,
-                    skip: Some(skip.buf),
-                    dst: Dest::Buffer {
-                        buf: c.buf,
-                        offset: 0,
+                match concat {
+                    // Split: the output and the skip feature, read in turn by the next layer.
+                    Some((_, skip)) => Value {
+                        c: cout + skip.c,
+                        skip: Some((skip.buf, skip.c)),
+                        ..y
                     },
-                    act: Act::None,
-                }));
-                c
+                    None => y,
+                }
             }
         }
     }
@@ -575,21 +612,19 @@ impl Graph {
         self.layers.iter().position(|l| l.path == path)
     }
 
-    /// Per layer, the operations that run it (its convolutions and its epilogue; a copy into
-    /// a concatenation counts with the layer before it), in order: what a profile times.
+    /// Per layer, the operations that run it (its convolutions and its epilogue), in order:
+    /// what a profile times.
     pub fn layer_ops(&self) -> Vec<(usize, Vec<usize>)> {
         let mut out: Vec<(usize, Vec<usize>)> = Vec::new();
         for (k, op) in self.ops.iter().enumerate() {
             let layer = match op {
                 Op::Input { .. } => continue,
-                Op::Conv { layer, .. } => Some(*layer),
+                Op::Conv { layer, .. } => *layer,
                 Op::Epilogue(e) => e.layer,
             };
-            match (layer, out.last_mut()) {
-                (Some(l), Some((last, ops))) if *last == l => ops.push(k),
-                (Some(l), _) => out.push((l, vec![k])),
-                (None, Some((_, ops))) => ops.push(k),
-                (None, None) => {}
+            match out.last_mut() {
+                Some((last, ops)) if *last == layer => ops.push(k),
+                _ => out.push((layer, vec![k])),
             }
         }
         out
@@ -785,32 +820,49 @@ mod tests {
     }
 
     #[test]
-    fn skips_are_copied_only_where_the_budget_needs_it() {
+    fn skips_are_split_only_where_the_budget_needs_it() {
         let opts = options(InputPad::Eight, UpForm::Subpixel);
         let direct = Graph::build(&opts, &BTreeSet::new());
         let direct_bytes = ArenaPlan::new(&direct, 512, 2).bytes;
         let g = Graph::new(&opts);
         let bytes = ArenaPlan::new(&g, 512, 2).bytes;
         if direct_bytes <= ARENA_BUDGET_PER_FRAME * 512 {
-            assert!(g.copied.is_empty());
+            assert!(g.split.is_empty());
         } else {
             // The largest concatenation (96×96) goes first.
-            assert!(g.copied.contains(&6), "{:?}", g.copied);
+            assert!(g.split.contains(&6), "{:?}", g.split);
             assert!(bytes < direct_bytes);
         }
-        // A copied concatenation: the layer writes in place, then one copy with the skip.
-        let copies: Vec<&Epilogue> = g
+        // A split concatenation is never made: its reader runs each convolution over the
+        // decoder's channels, then over the skip's, adding to the first.
+        for &b in &g.split {
+            assert!(!g
+                .buffers
+                .iter()
+                .any(|x| x.name == format!("face_decoder_blocks.{b} concatenation")));
+        }
+        let reader = g.layer_index("output_block.0").unwrap();
+        let l = &g.layers[reader];
+        assert_eq!(l.input_slices(), [(0, 64), (64, 16)]);
+        let convs: Vec<(usize, bool)> = g
             .ops
             .iter()
             .filter_map(|op| match op {
-                Op::Epilogue(e) if e.layer.is_none() => Some(e),
+                Op::Conv {
+                    layer,
+                    src,
+                    accumulate,
+                    ..
+                } if *layer == reader => Some((*src, *accumulate)),
                 _ => None,
             })
             .collect();
-        assert_eq!(copies.len(), g.copied.len());
-        for e in copies {
-            assert!(e.skip.is_some() && e.act == Act::None && e.srcs.len() == 1);
-        }
+        assert_eq!(convs, [(l.input, false), (l.skip_input.unwrap().0, true)]);
+        // The split reader is never fused (bias and ReLU follow the sum).
+        let mut fused = opts.clone();
+        fused.fused.insert("output_block.0".into());
+        let f = Graph::build(&fused, &BTreeSet::from([6]));
+        assert!(!f.layers[f.layer_index("output_block.0").unwrap()].fused);
     }
 
     #[test]
@@ -822,7 +874,7 @@ mod tests {
             .ops
             .iter()
             .find_map(|op| match op {
-                Op::Epilogue(e) if e.layer == Some(res) => Some(e.clone()),
+                Op::Epilogue(e) if e.layer == res => Some(e.clone()),
                 _ => None,
             })
             .unwrap();
@@ -852,7 +904,7 @@ mod tests {
             .iter()
             .filter(|op| match op {
                 Op::Conv { layer, .. } => *layer == res,
-                Op::Epilogue(e) => e.layer == Some(res),
+                Op::Epilogue(e) => e.layer == res,
                 _ => false,
             })
             .collect();

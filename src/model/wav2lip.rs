@@ -120,6 +120,22 @@ impl ConvBlock {
         })
     }
 
+    /// This layer over `count` of its input channels from `first` (a split concatenation's
+    /// part: the layer's result is the sum over the parts), without its bias's place changed.
+    /// Its path names the slice.
+    pub fn input_slice(&self, first: usize, count: usize) -> Result<Self> {
+        if first == 0 && count == self.dims.cin {
+            return Ok(self.clone());
+        }
+        let axis = usize::from(!self.dims.transposed);
+        Ok(ConvBlock {
+            path: format!("{} in[{first}+{count}]", self.path),
+            dims: self.dims.with_cin(count),
+            weight: self.weight.narrow(axis, first, count)?.contiguous()?,
+            ..self.clone()
+        })
+    }
+
     /// The convolution as cuDNN runs it.
     pub fn dims(&self) -> &ConvDims {
         &self.dims

@@ -729,7 +729,7 @@ const MEMORY_BATCHES: [usize; 6] = [1, 16, 64, 128, 256, 512];
 /// The planned path's arena (`--conv-epilogue own|auto`) per batch size, from the graph's
 /// liveness alone (no GPU): for the flags' input padding and each upsampling form the flags
 /// allow (`auto` picks among them per layer at warm-up), in every `--dtypes`, with the skip
-/// concatenations the planner writes by a copy to stay within budget, and the estimate
+/// concatenations the planner splits to stay within budget, and the estimate
 /// `--gpu-memory-limit` splits batches by.
 pub(super) fn memory(a: &BenchArgs, plan: &Plan) -> Result<Value, CliError> {
     use lipsync::engine::pool::estimated_bytes_with;
@@ -754,7 +754,7 @@ pub(super) fn memory(a: &BenchArgs, plan: &Plan) -> Result<Value, CliError> {
         mib(ARENA_BUDGET_PER_FRAME * 512)
     );
     println!(
-        "| upsampling | dtype | skips copied | live peak per frame (MiB) | {} | estimate at batch {} |",
+        "| upsampling | dtype | skips split | live peak per frame (MiB) | {} | estimate at batch {} |",
         batches
             .iter()
             .map(|b| format!("batch {b}"))
@@ -784,15 +784,15 @@ pub(super) fn memory(a: &BenchArgs, plan: &Plan) -> Result<Value, CliError> {
                 ..conv.clone()
             };
             let estimate = estimated_bytes_with(largest, dtype, &settings);
-            let copied: Vec<String> = g.copied.iter().map(|b| format!("block {b}")).collect();
+            let split: Vec<String> = g.split.iter().map(|b| format!("block {b}")).collect();
             println!(
                 "| {} | {} | {} | {} | {} | {} |",
                 form.name(),
                 dtype.as_str(),
-                if copied.is_empty() {
+                if split.is_empty() {
                     "none".into()
                 } else {
-                    copied.join(", ")
+                    split.join(", ")
                 },
                 mib(g.live_peak() * elem),
                 planned
@@ -803,7 +803,7 @@ pub(super) fn memory(a: &BenchArgs, plan: &Plan) -> Result<Value, CliError> {
                 mib(estimate as usize)
             );
             rows.push(json!({
-                "upsampling": form.name(), "dtype": dtype.as_str(), "copied": g.copied,
+                "upsampling": form.name(), "dtype": dtype.as_str(), "split": g.split,
                 "live_peak_bytes_per_frame": g.live_peak() * elem,
                 "planned_bytes": batches.iter().zip(&planned)
                     .map(|(b, p)| json!({ "batch": b, "bytes": p })).collect::<Vec<_>>(),

@@ -465,6 +465,11 @@ struct Inner {
     /// The first layers reading inputs padded with zero channels (`--conv-input-pad 8`):
     /// their weights padded to match, made on first use; by layer and channels.
     padded: HashMap<(String, usize), ConvBlock>,
+    /// `auto`'s choices by layer (at any batch): the forms whose weights stay after warm-up.
+    chosen: HashSet<(String, UpForm)>,
+    /// Layers over a part of their input channels (a split concatenation), made on first
+    /// use; by layer path, first channel and count.
+    slices: HashMap<(String, usize, usize), ConvBlock>,
 }
 
 /// The own cuDNN convolution path of one model instance.
@@ -577,6 +582,8 @@ impl CudnnEngine {
                 nhwc_weights: HashMap::new(),
                 forms: HashMap::new(),
                 padded: HashMap::new(),
+                chosen: HashSet::new(),
+                slices: HashMap::new(),
             }),
             searching: AtomicBool::new(true),
             stream,
@@ -619,31 +626,28 @@ impl CudnnEngine {
     /// search, the search workspace is freed and new choices are written to the cache file.
     pub fn finish_warm_up(&self) {
         self.searching.store(false, Ordering::SeqCst);
-        // The upsampling forms no layer runs: their weights (and filter-layout copies) are
-        // freed; with `auto` every form was made for the timing.
-        let keep: HashSet<UpForm> = match self.settings.upsampling.form() {
-            Some(f) => HashSet::from([f]),
-            None => {
-                let mut keep: HashSet<UpForm> = Autotune::get(&self.device_name)
-                    .lock()
-                    .unwrap()
-                    .forms
-                    .values()
-                    .map(|c| c.form)
-                    .collect();
-                keep.insert(Self::FALLBACK_FORM);
-                keep
-            }
-        };
+        // The upsampling forms a layer does not run: their weights (and filter-layout copies)
+        // are freed; with `auto` every form was made for the timing. A form needed later (a
+        // batch size never timed) is made again.
+        let fixed = self.settings.upsampling.form();
         let mut inner = self.inner.lock().unwrap();
         inner.search_workspace = None;
+        let keep = |inner: &Inner, key: &(String, UpForm)| {
+            fixed == Some(key.1) || inner.chosen.contains(key)
+        };
         let dropped: Vec<String> = inner
             .forms
             .iter()
-            .filter(|((_, f), _)| !keep.contains(f))
+            .filter(|(key, _)| !keep(&inner, key))
             .flat_map(|(_, blocks)| blocks.iter().map(|b| format!("{} ", b.path())))
             .collect();
-        inner.forms.retain(|(_, f), _| keep.contains(f));
+        let kept: Vec<(String, UpForm)> = inner
+            .forms
+            .keys()
+            .filter(|key| keep(&inner, key))
+            .cloned()
+            .collect();
+        inner.forms.retain(|key, _| kept.contains(key));
         inner
             .nhwc_weights
             .retain(|key, _| !dropped.iter().any(|p| key.starts_with(p.as_str())));
@@ -693,6 +697,21 @@ impl CudnnEngine {
         Ok(b)
     }
 
+    /// `block` over `count` of its input channels from `first` ([`ConvBlock::input_slice`]),
+    /// made once.
+    pub fn slice_block(&self, block: &ConvBlock, first: usize, count: usize) -> Result<ConvBlock> {
+        if first == 0 && count == block.dims().cin {
+            return Ok(block.clone());
+        }
+        let key = (block.path().to_string(), first, count);
+        if let Some(b) = self.inner.lock().unwrap().slices.get(&key) {
+            return Ok(b.clone());
+        }
+        let b = block.input_slice(first, count)?;
+        self.inner.lock().unwrap().slices.insert(key, b.clone());
+        Ok(b)
+    }
+
     /// The key of an upsampling layer's form choice: its shape at this input, the dtype and
     /// layout, and whether the planned path (own epilogue) or the separate one joins the
     /// phases (they cost differently).
@@ -717,8 +736,18 @@ impl CudnnEngine {
             return Some(f);
         }
         let key = self.form_key(block, input, planned);
-        let tune = Autotune::get(&self.device_name).lock().unwrap();
-        tune.forms.get(&key).map(|c| c.form)
+        let form = Autotune::get(&self.device_name)
+            .lock()
+            .unwrap()
+            .forms
+            .get(&key)
+            .map(|c| c.form)?;
+        self.inner
+            .lock()
+            .unwrap()
+            .chosen
+            .insert((block.path().to_string(), form));
+        Some(form)
     }
 
     /// The form to run when none was timed for a shape: subpixel, the first GPU run's
@@ -736,6 +765,11 @@ impl CudnnEngine {
     ) {
         let key = self.form_key(block, input, planned);
         tracing::debug!("upsampling {key}: {choice:?}");
+        self.inner
+            .lock()
+            .unwrap()
+            .chosen
+            .insert((block.path().to_string(), choice.form));
         let mut tune = Autotune::get(&self.device_name).lock().unwrap();
         tune.forms.insert(key, choice);
         tune.dirty = true;
@@ -1459,14 +1493,30 @@ impl CudnnEngine {
             unfusable,
             ..
         } = &mut *guard;
+        // A search writes its output: when adding to an output, it searches on a scratch one.
+        let mut search_y: Option<CudaSlice<u8>> = None;
+        let search_ptr = if mode == Mode::Accumulate && plans.get_mut(key).is_none() {
+            // SAFETY: cuDNN's scratch output for the search; never read by us.
+            let buf = search_y.insert(unsafe { stream.alloc::<u8>(y_bytes.max(1))? });
+            buf.device_ptr_mut(stream).0
+        } else {
+            y_ptr
+        };
         let plan = plans.get_or_try_insert(key, || {
-            self.make_plan(handle, search_workspace, block, key, (x_ptr, w_ptr, y_ptr))
+            self.make_plan(
+                handle,
+                search_workspace,
+                block,
+                key,
+                (x_ptr, w_ptr, search_ptr),
+            )
         })?;
+        drop(search_y);
         let try_fused = match mode {
             Mode::Planned => plan.fusion.runs_fused(),
             // Timings ask for the fused call whatever was decided, unless cuDNN refused it.
             Mode::Fused => !plan.refused && s.kind == LayerKind::Conv,
-            Mode::Unfused => false,
+            Mode::Unfused | Mode::Accumulate => false,
         };
         if try_fused && !s.residual {
             // The fused call's z is the output itself, scaled by 0: start from zeros, not from
@@ -1484,6 +1534,12 @@ impl CudnnEngine {
         let (one, zero) = (1f32, 0f32);
         let one_p = &one as *const f32 as *const c_void;
         let zero_p = &zero as *const f32 as *const c_void;
+        // The convolution's beta: 0 overwrites the output, 1 adds to it.
+        let beta_p = if mode == Mode::Accumulate {
+            one_p
+        } else {
+            zero_p
+        };
         let (xp, wp, yp) = (
             x_ptr as *const c_void,
             w_ptr as *const c_void,
@@ -1554,7 +1610,7 @@ impl CudnnEngine {
                         algo,
                         ws,
                         need,
-                        zero_p,
+                        beta_p,
                         plan.y.0,
                         yp,
                     )
@@ -1571,7 +1627,7 @@ impl CudnnEngine {
                         algo,
                         ws,
                         need,
-                        zero_p,
+                        beta_p,
                         plan.y.0,
                         yp,
                     )
@@ -1673,8 +1729,11 @@ pub(super) enum Mode {
     Planned,
     /// The fused call unless the layer has none or cuDNN refused it (fusion timing).
     Fused,
-    /// The convolution alone (fusion timing).
+    /// The convolution alone (fusion timing, the planned path).
     Unfused,
+    /// The convolution alone, added to what the output holds (beta = 1: the second part of
+    /// a split concatenation).
+    Accumulate,
 }
 
 /// A layer's output, and how it was made.

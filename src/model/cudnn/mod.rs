@@ -172,15 +172,16 @@ pub struct ConvSettings {
 }
 
 impl Default for ConvSettings {
-    /// The flags' defaults.
+    /// The flags' defaults: chosen from the H100 comparison of 2026-11-26 (docs/BENCHMARKS.md,
+    /// "The planned path"): `auto` upsampling and epilogue, inputs unpadded, the arena.
     fn default() -> Self {
         ConvSettings {
             engine: ConvEngine::Cudnn,
             cache_file: None,
             layout: ConvLayout::Nhwc,
             workspace_limit: DEFAULT_WORKSPACE_LIMIT,
-            upsampling: Upsampling::Subpixel,
-            epilogue: Epilogue::Separate,
+            upsampling: Upsampling::Auto,
+            epilogue: Epilogue::Auto,
             input_pad: InputPad::None,
             arena: Arena::On,
         }
@@ -432,7 +433,7 @@ mod tests {
         assert!(!nchw_own.planned());
         let variants = [
             ConvSettings {
-                upsampling: Upsampling::Auto,
+                upsampling: Upsampling::Phases,
                 ..base.clone()
             },
             ConvSettings {
@@ -459,8 +460,9 @@ mod tests {
         for v in &variants {
             assert_ne!(v.cache_identity(), base.cache_identity(), "{v:?}");
         }
-        assert!(ConvSettings {
-            epilogue: Epilogue::Auto,
+        assert!(base.planned(), "the default is the planned path");
+        assert!(!ConvSettings {
+            epilogue: Epilogue::Separate,
             ..base
         }
         .planned());

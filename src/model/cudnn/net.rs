@@ -486,17 +486,18 @@ impl<'b> GpuBackend<'_, 'b> {
         self.pass.net
     }
 
-    /// The block a convolution of `layer` runs.
-    fn block(&self, layer: &Layer, part: ConvPart) -> Result<ConvBlock> {
+    /// The block a convolution of `layer` runs, over the input channels `slice`.
+    fn block(&self, layer: &Layer, part: ConvPart, slice: (usize, usize)) -> Result<ConvBlock> {
         let engine = &self.net().engine;
         let block = model_block(self.pass.model, &layer.path)?;
-        match part {
-            ConvPart::Layer => engine.padded_block(block, layer.cin),
+        let whole = match part {
+            ConvPart::Layer => engine.padded_block(block, layer.cin)?,
             ConvPart::Form(i) => {
                 let form = layer.form.expect("a form convolution has a form");
-                Ok(engine.form_blocks(block, form)?[i].clone())
+                engine.form_blocks(block, form)?[i].clone()
             }
-        }
+        };
+        engine.slice_block(&whole, slice.0, slice.1)
     }
 
     /// A scratch buffer for a timing (freed in stream order when dropped).
@@ -508,10 +509,11 @@ impl<'b> GpuBackend<'_, 'b> {
         )
     }
 
-    /// Times every upsampling form of `layer` on its input at `x`: the form's convolutions
-    /// into scratch buffers and its epilogue (bias, ReLU, the shuffle) into an output of its
-    /// own. Records the fastest.
-    fn time_forms(&mut self, li: usize, x: u64) -> Result<()> {
+    /// Times every upsampling form of `layer` on its input at `x` (and, for a split
+    /// concatenation, its skip part at `skip`): the form's convolutions into scratch buffers
+    /// and its epilogue (bias, ReLU, the shuffle) into an output of its own. Records the
+    /// fastest.
+    fn time_forms(&mut self, li: usize, x: u64, skip: Option<u64>) -> Result<()> {
         let net = self.net();
         let engine = &net.engine;
         let g = self.pass.graph;
@@ -545,7 +547,12 @@ impl<'b> GpuBackend<'_, 'b> {
                 (form, offs)
             })
             .collect();
-        let need = offsets.values().filter_map(|o| o.last()).max().copied().unwrap_or(0);
+        let need = offsets
+            .values()
+            .filter_map(|o| o.last())
+            .max()
+            .copied()
+            .unwrap_or(0);
         let scratch = self.scratch(need)?;
         let base = scratch.device_ptr(engine.stream()).0;
         let ms = engine.time_forms(&UpForm::ALL, |form| {
@@ -564,15 +571,19 @@ impl<'b> GpuBackend<'_, 'b> {
                 engine.form_blocks(block, form)?
             };
             for ((part, d), &z) in parts.iter().zip(probe.convs()).zip(&zs) {
-                let key = PlanKey::of_dims(part.path(), part.dims(), input);
                 let (zh, zw) = d.output(layer.input_hw.0, layer.input_hw.1);
-                engine.call(
-                    part,
-                    &key,
-                    (x, z),
-                    n * zh * zw * d.cout * elem,
-                    Mode::Unfused,
-                )?;
+                let bytes = n * zh * zw * d.cout * elem;
+                // Over all input channels, or a split concatenation's two parts in turn.
+                for (k, &(first, count)) in layer.input_slices().iter().enumerate() {
+                    let sliced = engine.slice_block(part, first, count)?;
+                    let at = [input[0], count, input[2], input[3]];
+                    let key = PlanKey::of_dims(sliced.path(), sliced.dims(), at);
+                    let (src, mode) = match (k, skip) {
+                        (1, Some(s)) => (s, Mode::Accumulate),
+                        _ => (x, Mode::Unfused),
+                    };
+                    engine.call(&sliced, &key, (src, z), bytes, mode)?;
+                }
             }
             let mut a = LsEpilogue {
                 bias,
@@ -613,7 +624,7 @@ impl<'b> GpuBackend<'_, 'b> {
         let g = self.pass.graph;
         let n = self.pass.n;
         let layer = &g.layers[li];
-        let block = self.block(layer, ConvPart::Layer)?;
+        let block = self.block(layer, ConvPart::Layer, (0, layer.cin))?;
         let input = PlannedNet::input_shape(layer, n);
         let key = PlanKey::of_dims(block.path(), block.dims(), input);
         let elem = engine.dtype().size_in_bytes();
@@ -687,12 +698,13 @@ impl<'b> GpuBackend<'_, 'b> {
         static TIMING: Mutex<()> = Mutex::new(());
         let _one = TIMING.lock().unwrap_or_else(|p| p.into_inner());
         let x = addr.buffers[l.input];
+        let skip = l.skip_input.map(|(b, _)| addr.buffers[b]);
         let net = self.net();
         let block = model_block(self.pass.model, &l.path)?;
         let input = PlannedNet::input_shape(l, self.pass.n);
         let mut timed = Ok(());
         if l.form.is_some() && net.engine.known_form(block, input, true).is_none() {
-            timed = self.time_forms(layer, x);
+            timed = self.time_forms(layer, x, skip);
         }
         if timed.is_ok()
             && net.engine.settings().epilogue == Epilogue::Auto
@@ -736,18 +748,24 @@ impl Backend for GpuBackend<'_, '_> {
         part: ConvPart,
         dims: &crate::model::cudnn::ConvDims,
         input: [usize; 4],
-        x: u64,
-        y: u64,
+        (x, y): (u64, u64),
+        slice: (usize, usize),
+        accumulate: bool,
     ) -> Result<()> {
         let net = self.net();
         let engine = net.engine.clone();
-        let block = self.block(layer, part)?;
+        let block = self.block(layer, part, slice)?;
         let key = PlanKey::of_dims(block.path(), block.dims(), input);
         let (oh, ow) = dims.output(input[2], input[3]);
         let elem = engine.dtype().size_in_bytes();
         let bytes = input[0] * oh * ow * dims.cout * elem;
         if !layer.fused {
-            engine.call(&block, &key, (x, y), bytes, Mode::Unfused)?;
+            let mode = if accumulate {
+                Mode::Accumulate
+            } else {
+                Mode::Unfused
+            };
+            engine.call(&block, &key, (x, y), bytes, mode)?;
             return Ok(());
         }
         let ran = engine.call(&block, &key, (x, y), bytes, Mode::Fused)?;
