@@ -16,7 +16,8 @@
 #   torch   240 s  bench/pytorch_reference.py on the same init-weights file
 #   service 300 s  the release server, default settings: single requests cold and warm, stage
 #                  times, 1/4/16/64 concurrent requests, the forced out-of-memory request
-#   live    240 s  live sessions at 25 fps: 1, 10, 50, 100 (or the most the server takes)
+#   live    240 s  live sessions at 25 fps: 1, 10, 50, 100 (LIPSYNC_LIVE_SESSIONS; or the most
+#                  the server takes)
 #
 # Each stage writes exactly two files, $OUT/<stage>.md (Markdown tables: command, device, date,
 # results) and $OUT/<stage>.log.gz ($OUT: the device tool sets it; /tmp/lipsync-gpu-out if
@@ -519,7 +520,7 @@ set_sizes() {
     TORCH_EXTRA=(--layouts "nchw,channels_last" --compile --compile-dtypes f16
       --compile-layouts channels_last --max-autotune)
     LENGTHS="10 40" CONCURRENCY="1 4 16 64" CONC_SECONDS=10 OOM_LIMIT=1G
-    SESSIONS="1 10 50 100" LIVE_SECONDS=8
+    SESSIONS=${LIPSYNC_LIVE_SESSIONS:-1 10 50 100} LIVE_SECONDS=8
     LIVE_EXTRA=()
     TEST_TITLE="GPU test (tests/gpu.rs)"
     MEMCHECK_FILTER=${LIPSYNC_MEMCHECK_FILTER:-generator_in_f16}
