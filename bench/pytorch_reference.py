@@ -303,42 +303,53 @@ def main():
         torch._dynamo.reset()
         net = torch.compile(make(name, layout), dynamic=False, mode=None if mode == "default" else mode)
         run(net, name, layout, label, b, show_first=True)
-        if args.profile and label == "compile" and b == max(batches) and cuda:
-            profile_kernels(net, name, layout, b)
+        if args.profile and label == "compile" and b == max(batches):
+            mel_p, face_p = random_inputs(b)
+            profile_kernels(net, name, layout, b, place(mel_p, name, layout),
+                            place(face_p, name, layout), cuda)
             args.profile = False
         del net
     save()
 
 
-def profile_kernels(net, name, layout, b):
-    """The compiled model's CUDA kernels at batch `b`: total time per kernel over 3 passes
-    (torch.profiler), the top 30, as Markdown: where torch.compile spends its time, to set
-    beside `lipsync bench --sections compare`'s per-layer table."""
-    mel, face = random_inputs(b)
-    mel, face = place(mel, name, layout), place(face, name, layout)
+def profile_kernels(net, name, layout, b, mel, face, cuda=True):
+    """The compiled model's kernels at batch `b` on the inputs `mel`, `face` (placed for the
+    model): total time per kernel over 3 passes (torch.profiler; CUDA kernels on a GPU, CPU
+    operators otherwise), the top 30, as Markdown: where torch.compile spends its time, to
+    set beside `lipsync bench --sections compare`'s per-layer table."""
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
     with torch.inference_mode():
         net(mel, face)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        sync()
+        with torch.profiler.profile(activities=[activity]) as prof:
             for _ in range(3):
                 net(mel, face)
-            torch.cuda.synchronize()
+            sync()
     rows = []
     for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None)
-        if t is None:
-            t = getattr(e, "cuda_time_total", 0)
+        if cuda:
+            t = getattr(e, "device_time_total", None)
+            if t is None:
+                t = getattr(e, "cuda_time_total", 0)
+        else:
+            t = e.self_cpu_time_total
         if t > 0:
             rows.append((t, e.count, e.key))
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
-    print(f"\n## torch.compile's CUDA kernels ({name}, {layout}, batch {b}; 3 passes; µs per frame per pass)\n")
+    what = "CUDA kernels" if cuda else "CPU operators"
+    print(f"\n## torch.compile's {what} ({name}, {layout}, batch {b}; 3 passes; µs per frame per pass)\n")
     print("| kernel | calls per pass | µs per frame | share |")
     print("|---|---|---|---|")
     for t, count, key in rows[:30]:
         k = key.replace("|", "/")[:90]
         print(f"| {k} | {count / 3:.0f} | {t / 3 / b:.3f} | {100 * t / max(total, 1e-9):.1f} % |")
-    print(f"| all kernels | | {total / 3 / b:.3f} | 100 % |", flush=True)
+    print(f"| all | | {total / 3 / b:.3f} | 100 % |", flush=True)
 
 
 if __name__ == "__main__":

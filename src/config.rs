@@ -110,7 +110,7 @@ pub struct ConvArgs {
     pub conv_epilogue: Epilogue,
     /// Pad the 6-channel face and 1-channel mel inputs to 8 channels (zero channels and zero
     /// weights), so half-precision tensor-core NHWC kernels apply to the first layers.
-    #[arg(long, env = "LIPSYNC_CONV_INPUT_PAD", default_value = "none", value_parser = choice::<InputPad>(InputPad::NAMES))]
+    #[arg(long, env = "LIPSYNC_CONV_INPUT_PAD", default_value = "8", value_parser = choice::<InputPad>(InputPad::NAMES))]
     pub conv_input_pad: InputPad,
     /// With --conv-epilogue own or auto: the activations in one device arena per instance,
     /// planned from the graph's liveness (on), or allocated one by one (off).
@@ -421,7 +421,7 @@ mod tests {
         assert_eq!(c.conv_upsampling, Upsampling::Auto);
         assert_eq!(c.cudnn_workspace, 256 << 20);
         assert_eq!(c.conv_epilogue, Epilogue::Auto);
-        assert_eq!(c.conv_input_pad, InputPad::None);
+        assert_eq!(c.conv_input_pad, InputPad::Eight);
         assert_eq!(c.conv_arena, Arena::On);
         let c = parse(&[
             "--conv-upsampling",
@@ -429,7 +429,7 @@ mod tests {
             "--conv-epilogue",
             "own",
             "--conv-input-pad",
-            "8",
+            "none",
             "--conv-arena",
             "off",
         ])
@@ -437,7 +437,7 @@ mod tests {
         .conv;
         assert_eq!(c.conv_upsampling, Upsampling::Phases);
         assert_eq!(c.conv_epilogue, Epilogue::Own);
-        assert_eq!(c.conv_input_pad, InputPad::Eight);
+        assert_eq!(c.conv_input_pad, InputPad::None);
         assert_eq!(c.conv_arena, Arena::Off);
         for up in ["auto", "subpixel2x2"] {
             let c = parse(&["--conv-upsampling", up]).engine.conv;

@@ -172,8 +172,9 @@ pub struct ConvSettings {
 }
 
 impl Default for ConvSettings {
-    /// The flags' defaults: chosen from the H100 comparison of 2026-11-26 (docs/BENCHMARKS.md,
-    /// "The planned path"): `auto` upsampling and epilogue, inputs unpadded, the arena.
+    /// The flags' defaults, chosen from the H100 comparisons of 2026-11-26 (docs/BENCHMARKS.md,
+    /// "GPU (H100): the planned path against torch.compile"): `auto` upsampling and epilogue,
+    /// inputs padded to 8 channels, the arena.
     fn default() -> Self {
         ConvSettings {
             engine: ConvEngine::Cudnn,
@@ -182,7 +183,7 @@ impl Default for ConvSettings {
             workspace_limit: DEFAULT_WORKSPACE_LIMIT,
             upsampling: Upsampling::Auto,
             epilogue: Epilogue::Auto,
-            input_pad: InputPad::None,
+            input_pad: InputPad::Eight,
             arena: Arena::On,
         }
     }
@@ -441,7 +442,7 @@ mod tests {
                 ..base.clone()
             },
             ConvSettings {
-                input_pad: InputPad::Eight,
+                input_pad: InputPad::None,
                 ..base.clone()
             },
             ConvSettings {
