@@ -250,7 +250,8 @@ pub(crate) mod tests {
     use crate::model::kernels::{amax_value, host};
     use crate::model::netplan::{ArenaPlan, NetOptions};
     use crate::model::upsample::{self, UpForm};
-    use crate::model::wav2lip::{conv_layer, face_psnr, tests::fixture_weights, ConvBlock};
+    use crate::model::wav2lip::tests::{fixture_weights, max_diff};
+    use crate::model::wav2lip::{conv_layer, face_psnr, ConvBlock};
     use crate::model::{Error, Wav2Lip};
 
     /// Candle's convolutions and the host kernels on f32 host memory.
@@ -472,16 +473,7 @@ pub(crate) mod tests {
             let g = Graph::build(&opts, &split);
             let (faces, maxima) = host_pass(&model, &g, &mel, &face, &checked);
             let psnr = face_psnr(&faces, &reference).unwrap();
-            let diff = (&faces - &reference)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let diff = max_diff(&faces, &reference);
             // f32 throughout, but candle's convolutions sum in another order than the CPU
             // pass, and the test checkpoint's decoder runs near 35 000: a broken kernel or
             // plan gives 10-25 dB.

@@ -337,19 +337,7 @@ mod tests {
     use super::*;
     use crate::model::arch;
     use crate::model::wav2lip::conv_layer;
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    }
+    use crate::model::wav2lip::tests::max_diff;
 
     /// The five upsampling layers of Wav2Lip at their real channels and sizes, and a random
     /// odd shape.

@@ -1226,6 +1226,20 @@ pub(crate) mod tests {
         assert_eq!(finite_max(DType::F16), 65504.0);
     }
 
+    /// The largest absolute difference of two tensors of one shape (f32).
+    pub(crate) fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
     /// The test checkpoint's weights, with one tensor multiplied by `scale`.
     pub(crate) fn fixture_weights(scaled: Option<(&str, f64)>) -> GeneratorWeights {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
