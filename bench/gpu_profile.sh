@@ -38,14 +38,20 @@ if [ "${1:-}" = --rehearse ]; then
   # The CPU build through the same paths: no tests (the GPU test needs CUDA), batches 1 and
   # 2, the torch part on the CPU without torch.compile. Then the rules the device sets.
   set -e
-  t0=$SECONDS
   [ "${LIPSYNC_REHEARSE_BUILD:-1}" = 0 ] || cargo build --release --locked --quiet
-  tmp=$(mktemp -d)
+  [ -x target/release/lipsync ] || {
+    echo "gpu_profile.sh --rehearse: target/release/lipsync is missing (cargo build --release)" >&2
+    exit 1
+  }
   python=${LIPSYNC_TORCH_PYTHON:-$(scripts/torch-venv.sh)}
+  # The device's limit is on the call, not on building here.
+  t0=$SECONDS
+  tmp=$(mktemp -d)
   set +e
+  # MORE=memory: a bench part run with the LIPSYNC_CONV_* values the comparison picked.
   OUT=$tmp/out LIPSYNC_WORK=$tmp/work LIPSYNC_CARRY_DIR=$tmp/no-carry \
     LIPSYNC_BIN=target/release/lipsync LIPSYNC_PROFILE_TESTS= LIPSYNC_PROFILE_BATCHES=1,2 \
-    LIPSYNC_PROFILE_MORE= LIPSYNC_PROFILE_TORCH_DEVICE=cpu LIPSYNC_PROFILE_COMPILE=0 \
+    LIPSYNC_PROFILE_MORE=memory LIPSYNC_PROFILE_TORCH_DEVICE=cpu LIPSYNC_PROFILE_COMPILE=0 \
     LIPSYNC_PROFILE_TORCH_DTYPES=f32 \
     LIPSYNC_PYTHON="$python" LIPSYNC_PROFILE_SECONDS=120 LIPSYNC_PROFILE_TORCH_SECONDS=120 \
     "$0"
@@ -63,6 +69,14 @@ if [ "${1:-}" = --rehearse ]; then
     || problems+=("the planned memory rows are missing")
   grep -qE "^\| f32 \| (nchw|channels_last) \| eager \| 1 \| $n \|" "$md" \
     || problems+=("the PyTorch rows are missing")
+  grep -qE "^## PyTorch eager: its CPU operators" "$md" && grep -qE "^\| all \| \| $n \| 100 % \|" "$md" \
+    || problems+=("the PyTorch kernel profile is missing")
+  grep -qE '^Chosen for serve.s settings below: `subpixel:separate:none:on`' "$md" \
+    || problems+=("no configuration was chosen for serve's settings")
+  grep -qE '^## serve.s settings subpixel:separate:none:on: `lipsync bench --sections memory' "$md" \
+    && grep -qE "^\| subpixel \| f16 \|" "$md" \
+    || problems+=("the part with serve's settings did not run")
+  [ -s "$tmp/work/defaults.env" ] || problems+=("defaults.env was not written")
   for f in "$tmp/out"/*; do
     [ "$(stat -c %s "$f")" -le $((16 << 20)) ] || problems+=("$(basename "$f") is over 16 MiB")
   done
@@ -175,8 +189,10 @@ printf 'export LIPSYNC_CONV_UPSAMPLING=%s LIPSYNC_CONV_EPILOGUE=%s LIPSYNC_CONV_
   "$up" "$epi" "$pad" "$arena" > "$WORK/defaults.env"
 if [ -n "$MORE" ]; then
   ib=${LIPSYNC_PROFILE_INSTANCE_BATCH:-512}
-  md "## serve's settings $DEFAULTS: \`lipsync bench --sections $MORE --dtypes f16 --instances 1,3 --instance-batch $((3 * ib))\`" "" \
-    "(three instances at batch $ib each, one at $((3 * ib)); device memory in use after every instance has warmed up, contexts included)" ""
+  md "## serve's settings $DEFAULTS: \`lipsync bench --sections $MORE --dtypes f16 --instances 1,3 --instance-batch $((3 * ib))\`" ""
+  case ",$MORE," in
+    *,instances,*) md "(three instances at batch $ib each, one at $((3 * ib)); device memory in use after every instance has warmed up, contexts included)" "" ;;
+  esac
   part "${LIPSYNC_PROFILE_MORE_SECONDS:-90}" "bench $MORE" "${RUN[@]}" "$BIN" bench \
     --checkpoint "$WEIGHTS" --sections "$MORE" --dtypes f16 --instances 1,3 \
     --instance-batch "$((3 * ib))" --seconds 1
@@ -196,8 +212,10 @@ if [ "${LIPSYNC_PROFILE_TORCH:-1}" != 0 ] && "$PYTHON" -c 'import torch' 2>/dev/
   dtypes=${LIPSYNC_PROFILE_TORCH_DTYPES:-f16}
   tbatches=${LIPSYNC_PROFILE_TORCH_BATCHES:-$BATCHES}
   tlayouts=${LIPSYNC_PROFILE_TORCH_LAYOUTS:-nchw,channels_last}
-  compile=(--compile --compile-dtypes f16 --compile-layouts channels_last --budget "${LIPSYNC_PROFILE_TORCH_BUDGET:-75}" --profile)
+  compile=(--compile --compile-dtypes f16 --compile-layouts channels_last --budget "${LIPSYNC_PROFILE_TORCH_BUDGET:-75}")
   [ "${LIPSYNC_PROFILE_COMPILE:-1}" != 0 ] || compile=()
+  # The kernels of compile at the largest batch (of eager there without compile).
+  compile+=(--profile)
   md "## PyTorch ($device), the same weights: \`bench/pytorch_reference.py --dtypes $dtypes --batches $tbatches --layouts $tlayouts ${compile[*]}\`" ""
   part "${LIPSYNC_PROFILE_TORCH_SECONDS:-120}" "pytorch" "$PYTHON" bench/pytorch_reference.py \
     --checkpoint "$WEIGHTS" --device "$device" --dtypes "$dtypes" --batches "$tbatches" --seconds 1 \

@@ -138,7 +138,8 @@ def main():
                     help='also mode="max-autotune", f16 channels-last, largest batch (minutes)')
     ap.add_argument("--budget", type=float, default=0.0, help="seconds after which compile runs are skipped (0: none)")
     ap.add_argument("--profile", action="store_true",
-                    help="after the default compile at the largest batch, its CUDA kernels by time (torch.profiler)")
+                    help="the kernels by time (torch.profiler) of the default compile at the largest batch, "
+                         "or of the last eager model there when no compile ran")
     ap.add_argument("--json")
     args = ap.parse_args()
     started = time.perf_counter()
@@ -185,6 +186,13 @@ def main():
         return t.to(dev, DTYPES[name]).contiguous(memory_format=LAYOUTS[layout])
 
     gen = torch.Generator(device="cpu").manual_seed(SEED)
+
+    def profile_inputs(n, name, layout):
+        # Their own generator: the profile must not move the seeded inputs of other runs.
+        g = torch.Generator().manual_seed(SEED + 1)
+        mel = torch.randn(n, 1, 80, 16, generator=g)
+        face = torch.rand(n, 6, 96, 96, generator=g)
+        return place(mel, name, layout), place(face, name, layout)
 
     def random_inputs(n):
         return torch.randn(n, 1, 80, 16, generator=gen), torch.rand(n, 6, 96, 96, generator=gen)
@@ -304,19 +312,22 @@ def main():
         net = torch.compile(make(name, layout), dynamic=False, mode=None if mode == "default" else mode)
         run(net, name, layout, label, b, show_first=True)
         if args.profile and label == "compile" and b == max(batches):
-            mel_p, face_p = random_inputs(b)
-            profile_kernels(net, name, layout, b, place(mel_p, name, layout),
-                            place(face_p, name, layout), cuda)
+            profile_kernels(net, "compile", name, layout, b, *profile_inputs(b, name, layout), cuda)
             args.profile = False
         del net
+    if args.profile:
+        # No compile at the largest batch ran (not asked for, or past --budget): the eager
+        # model, so the table is never missing silently.
+        name, layout, b = dtypes[-1], layouts[-1], max(batches)
+        profile_kernels(make(name, layout), "eager", name, layout, b, *profile_inputs(b, name, layout), cuda)
     save()
 
 
-def profile_kernels(net, name, layout, b, mel, face, cuda=True):
-    """The compiled model's kernels at batch `b` on the inputs `mel`, `face` (placed for the
-    model): total time per kernel over 3 passes (torch.profiler; CUDA kernels on a GPU, CPU
-    operators otherwise), the top 30, as Markdown: where torch.compile spends its time, to
-    set beside `lipsync bench --sections compare`'s per-layer table."""
+def profile_kernels(net, mode, name, layout, b, mel, face, cuda=True):
+    """The model's kernels at batch `b` on the inputs `mel`, `face` (placed for the model):
+    total time per kernel over 3 passes (torch.profiler; CUDA kernels on a GPU, CPU operators
+    otherwise), the top 30, as Markdown: where PyTorch (`mode`: compile or eager) spends its
+    time, to set beside `lipsync bench --sections compare`'s per-layer table."""
     activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
 
     def sync():
@@ -343,7 +354,7 @@ def profile_kernels(net, name, layout, b, mel, face, cuda=True):
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
     what = "CUDA kernels" if cuda else "CPU operators"
-    print(f"\n## torch.compile's {what} ({name}, {layout}, batch {b}; 3 passes; µs per frame per pass)\n")
+    print(f"\n## PyTorch {mode}: its {what} ({name}, {layout}, batch {b}; 3 passes; µs per frame per pass)\n")
     print("| kernel | calls per pass | µs per frame | share |")
     print("|---|---|---|---|")
     for t, count, key in rows[:30]:

@@ -105,7 +105,7 @@ pub struct ConvArgs {
     /// skip concatenation, the output's sigmoid included; activations planned in one arena),
     /// auto (as own, but cuDNN's fused convolution where it was timed faster), or separate
     /// (layer by layer: bias, shuffle, concatenation and sigmoid as separate operations).
-    /// own and auto need --conv-layout nhwc.
+    /// own needs --conv-layout nhwc; with nchw, auto runs the separate path.
     #[arg(long, env = "LIPSYNC_CONV_EPILOGUE", default_value = "auto", value_parser = choice::<Epilogue>(Epilogue::NAMES))]
     pub conv_epilogue: Epilogue,
     /// Pad the 6-channel face and 1-channel mel inputs to 8 channels (zero channels and zero

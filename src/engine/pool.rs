@@ -179,23 +179,24 @@ pub fn estimated_bytes(n: usize, dtype: DType) -> u64 {
 /// Device memory an instance of the planned path (`--conv-epilogue own|auto`, arena on)
 /// holds outside its arena, its weights and its batch's inputs and output: the cuDNN and
 /// cuBLAS handles, the chosen algorithms' workspace, the weights in cuDNN's filter layout and
-/// the upsampling forms'. Measured on an H100 (2026-11-26, docs/gpu-runs/2026-11-26c,
-/// `bench --sections instances`: one instance at batch 1536 and three at 512 in f16 held
-/// 6563 and 7081 MiB, so each instance 259 MiB beside its arena and batch, of which 72 MiB are
-/// its weights), rounded up. Memory the process holds once whatever the instances (the CUDA
-/// context and libraries: 1.7 GiB there) is not an instance's.
-pub const PLANNED_OUTSIDE_BYTES: u64 = 200 << 20;
+/// the upsampling forms'. Measured on an H100 (2026-11-26, docs/gpu-runs/2026-11-26d,
+/// `bench --sections instances` with `auto:auto:8:on`): one instance at batch 1536 and three
+/// at 512 in f16 held 6147 and 6823 MiB with arenas of 3960 MiB in all (the planner, for the
+/// forms `auto` chose), so each instance 338 MiB beside its arena and batch, 72 MiB of it its
+/// weights: 266 MiB, rounded up. Memory the process holds once whatever the instances (the
+/// CUDA context and libraries: 1.6 GiB there) is not an instance's.
+pub const PLANNED_OUTSIDE_BYTES: u64 = 280 << 20;
 
 /// [`planned_bytes`] for these options, batch and element size, computed once per process
 /// (the pool asks before every batch).
 fn planned_arena(opts: &crate::model::netplan::NetOptions, n: usize, elem: usize) -> usize {
     use std::collections::HashMap;
+    use std::sync::LazyLock;
     type Key = (crate::model::netplan::NetOptions, usize, usize);
-    static CACHE: Mutex<Option<HashMap<Key, usize>>> = Mutex::new(None);
+    static CACHE: LazyLock<Mutex<HashMap<Key, usize>>> = LazyLock::new(Default::default);
     let key = (opts.clone(), n, elem);
     let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
     *cache
-        .get_or_insert_with(HashMap::new)
         .entry(key)
         .or_insert_with(|| crate::model::netplan::planned_bytes(opts, n, elem))
 }

@@ -361,8 +361,14 @@ mod tests {
                 ..Default::default()
             };
             a.choose_vec(wide);
+            assert_eq!(a.vec, wide, "8 channels and 16-byte aligned buffers");
             unsafe { host::epilogue(&a) };
             assert!(max_diff(&inout, &vec_of(&want)) < 1e-5);
+            // A buffer that is not 16-byte aligned takes one channel per item.
+            let mut b = a;
+            b.bias += 4;
+            b.choose_vec(wide);
+            assert_eq!(b.vec, 1);
         }
         // The output layer: 3 channels, sigmoid, NCHW.
         let c = 3;

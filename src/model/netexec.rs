@@ -255,8 +255,15 @@ pub(crate) mod tests {
     use crate::model::{Error, Wav2Lip};
 
     /// Candle's convolutions and the host kernels on f32 host memory.
+    /// Without an arena: the graph, the batch and each buffer's lifetime.
+    pub(crate) type OneByOne<'a> = (&'a Graph, usize, Vec<(usize, usize)>);
+
     pub(crate) struct HostBackend<'a> {
         pub model: &'a Wav2Lip,
+        /// Without an arena (`--conv-arena off`'s way): the buffers allocated so far
+        /// (NaN-filled, freed after their last reader).
+        pub one_by_one: Option<OneByOne<'a>>,
+        pub owned: Vec<Option<Vec<f32>>>,
     }
 
     fn read(at: u64, len: usize) -> Vec<f32> {
@@ -355,6 +362,30 @@ pub(crate) mod tests {
             unsafe { host::max_abs(a) };
             Ok(())
         }
+
+        fn before_op(&mut self, k: usize, addr: &mut Addresses) -> Result<(), Error> {
+            if let Some((g, n, iv)) = &self.one_by_one {
+                for (b, &(first, _)) in iv.iter().enumerate() {
+                    if first == k {
+                        let buf = vec![f32::NAN; g.buffers[b].bytes(*n, 4) / 4];
+                        addr.buffers[b] = buf.as_ptr() as u64;
+                        self.owned[b] = Some(buf);
+                    }
+                }
+            }
+            Ok(())
+        }
+
+        fn after_op(&mut self, k: usize) -> Result<(), Error> {
+            if let Some((_, _, iv)) = &self.one_by_one {
+                for (b, &(_, last)) in iv.iter().enumerate() {
+                    if last == k {
+                        self.owned[b] = None;
+                    }
+                }
+            }
+            Ok(())
+        }
     }
 
     /// One planned pass on the host: the arena as the plan lays it out (filled with NaN, so
@@ -366,6 +397,7 @@ pub(crate) mod tests {
         mel: &Tensor,
         face: &Tensor,
         checked: &[&str],
+        arena_on: bool,
     ) -> (Tensor, Vec<f32>) {
         let n = mel.dim(0).unwrap();
         let plan = ArenaPlan::new(g, n, 4);
@@ -405,7 +437,19 @@ pub(crate) mod tests {
             face: face_v.as_ptr() as u64,
             output: out.as_ptr() as u64,
         };
-        run(g, n, &mut addr, 4, &mut HostBackend { model }).unwrap();
+        let mut backend = HostBackend {
+            model,
+            one_by_one: (!arena_on).then(|| (g, n, g.intervals())),
+            owned: (0..g.buffers.len()).map(|_| None).collect(),
+        };
+        if !arena_on {
+            addr.buffers.fill(0);
+        }
+        run(g, n, &mut addr, 4, &mut backend).unwrap();
+        assert!(
+            backend.owned.iter().all(Option::is_none),
+            "every buffer freed after its last reader"
+        );
         drop(arena);
         let maxima = g
             .layers
@@ -468,10 +512,15 @@ pub(crate) mod tests {
             "face_decoder_blocks.4.2",
             "output_block.1",
         ];
-        let configs = [(mixed, BTreeSet::from([2, 6])), (plain, BTreeSet::new())];
-        for (opts, split) in configs {
+        // The second without an arena: each buffer allocated when first written and freed
+        // after its last reader, as `--conv-arena off` runs.
+        let configs = [
+            (mixed, BTreeSet::from([2, 6]), true),
+            (plain, BTreeSet::new(), false),
+        ];
+        for (opts, split, arena_on) in configs {
             let g = Graph::build(&opts, &split);
-            let (faces, maxima) = host_pass(&model, &g, &mel, &face, &checked);
+            let (faces, maxima) = host_pass(&model, &g, &mel, &face, &checked, arena_on);
             let psnr = face_psnr(&faces, &reference).unwrap();
             let diff = max_diff(&faces, &reference);
             // f32 throughout, but candle's convolutions sum in another order than the CPU

@@ -773,10 +773,10 @@ pub(super) fn memory(a: &BenchArgs, plan: &Plan) -> Result<Value, CliError> {
                 .iter()
                 .map(|&n| {
                     let arena = ArenaPlan::new(&g, n, elem);
-                    debug_assert!(arena.check(&g).is_ok());
-                    arena.bytes
+                    arena.check(&g).map(|()| arena.bytes)
                 })
-                .collect();
+                .collect::<Result<_, String>>()
+                .map_err(|e| CliError::Jobs(format!("the planned arena is invalid: {e}")))?;
             let largest = batches.iter().max().copied().unwrap_or(1);
             let settings = lipsync::model::cudnn::ConvSettings {
                 epilogue: Epilogue::Own,
@@ -933,8 +933,11 @@ fn compare_cuda(
         "\n| configuration | batch | frames/s | ms per batch | peak device MiB | PSNR vs f32 (dB, floor {floor}) | path |"
     );
     println!("|---|---|---|---|---|---|---|");
+    // Peaks above what the process held before the first configuration (the CUDA context):
+    // a configuration's dropped model may leave memory in the pool for the next, so the
+    // later rows are upper bounds.
+    let before = meter.in_use();
     for (text, settings) in configs {
-        let before = meter.in_use();
         let mut m = Wav2Lip::load(weights, &dev, dtype)?;
         m.use_conv_settings(settings.clone())?;
         // Warm-up as an instance runs it: every batch once (searches; the planned path's
@@ -984,7 +987,7 @@ fn compare_cuda(
                 None
             };
             let used = match (peak, before) {
-                (Some(p), Some(b0)) => Some(p.saturating_sub(b0)),
+                (Some(p), Some(b0)) if p > b0 => Some(p - b0),
                 _ => None,
             };
             println!(
