@@ -569,16 +569,8 @@ pub(crate) mod tests {
             face: 9,
             output: 11,
         };
-        let up = g.layer_index("face_decoder_blocks.6.0").unwrap();
-        let e = g
-            .ops
-            .iter()
-            .find_map(|op| match op {
-                Op::Epilogue(e) if e.layer == up => Some(e.clone()),
-                _ => None,
-            })
-            .unwrap();
-        let a = epilogue_args(&g, 3, &e, &addr, 8);
+        let e = g.epilogue_of("face_decoder_blocks.6.0").unwrap();
+        let a = epilogue_args(&g, 3, e, &addr, 8);
         assert_eq!((a.shuffle, a.oh, a.ow, a.cout, a.vec), (1, 96, 96, 64, 8));
         // Phase (1, 1) is the 2×2 convolution, cropped by one row and column.
         assert_eq!(
@@ -587,28 +579,12 @@ pub(crate) mod tests {
         );
         assert_eq!((a.src[0].h, a.src[0].w, a.src[0].cy), (48, 48, 0));
         // The last decoder layer writes its slice and the skip beside it.
-        let last = g.layer_index("face_decoder_blocks.6.2").unwrap();
-        let e = g
-            .ops
-            .iter()
-            .find_map(|op| match op {
-                Op::Epilogue(e) if e.layer == last => Some(e.clone()),
-                _ => None,
-            })
-            .unwrap();
-        let a = epilogue_args(&g, 3, &e, &addr, 8);
+        let e = g.epilogue_of("face_decoder_blocks.6.2").unwrap();
+        let a = epilogue_args(&g, 3, e, &addr, 8);
         assert_eq!((a.dst_c, a.dst_off, a.skip_off, a.skip_c), (80, 0, 64, 16));
         assert_ne!(a.residual, 0);
-        let out = g.layer_index("output_block.1").unwrap();
-        let e = g
-            .ops
-            .iter()
-            .find_map(|op| match op {
-                Op::Epilogue(e) if e.layer == out => Some(e.clone()),
-                _ => None,
-            })
-            .unwrap();
-        let a = epilogue_args(&g, 3, &e, &addr, 8);
+        let e = g.epilogue_of("output_block.1").unwrap();
+        let a = epilogue_args(&g, 3, e, &addr, 8);
         assert_eq!((a.nchw_out, a.dst, a.vec, a.act), (1, 11, 1, ACT_SIGMOID));
         let i = input_args(&g, 3, true, &addr);
         assert_eq!((i.src, i.c, i.cpad, i.h), (9, 6, 8, 96));

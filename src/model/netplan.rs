@@ -612,6 +612,15 @@ impl Graph {
         self.layers.iter().position(|l| l.path == path)
     }
 
+    /// The epilogue of the layer at `path` (none for a layer cuDNN runs fused).
+    pub fn epilogue_of(&self, path: &str) -> Option<&Epilogue> {
+        let layer = self.layer_index(path)?;
+        self.ops.iter().find_map(|op| match op {
+            Op::Epilogue(e) if e.layer == layer => Some(e),
+            _ => None,
+        })
+    }
+
     /// Per layer, the operations that run it (its convolutions and its epilogue), in order:
     /// what a profile times.
     pub fn layer_ops(&self) -> Vec<(usize, Vec<usize>)> {
@@ -873,14 +882,7 @@ mod tests {
         let mut opts = options(InputPad::Eight, UpForm::Transposed);
         let g = Graph::new(&opts);
         let res = g.layer_index("face_encoder_blocks.1.1").unwrap();
-        let e = g
-            .ops
-            .iter()
-            .find_map(|op| match op {
-                Op::Epilogue(e) if e.layer == res => Some(e.clone()),
-                _ => None,
-            })
-            .unwrap();
+        let e = g.epilogue_of("face_encoder_blocks.1.1").unwrap();
         assert_eq!(
             e.dst,
             Dest::Buffer {

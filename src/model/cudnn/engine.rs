@@ -51,7 +51,7 @@ fn check(status: sys::cudnnStatus_t, what: &str) -> std::result::Result<(), Cudn
 }
 
 /// A model error from a candle error, keeping a cuDNN failure as [`Error::Cudnn`].
-fn lift(e: candle_core::Error) -> Error {
+pub(super) fn lift(e: candle_core::Error) -> Error {
     match CudnnError::find_in(&e) {
         Some(c) => Error::Cudnn(c.clone()),
         None => Error::Candle(e),

@@ -22,7 +22,7 @@ use candle_core::cuda_backend::{CudaDType, CudaStorage};
 use candle_core::{CustomOp2, DType, Layout, Shape, Tensor};
 use half::{bf16, f16};
 
-use super::engine::{CudnnEngine, Mode, FUSE_TIMING_RUNS};
+use super::engine::{lift, CudnnEngine, Mode, FUSE_TIMING_RUNS};
 use super::plan::{FuseTiming, PlanKey};
 use super::Epilogue;
 use crate::model::arch;
@@ -68,6 +68,9 @@ impl std::fmt::Debug for PlannedNet {
 #[derive(Default)]
 struct State {
     graphs: HashMap<NetOptions, Arc<Graph>>,
+    /// After warm-up, the graph each batch size runs (its choices no longer change but for
+    /// a refused fused call, which clears this).
+    settled: HashMap<usize, Arc<Graph>>,
     /// `--conv-arena on`: grown to the largest plan run.
     arena: Option<CudaSlice<u8>>,
     /// Layers whose fused call cuDNN refused.
@@ -190,7 +193,25 @@ impl PlannedNet {
 
     /// The graph batch `n` runs now (for reports and the memory estimate).
     pub fn graph_for(&self, model: &Wav2Lip, n: usize) -> Result<Arc<Graph>> {
-        Ok(self.graph(&self.options(model, n)?.0))
+        Ok(self.graph_at(model, n)?.0)
+    }
+
+    /// The graph batch `n` runs now and whether choices are still to be timed in this pass:
+    /// after warm-up, looked up once per batch size instead of gathered from the autotune
+    /// store before every batch.
+    fn graph_at(&self, model: &Wav2Lip, n: usize) -> Result<(Arc<Graph>, bool)> {
+        let settled = !self.engine.searching();
+        if settled {
+            if let Some(g) = self.state.lock().unwrap().settled.get(&n) {
+                return Ok((g.clone(), false));
+            }
+        }
+        let (opts, pending) = self.options(model, n)?;
+        let graph = self.graph(&opts);
+        if settled {
+            self.state.lock().unwrap().settled.insert(n, graph.clone());
+        }
+        Ok((graph, pending))
     }
 
     /// One planned pass: the faces (NCHW, in the model's dtype), the largest |value| of each
@@ -210,8 +231,7 @@ impl PlannedNet {
             |t: &Tensor| -> Result<Tensor> { Ok(t.to_device(dev)?.to_dtype(dtype)?.contiguous()?) };
         let (mel, face) = (prep(mel)?, prep(face)?);
         let n = mel.dim(0)?;
-        let (opts, pending) = self.options(model, n)?;
-        let graph = self.graph(&opts);
+        let (graph, pending) = self.graph_at(model, n)?;
         let checked_layers: Vec<usize> = graph
             .layers
             .iter()
@@ -291,14 +311,6 @@ fn model_block<'a>(model: &'a Wav2Lip, path: &str) -> Result<&'a ConvBlock> {
     model
         .layer(path)
         .ok_or_else(|| Error::BadInput(format!("the model has no layer {path}")))
-}
-
-/// A model error from a candle error, keeping a cuDNN failure as [`Error::Cudnn`].
-fn lift(e: candle_core::Error) -> Error {
-    match super::plan::CudnnError::find_in(&e) {
-        Some(c) => Error::Cudnn(c.clone()),
-        None => Error::Candle(e),
-    }
 }
 
 /// A model error as a candle error (inside candle's custom operation).
@@ -657,6 +669,7 @@ impl<'b> GpuBackend<'_, 'b> {
         };
         if !fused()? {
             self.state.refused.insert(layer.path.clone());
+            self.state.settled.clear();
             return Ok(());
         }
         own()?;
@@ -773,6 +786,7 @@ impl Backend for GpuBackend<'_, '_> {
             // cuDNN refused the fused call (the plan ran the convolution alone): bias,
             // residual and ReLU in place by the own epilogue; not fused from now on.
             self.state.refused.insert(layer.path.clone());
+            self.state.settled.clear();
             let mut a = LsEpilogue {
                 bias: engine.address(block.bias())?,
                 residual: if layer.spec.residual { x } else { 0 },
