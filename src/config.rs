@@ -24,10 +24,14 @@ use crate::model::{self, DeviceKind, GeneratorWeights, Precision};
 #[derive(Debug, Clone, clap::Args)]
 pub struct EngineArgs {
     /// Wav2Lip checkpoint: any form `lipsync convert` reads (legacy or zip torch.save,
-    /// whole-module pickle, TorchScript, safetensors).
+    /// whole-module pickle, TorchScript, safetensors). Needed on cpu and cuda; optional
+    /// with --device echo, which draws no faces.
     #[arg(long, env = "LIPSYNC_CHECKPOINT")]
-    pub checkpoint: PathBuf,
-    /// Where the model runs [default: cuda when built with CUDA and a GPU is present, else cpu].
+    pub checkpoint: Option<PathBuf>,
+    /// Where the model runs [default: cuda when built with CUDA and a GPU is present, else
+    /// cpu]. echo is a model stand-in that costs nothing (each face is the frame's reference
+    /// face with the mouth moved, no checkpoint needed), with a GPU's defaults: for measuring
+    /// and testing everything but the model on any machine.
     #[arg(long, env = "LIPSYNC_DEVICE", value_parser = choice::<DeviceKind>(DeviceKind::NAMES))]
     pub device: Option<DeviceKind>,
     /// The GPU the model instances run on and whose memory /metrics reports, numbered from 0
@@ -228,7 +232,8 @@ impl EngineArgs {
     /// Fills in the defaults for the device (`encoder_workers` from `media`).
     pub fn resolve(&self, media: &MediaArgs) -> Resolved {
         let device = self.device.unwrap_or_else(DeviceKind::default_for_host);
-        let cuda = device == DeviceKind::Cuda;
+        // Echo stands in for a GPU: it takes a GPU's defaults.
+        let cuda = device.gpu_like();
         let max_batch = self
             .max_batch
             .map_or(if cuda { 512 } else { 16 }, |b| b as usize);
@@ -281,23 +286,55 @@ impl EngineArgs {
         }
     }
 
+    /// The checkpoint, or why there is none to run: every device but echo needs one.
+    pub fn checkpoint_for(&self, device: DeviceKind) -> Result<Option<&PathBuf>, model::Error> {
+        match (&self.checkpoint, device) {
+            (Some(path), _) => Ok(Some(path)),
+            (None, DeviceKind::Echo) => Ok(None),
+            (None, _) => Err(model::Error::Settings(format!(
+                "--checkpoint (or LIPSYNC_CHECKPOINT) is needed on --device {}: a Wav2Lip \
+                 checkpoint (`lipsync init-weights FILE` writes random test weights); only \
+                 --device echo runs without one",
+                device.name()
+            ))),
+        }
+    }
+
     /// Checks that the device exists, reads the checkpoint and starts the engine's instances
     /// (they load and warm up in the background). Logs a warning for random test weights.
+    /// On echo it reads no checkpoint (a given one is checked and ignored) and the summary
+    /// is `None`.
     pub fn start_engine(
         &self,
         r: &Resolved,
         warm_up: bool,
-    ) -> Result<(Engine, model::weights::Summary), model::Error> {
+    ) -> Result<(Engine, Option<model::weights::Summary>), model::Error> {
         r.device.check(r.cuda_device)?;
+        let checkpoint = self.checkpoint_for(r.device)?;
+        if r.device == DeviceKind::Echo {
+            tracing::warn!(
+                "--device echo: no faces are generated; every face is the frame's reference \
+                 face with its mouth moved (for measuring and testing the media side)"
+            );
+            if let Some(path) = checkpoint {
+                GeneratorWeights::from_file(path)?;
+                tracing::info!("{} is readable; echo does not use it", path.display());
+            }
+            let mut cfg = self.pool_config(r);
+            cfg.warm_up = warm_up;
+            let loader = crate::engine::echo::EchoLoader;
+            return Ok((Engine::start(std::sync::Arc::new(loader), cfg), None));
+        }
         self.conv.apply()?;
-        let (mut weights, summary) = GeneratorWeights::from_file(&self.checkpoint)?;
+        let checkpoint = checkpoint.expect("checked above: only echo runs without one");
+        let (mut weights, summary) = GeneratorWeights::from_file(checkpoint)?;
         if !weights.is_folded() {
             weights = weights.fold()?; // once for all instances
         }
         if let Some(seed) = summary.random_init_seed {
             tracing::warn!(
                 "{} holds random test weights (seed {seed}): the faces they draw are noise",
-                self.checkpoint.display()
+                checkpoint.display()
             );
         }
         let loader = Wav2LipLoader::new(
@@ -308,7 +345,10 @@ impl EngineArgs {
         );
         let mut cfg = self.pool_config(r);
         cfg.warm_up = warm_up;
-        Ok((Engine::start(std::sync::Arc::new(loader), cfg), summary))
+        Ok((
+            Engine::start(std::sync::Arc::new(loader), cfg),
+            Some(summary),
+        ))
     }
 }
 

@@ -306,10 +306,7 @@ fn per_instance_batch(frames: usize, n: usize) -> usize {
 }
 
 fn device_name(d: DeviceKind) -> &'static str {
-    match d {
-        DeviceKind::Cpu => "cpu",
-        DeviceKind::Cuda => "cuda",
-    }
+    d.name()
 }
 
 /// The engine settings `serve` runs with on `device`, given `flags` (the others at serve's

@@ -178,9 +178,11 @@ pub fn render(a: RenderArgs) -> Result<(), CliError> {
         .wait_ready()
         .map_err(|e| CliError::Model(lipsync::model::Error::Device(e)))?;
     tracing::info!(
-        "loaded {} ({}) on {:?} ({} instance(s), batches up to {}) in {:.1} s",
-        a.engine.checkpoint.display(),
-        summary.format,
+        "loaded {} on {:?} ({} instance(s), batches up to {}) in {:.1} s",
+        match (&a.engine.checkpoint, &summary) {
+            (Some(path), Some(s)) => format!("{} ({})", path.display(), s.format),
+            _ => "the echo stand-in (no checkpoint)".to_string(),
+        },
         cfg.device,
         cfg.instances,
         cfg.max_batch,

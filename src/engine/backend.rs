@@ -40,6 +40,17 @@ pub trait Model: Send {
     /// (`n * FACE_LEN`), which it takes over (the pool builds them per batch and keeps no
     /// copy).
     fn predict(&mut self, n: usize, mel: Vec<f32>, face: Vec<f32>) -> Result<Prediction, Error>;
+    /// [`Model::predict`] for frames numbered `indices` within their requests (padding
+    /// repeats the last number). A model's faces do not depend on the numbers; a stand-in's
+    /// may (the echo device moves its mouth by them).
+    fn predict_frames(
+        &mut self,
+        indices: &[usize],
+        mel: Vec<f32>,
+        face: Vec<f32>,
+    ) -> Result<Prediction, Error> {
+        self.predict(indices.len(), mel, face)
+    }
     /// Switches to the reference path after the fast one failed; `false` when it already
     /// runs the reference path (nothing left to fall back to).
     fn use_reference_path(&mut self) -> bool;

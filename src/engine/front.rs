@@ -99,6 +99,7 @@ pub fn plan(
     let frames = (0..plan.len())
         .map(|index| FrameWork {
             index,
+            shown: index,
             mel: mel.window(plan.start(index), WINDOW),
             face: face_for(index),
         })

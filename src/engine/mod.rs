@@ -13,6 +13,7 @@ pub mod batcher;
 pub mod cache;
 pub mod clip;
 pub mod compositor;
+pub mod echo;
 pub mod faults;
 pub mod front;
 pub mod job;

@@ -279,6 +279,9 @@ pub struct PoolStatus {
     rate: Mutex<f64>,
     /// What a batch costs, measured at warm-up.
     cost: Mutex<Option<BatchCost>>,
+    /// Moving average of served batches' time against what the warm-up's cost predicts for
+    /// their size (1 until a batch has been served; see [`PoolStatus::recent_batch_cost`]).
+    cost_scale: Mutex<Option<f64>>,
     /// Instances restarted after a fault.
     restarts: AtomicUsize,
     shutdown: AtomicBool,
@@ -319,6 +322,39 @@ impl PoolStatus {
     /// What a batch costs, once an instance has measured it.
     pub fn batch_cost(&self) -> Option<BatchCost> {
         *self.cost.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// What a batch costs now: the warm-up's measurement scaled by how served batches
+    /// compared with it lately (a moving average of their ratio), so a warm-up on a busy
+    /// machine, or a machine that got busier, does not fix the figure until a restart.
+    pub fn recent_batch_cost(&self) -> Option<BatchCost> {
+        let cost = self.batch_cost()?;
+        let scale = self
+            .cost_scale
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .unwrap_or(1.0);
+        Some(BatchCost {
+            fixed: cost.fixed * scale,
+            per_frame: cost.per_frame * scale,
+        })
+    }
+
+    /// A served batch of `size` frames (as run, padding included) took `took` in the model.
+    pub fn observe_batch(&self, size: usize, took: Duration) {
+        let Some(cost) = self.batch_cost() else {
+            return;
+        };
+        let predicted = cost.seconds(size);
+        if predicted <= 0.0 {
+            return;
+        }
+        let ratio = (took.as_secs_f64() / predicted).clamp(0.05, 20.0);
+        let mut scale = self.cost_scale.lock().unwrap_or_else(|p| p.into_inner());
+        *scale = Some(match *scale {
+            None => ratio,
+            Some(s) => 0.8 * s + 0.2 * ratio,
+        });
     }
 
     /// Instances restarted after a fault so far.
@@ -562,6 +598,7 @@ fn run_instance(
             .map(|b| (b.work.index, b.reply.clone()))
             .collect();
         let (t, n) = (Instant::now(), batch.len());
+        let size = inst.padded(n);
         let served = std::panic::catch_unwind(AssertUnwindSafe(|| inst.serve(batch)));
         let busy = status.busy.fetch_sub(1, Ordering::SeqCst) - 1;
         metrics::gauge!(m::INSTANCES_BUSY).set(busy as f64);
@@ -578,6 +615,9 @@ fn run_instance(
             return Ok(Exit::Fault(why));
         }
         status.record_batch(n, t.elapsed());
+        // The model's time, without a test's injected stall (the live offer adds that itself).
+        let stall = super::faults::delay("batch_delay_ms").unwrap_or_default();
+        status.observe_batch(size, t.elapsed().saturating_sub(stall));
     }
     Ok(Exit::Shutdown)
 }
@@ -591,6 +631,8 @@ trait BatchInputs {
     fn frames(&self) -> usize;
     /// Appends frame `i`'s mel window (`MEL_LEN` values) and face input (`FACE_LEN`).
     fn push(&self, i: usize, mel: &mut Vec<f32>, face: &mut Vec<f32>);
+    /// Frame `i`'s number in the video it is drawn for ([`super::scheduler::FrameWork::shown`]).
+    fn index(&self, i: usize) -> usize;
 }
 
 /// A warm-up batch of `n` frames of zeros.
@@ -603,6 +645,9 @@ impl BatchInputs for Zeros {
     fn push(&self, _: usize, mel: &mut Vec<f32>, face: &mut Vec<f32>) {
         mel.resize(mel.len() + MEL_LEN, 0.0);
         face.resize(face.len() + FACE_LEN, 0.0);
+    }
+    fn index(&self, i: usize) -> usize {
+        i
     }
 }
 
@@ -617,6 +662,9 @@ impl BatchInputs for Items<'_> {
     fn push(&self, i: usize, mel: &mut Vec<f32>, face: &mut Vec<f32>) {
         mel.extend_from_slice(&self.0[i].work.mel);
         face::model_input_into(&self.0[i].work.face, face);
+    }
+    fn index(&self, i: usize) -> usize {
+        self.0[i].work.shown
     }
 }
 
@@ -639,6 +687,14 @@ fn build_inputs(
         face.extend_from_within((n - 1) * FACE_LEN..n * FACE_LEN);
     }
     (mel, face)
+}
+
+/// The frame numbers of frames `range` of a batch, padded like [`build_inputs`].
+fn batch_indices(inputs: &dyn BatchInputs, range: Range<usize>, size: usize) -> Vec<usize> {
+    let mut indices: Vec<usize> = range.map(|i| inputs.index(i)).collect();
+    let last = indices.last().copied().unwrap_or(0);
+    indices.resize(size, last);
+    indices
 }
 
 /// Whether an error is the device running out of memory (real or under `memory_limit`).
@@ -787,7 +843,8 @@ impl Instance<'_> {
             format_args!("a batch of {size}"),
         )?;
         let (mel, face) = build_inputs(inputs, 0..n, size);
-        let out = self.model.predict(size, mel, face)?;
+        let indices = batch_indices(inputs, 0..n, size);
+        let out = self.model.predict_frames(&indices, mel, face)?;
         let mut pred = out.faces;
         if dtype != DType::F32 {
             let reason = if out.overflow {
@@ -858,8 +915,9 @@ impl Instance<'_> {
         let mut pred = Vec::with_capacity(n * PRED_LEN);
         for (range, size) in plan {
             let m = range.len();
+            let indices = batch_indices(inputs, range.clone(), size);
             let (mel, face) = build_inputs(inputs, range, size);
-            let out = model.predict(size, mel, face)?;
+            let out = model.predict_frames(&indices, mel, face)?;
             pred.extend_from_slice(&out.faces[..m * PRED_LEN]);
         }
         Ok(pred)
@@ -1138,6 +1196,7 @@ mod tests {
         (0..n)
             .map(|index| FrameWork {
                 index,
+                shown: index,
                 mel: vec![index as f32; MEL_LEN],
                 face: face.clone(),
             })
@@ -1352,6 +1411,17 @@ mod tests {
                 self.mel_at.set(mel.as_ptr() as usize);
             }
         }
+        fn index(&self, i: usize) -> usize {
+            100 + i
+        }
+    }
+
+    #[test]
+    fn a_batchs_frame_numbers_are_padded_like_its_inputs() {
+        let inputs = Counted::new(&[1.0, 2.0, 3.0]);
+        assert_eq!(batch_indices(&inputs, 0..3, 4), vec![100, 101, 102, 102]);
+        assert_eq!(batch_indices(&inputs, 1..3, 2), vec![101, 102]);
+        assert_eq!(batch_indices(&Zeros(2), 0..2, 4), vec![0, 1, 1, 1]);
     }
 
     /// An f16 instance with padding to 1, 2, 4, 8 frames on the scripted doubles.

@@ -19,8 +19,12 @@ use super::metrics as m;
 /// One frame's model input.
 #[derive(Debug, Clone)]
 pub struct FrameWork {
-    /// Frame number within its request.
+    /// Frame number within its request (its submission's order).
     pub index: usize,
+    /// The frame's number in the video it is drawn for: `index` for a file request, the
+    /// session's frame number for a live session's frame. Only the echo stand-in looks at
+    /// it (its mouth moves by it).
+    pub shown: usize,
     /// The `(1, 80, 16)` mel window.
     pub mel: Vec<f32>,
     /// The 96×96 BGR face crop, shared between frames that show the same face (the instance
@@ -431,6 +435,7 @@ mod tests {
         (0..n)
             .map(|index| FrameWork {
                 index,
+                shown: index,
                 mel: vec![0.0; 4],
                 face: face.clone(),
             })
@@ -530,6 +535,7 @@ mod tests {
         let face = Arc::new(vec![0u8; 1]);
         let frame = |index| FrameWork {
             index,
+            shown: index,
             mel: vec![],
             face: face.clone(),
         };

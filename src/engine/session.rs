@@ -279,6 +279,7 @@ pub fn idle_face(engine: &Engine, avatar: &Avatar, wait: Duration) -> Result<Vec
     let silence = mel_spectrogram(&vec![0.0; MIN_SAMPLES]);
     let work = FrameWork {
         index: 0,
+        shown: 0,
         mel: silence.window(0, WINDOW),
         face: avatar.crop(0),
     };
@@ -890,6 +891,7 @@ impl<'a> Session<'a> {
                 };
                 let work = FrameWork {
                     index: 0,
+                    shown: (first + j as u64) as usize,
                     mel: mel_window(&u.samples, start),
                     face,
                 };

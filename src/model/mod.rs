@@ -181,6 +181,11 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum DeviceKind {
     Cpu,
     Cuda,
+    /// A model stand-in that costs nothing (`--device echo`): every face it "draws" is the
+    /// frame's reference face with the mouth region shifted (see `engine::echo`), so the rest
+    /// of the service (audio, avatars, batches, compositing, encoding) can be measured and
+    /// tested at a GPU's pace on any machine. It runs nothing on a device.
+    Echo,
 }
 
 /// The precision the model computes in.
@@ -192,7 +197,7 @@ pub enum Precision {
     Bf16,
 }
 
-named_enum!(DeviceKind, "a device", { "cpu" => Cpu, "cuda" => Cuda });
+named_enum!(DeviceKind, "a device", { "cpu" => Cpu, "cuda" => Cuda, "echo" => Echo });
 named_enum!(Precision, "a precision", { "f32" => F32, "f16" => F16, "bf16" => Bf16 });
 
 impl Precision {
@@ -219,19 +224,30 @@ impl DeviceKind {
         }
     }
 
-    /// f16 on CUDA, f32 on CPU.
+    /// f16 on CUDA (and echo, which stands in for a GPU), f32 on CPU.
     pub fn default_precision(self) -> Precision {
         match self {
-            DeviceKind::Cuda => Precision::F16,
+            DeviceKind::Cuda | DeviceKind::Echo => Precision::F16,
             DeviceKind::Cpu => Precision::F32,
         }
+    }
+
+    /// The name flags use (`cpu`, `cuda`, `echo`).
+    pub fn name(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+
+    /// Whether the service runs with a GPU's defaults here (instances, batch sizes, encoder
+    /// workers, padded batches): on CUDA, and on echo, which stands in for a GPU.
+    pub fn gpu_like(self) -> bool {
+        matches!(self, DeviceKind::Cuda | DeviceKind::Echo)
     }
 
     /// Opens the device: for CUDA the GPU numbered `cuda_device` (CUDA's numbering, from 0;
     /// ignored on the CPU).
     pub fn open(self, cuda_device: usize) -> Result<Device> {
         match self {
-            DeviceKind::Cpu => Ok(Device::Cpu),
+            DeviceKind::Cpu | DeviceKind::Echo => Ok(Device::Cpu),
             DeviceKind::Cuda if !cfg!(feature = "cuda") => Err(no_cuda_support()),
             DeviceKind::Cuda => {
                 Device::new_cuda(cuda_device).map_err(|e| cuda_error(cuda_device, e))
@@ -244,7 +260,7 @@ impl DeviceKind {
     /// number of GPUs there are. Nothing to check on the CPU.
     pub fn check(self, cuda_device: usize) -> Result<()> {
         match self {
-            DeviceKind::Cpu => Ok(()),
+            DeviceKind::Cpu | DeviceKind::Echo => Ok(()),
             DeviceKind::Cuda if !cfg!(feature = "cuda") => Err(no_cuda_support()),
             DeviceKind::Cuda => match cuda_device_count() {
                 Ok(count) => match missing_cuda_device(cuda_device, count) {
@@ -345,7 +361,7 @@ impl DeviceKind {
     /// `cuda_device`: which GPU, as in [`DeviceKind::open`].
     pub fn open_instance(self, cuda_device: usize) -> Result<Device> {
         match self {
-            DeviceKind::Cpu => Ok(Device::Cpu),
+            DeviceKind::Cpu | DeviceKind::Echo => Ok(Device::Cpu),
             DeviceKind::Cuda if !cfg!(feature = "cuda") => self.open(cuda_device),
             DeviceKind::Cuda => {
                 let device = Device::new_cuda_with_stream(cuda_device)
@@ -420,7 +436,7 @@ mod tests {
         );
         assert_eq!(
             err("gpu".parse::<DeviceKind>().map(drop)),
-            r#""gpu" is not a device (cpu or cuda)"#
+            r#""gpu" is not a device (cpu, cuda or echo)"#
         );
         assert_eq!(
             err("bilinear".parse::<Upsampling>().map(drop)),

@@ -13,6 +13,7 @@ pub mod error;
 pub mod form;
 pub mod jobs;
 pub mod lipsync;
+pub mod live_cpu;
 pub mod stream;
 pub mod ui;
 
@@ -288,6 +289,10 @@ async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
         "sessions": {
             "max_sessions": app.engine.get().map(|e| stream::max_sessions(&app, e)),
             "draw_fps": app.engine.get().and_then(|e| stream::next_draw_fps(&app, e)),
+            // What a live frame costs the CPU (the offer's second limit): measured as frames
+            // go out, or the prior until then.
+            "cpu_seconds_per_megapixel": app.sessions.cpu.seconds_per_megapixel(),
+            "cpu_measured": app.sessions.cpu.measured(),
             "utterance_gap_ms": a.utterance_gap_ms,
             "idle_timeout_seconds": a.session_idle_timeout,
         },
@@ -601,6 +606,8 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
     crate::media::video::check_ffmpeg(&args.media.ffmpeg)?;
     let prometheus = install_metrics()?;
     let cfg = args.resolve();
+    // A server that could never load a model stops before it listens.
+    args.engine.checkpoint_for(cfg.device)?;
     // Opened before listening: a directory that cannot be used ends the server at once.
     let avatar_store = match &args.avatar_dir {
         Some(dir) => {
@@ -649,6 +656,17 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
         jobs,
     });
     app.jobs.start(app.clone());
+    // The live offer's CPU figure follows the frames that go out (one sample a second); the
+    // cores limit the offer where the model does not run on them.
+    app.sessions.cpu.set_limiting(app.cfg.device.gpu_like());
+    let meter = app.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tick.tick().await;
+            meter.sessions.cpu.sample();
+        }
+    });
 
     // Load in the background: /health answers at once, /ready once the instances are warm.
     // A model that cannot load, or instances that cannot start, end the server with an error
@@ -666,7 +684,9 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
                 }
             };
             let status = engine.status().clone();
-            let _ = loader.summary.set(summary);
+            if let Some(summary) = summary {
+                let _ = loader.summary.set(summary);
+            }
             let _ = loader.engine.set(engine);
             while !status.all_ready() {
                 if let Some(e) = status.failed() {

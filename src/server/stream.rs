@@ -19,6 +19,7 @@ use axum::response::{IntoResponse, Response};
 use tokio::sync::mpsc;
 
 use super::error::ApiError;
+use super::live_cpu::CpuMeter;
 use super::{avatars, constant_time_eq, App};
 use crate::engine::metrics as m;
 use crate::engine::session::{
@@ -43,19 +44,36 @@ const OUT_QUEUE: usize = 64;
 /// JPEG quality of `jpeg` output.
 const JPEG_QUALITY: u8 = 85;
 
-/// An open session's frame rate (0 until its opening is accepted) and its fair share.
+/// An open session's frame rate (0 until its opening is accepted), its frames' pixels and
+/// its fair share.
 struct Open {
     fps: f64,
+    pixels: u64,
     share: Arc<FairShare>,
 }
 
-/// The open sessions, their frame rates and fair shares.
+/// The open sessions, their frame rates and fair shares, and what their frames cost the CPU.
 #[derive(Default)]
 pub struct Sessions {
     open: Mutex<HashMap<u64, Open>>,
     /// The live capacity the last admission measured (what a close shares out again).
     capacity: Mutex<Option<LiveCapacity>>,
     next: AtomicU64,
+    /// CPU seconds per live frame, measured as frames go out.
+    pub cpu: CpuMeter,
+}
+
+/// The frame size `/info`'s session figures assume: a 512×512 avatar.
+pub const REFERENCE_PIXELS: u64 = 512 * 512;
+
+/// Why a session's opening was refused (`over_capacity`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Refusal {
+    /// The model's fair share for it would be below its `min_draw_fps`: the share.
+    Model(f64),
+    /// The cores cannot composite and encode its frames beside the open sessions': the
+    /// frames per second of its size they have left.
+    Cpu(f64),
 }
 
 impl Sessions {
@@ -65,6 +83,22 @@ impl Sessions {
 
     pub fn count(&self) -> usize {
         self.lock().len()
+    }
+
+    /// Live megapixels per second the sessions whose openings were accepted take, but
+    /// `except`'s.
+    fn megapixels_per_second(open: &HashMap<u64, Open>, except: Option<u64>) -> f64 {
+        open.iter()
+            .filter(|(id, o)| Some(**id) != except && o.fps > 0.0)
+            .map(|(_, o)| o.fps * o.pixels as f64 / 1e6)
+            .sum()
+    }
+
+    /// Frames per second of `pixels` pixels the cores can still take beside the open
+    /// sessions (but `except`).
+    fn cpu_room(&self, open: &HashMap<u64, Open>, except: Option<u64>, pixels: u64) -> f64 {
+        let left = self.cpu.megapixels_per_second() - Self::megapixels_per_second(open, except);
+        (left / (pixels.max(1) as f64 / 1e6)).max(0.0)
     }
 
     /// Frame rates of the sessions whose openings were accepted, but `except`.
@@ -97,6 +131,7 @@ impl Sessions {
             id,
             Open {
                 fps: 0.0,
+                pixels: 0,
                 share: Arc::new(FairShare::new(0.0)),
             },
         );
@@ -115,18 +150,25 @@ struct Slot {
 }
 
 impl Slot {
-    /// Claims a drawing rate for a session of `fps`: its max-min fair share of the engine's
-    /// live capacity beside the open sessions (whose shares shrink to make room). `Err` with
-    /// the share when it is below `min_draw_fps` (nothing claimed).
+    /// Claims a drawing rate for a session of `fps` whose frames have `pixels` pixels: its
+    /// max-min fair share of the engine's live capacity beside the open sessions (whose
+    /// shares shrink to make room). Refused (nothing claimed) when the cores cannot take its
+    /// frames beside the open sessions' (every frame is composited and encoded, drawn or
+    /// held), or when the share is below `min_draw_fps`.
     fn claim(
         &self,
         app: &App,
         engine: &Engine,
         fps: f64,
+        pixels: u64,
         min_draw_fps: f64,
-    ) -> Result<(f64, Arc<FairShare>), f64> {
+    ) -> Result<(f64, Arc<FairShare>), Refusal> {
         let capacity = LiveCapacity::of(app, engine);
         let mut open = self.sessions.lock();
+        let room = self.sessions.cpu_room(&open, Some(self.id), pixels);
+        if room < fps {
+            return Err(Refusal::Cpu(room));
+        }
         let mut demands = Sessions::demands(&open, Some(self.id));
         demands.push(fps);
         let level = fair_level(
@@ -135,10 +177,11 @@ impl Slot {
         );
         let share = fps.min(level);
         if share < min_draw_fps {
-            return Err(share);
+            return Err(Refusal::Model(share));
         }
         let mine = open.get_mut(&self.id).expect("a slot's session is open");
         mine.fps = fps;
+        mine.pixels = pixels;
         let handle = mine.share.clone();
         *self
             .sessions
@@ -167,12 +210,13 @@ impl Drop for Slot {
     }
 }
 
-/// The instances' batch cost as live sessions meet it: the warm-up's measurement, plus the
+/// The instances' batch cost as live sessions meet it: the warm-up's measurement scaled by
+/// recent batches ([`crate::engine::pool::PoolStatus::recent_batch_cost`]), plus the
 /// stall a debug build's fault hook adds to every batch (`batch_delay_ms`, which tests use to
 /// slow the engine on purpose: the lag and the drawing rates must see that slower engine as
 /// they would a slower machine; release builds have no stall). `None` before it is measured.
 fn batch_cost(engine: &Engine) -> Option<crate::engine::pool::BatchCost> {
-    let mut cost = engine.status().batch_cost()?;
+    let mut cost = engine.status().recent_batch_cost()?;
     if let Some(stall) = crate::engine::faults::delay("batch_delay_ms") {
         cost.fixed += stall.as_secs_f64();
     }
@@ -194,7 +238,7 @@ fn capacity_fps(engine: &Engine) -> Option<f64> {
 /// model (measured on 2 cores: one 25 fps session with its x264 encoder left the model about
 /// 55 % of its warm-up throughput); on a GPU they do not.
 fn live_utilisation(app: &App) -> f64 {
-    if app.cfg.device == crate::model::DeviceKind::Cuda {
+    if app.cfg.device.gpu_like() {
         0.7
     } else {
         0.45
@@ -252,22 +296,34 @@ fn fair_level(capacity: f64, demands: &[f64]) -> f64 {
     f64::INFINITY
 }
 
-/// `/info`'s `sessions.draw_fps`: the drawing rate one more session would get beside the
-/// open ones (before its own frame rate caps it), or `None` before the engine has measured
-/// its batch cost.
+/// `/info`'s `sessions.draw_fps`: the drawing rate one more session of a 512×512 avatar
+/// would get beside the open ones (before its own frame rate caps it): the smaller of the
+/// model's fair share and the frames the cores have left. `None` before the engine has
+/// measured its batch cost.
 pub fn next_draw_fps(app: &App, engine: &Engine) -> Option<f64> {
     let capacity = LiveCapacity::of(app, engine)?;
-    let mut demands = Sessions::demands(&app.sessions.lock(), None);
+    let open = app.sessions.lock();
+    let mut demands = Sessions::demands(&open, None);
     demands.push(f64::INFINITY);
     let level = fair_level(capacity.fps(demands.len()), &demands);
-    Some((level * 10.0).round() / 10.0)
+    let room = app.sessions.cpu_room(&open, None, REFERENCE_PIXELS);
+    Some((level.min(room) * 10.0).round() / 10.0)
 }
 
-/// `--max-sessions`, or the 25 fps sessions the measured batch times sustain (at least 1).
-pub fn max_sessions(app: &App, engine: &Engine) -> usize {
+/// The sessions a server takes before it answers 429 at the upgrade: `--max-sessions`, or
+/// the 25 fps sessions the model's measured batch times sustain (at least 1). The cores'
+/// limit is checked when a session opens, with its frame size ([`Slot::claim`]).
+fn session_slots(app: &App, engine: &Engine) -> usize {
     app.args.max_sessions.unwrap_or_else(|| {
         capacity_fps(engine).map_or(1, |fps| ((fps / 25.0).floor() as usize).max(1))
     })
+}
+
+/// `/info`'s `sessions.max_sessions`: the smaller of [`session_slots`] and the 25 fps
+/// sessions of a 512×512 avatar the cores take (at least 1).
+pub fn max_sessions(app: &App, engine: &Engine) -> usize {
+    let cpu = (app.sessions.cpu.frames_per_second(REFERENCE_PIXELS) / 25.0).floor() as usize;
+    session_slots(app, engine).min(cpu.max(1))
 }
 
 /// With `--api-key`: `Authorization: Bearer <key>` or `?api_key=<key>`.
@@ -355,7 +411,7 @@ pub async fn stream(
         Ok(e) => e,
         Err(e) => return e.into_response(),
     };
-    let max = max_sessions(&app, engine);
+    let max = session_slots(&app, engine);
     let Some(slot) = app.sessions.try_open(max) else {
         return ApiError::new(
             StatusCode::TOO_MANY_REQUESTS,
@@ -605,23 +661,40 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
         Ok(e) => e,
         Err(e) => return fail(&mut socket, TRY_LATER, e.kind, &e.message).await,
     };
-    let (draw_fps, fair_share) =
-        match slot.claim(&app, engine, opened.fps.value(), opened.min_draw_fps) {
-            Ok(d) => d,
-            Err(could) => {
-                let could = (could * 10.0).round() / 10.0;
-                let msg = format!(
-                "beside the open sessions the engine can draw {could} faces/s for this session, \
-                 below its min_draw_fps {}",
-                opened.min_draw_fps
-            );
-                let body = serde_json::json!({
-                    "type": "error", "error": msg, "error_type": "over_capacity", "draw_fps": could,
-                });
-                let _ = socket.send(Message::Text(body.to_string().into())).await;
-                return close(&mut socket, TRY_LATER, "over_capacity").await;
-            }
-        };
+    let pixels = u64::from(avatar.frame.width) * u64::from(avatar.frame.height);
+    let fps = opened.fps.value();
+    let (draw_fps, fair_share) = match slot.claim(&app, engine, fps, pixels, opened.min_draw_fps) {
+        Ok(d) => d,
+        Err(refusal) => {
+            let round = |x: f64| (x * 10.0).round() / 10.0;
+            let (msg, could) = match refusal {
+                Refusal::Model(could) => (
+                    format!(
+                        "beside the open sessions the engine can draw {} faces/s for this \
+                         session, below its min_draw_fps {}",
+                        round(could),
+                        opened.min_draw_fps
+                    ),
+                    round(could),
+                ),
+                Refusal::Cpu(room) => (
+                    format!(
+                        "beside the open sessions the CPU can composite and encode {} frames/s \
+                         of this avatar's size ({}x{}), below the session's {fps} fps",
+                        round(room),
+                        avatar.frame.width,
+                        avatar.frame.height
+                    ),
+                    0.0,
+                ),
+            };
+            let body = serde_json::json!({
+                "type": "error", "error": msg, "error_type": "over_capacity", "draw_fps": could,
+            });
+            let _ = socket.send(Message::Text(body.to_string().into())).await;
+            return close(&mut socket, TRY_LATER, "over_capacity").await;
+        }
+    };
 
     let (in_tx, in_rx) = std::sync::mpsc::channel::<Input>();
     let (out_tx, mut out_rx) = mpsc::channel::<Out>(OUT_QUEUE);
@@ -798,6 +871,8 @@ fn session_thread(
     let ready = serde_json::json!({
         "type": "ready", "width": w, "height": h, "fps": cfg.fps.value(), "mime": mime,
         "draw_fps": draw_fps,
+        // Frame k is due at this message + lag + k / fps.
+        "lag_ms": (cfg.lag.as_secs_f64() * 1e4).round() / 10.0,
     });
     if out.blocking_send(Out::Text(ready.to_string())).is_err() {
         return;
@@ -809,9 +884,14 @@ fn session_thread(
         idle_jpeg: None,
         last: None,
     };
-    let sink: &mut dyn Sink = match &mut fmp4 {
+    let inner: &mut dyn Sink = match &mut fmp4 {
         Some(f) => f,
         None => &mut jpeg,
+    };
+    let sink = &mut Metered {
+        inner,
+        meter: &app.sessions.cpu,
+        pixels: u64::from(w) * u64::from(h),
     };
     let result = session.run(&inputs, sink).and_then(|mut stats| {
         if let Some(f) = fmp4.take() {
@@ -1132,5 +1212,37 @@ mod tests {
             assert_eq!(jpeg, &encode_jpeg(img).unwrap());
         }
         assert_ne!(got[3], got[4], "a new image is encoded anew");
+    }
+}
+
+/// A session's output that tells the CPU meter about every frame that goes out.
+struct Metered<'a> {
+    inner: &'a mut dyn Sink,
+    meter: &'a CpuMeter,
+    pixels: u64,
+}
+
+impl Sink for Metered<'_> {
+    fn event(
+        &mut self,
+        activity: Activity,
+        frame: u64,
+        pts: f64,
+        so_far: &SessionStats,
+    ) -> Result<(), engine::Error> {
+        self.inner.event(activity, frame, pts, so_far)
+    }
+
+    fn frame(&mut self, frame: OutFrame<'_>) -> Result<(), engine::Error> {
+        self.meter.frame_sent(self.pixels);
+        self.inner.frame(frame)
+    }
+
+    fn flush(&mut self) -> Result<(), engine::Error> {
+        self.inner.flush()
+    }
+
+    fn drawn(&mut self, frame: u64, arrived: Instant) -> Option<f64> {
+        self.inner.drawn(frame, arrived)
     }
 }

@@ -15,6 +15,11 @@ use super::media;
 /// Servers run one at a time: model timing on two shared cores is the point of some tests.
 static SERIAL: Mutex<()> = Mutex::new(());
 
+/// The "checkpoint" of a server on the echo device (`--device echo`, no checkpoint): the
+/// model stand-in that costs nothing, for the tests of the media side (compositing,
+/// encoding, streaming, live clocks) rather than the model.
+pub const ECHO: &str = "echo";
+
 pub struct Server {
     pub child: Child,
     pub base: String,
@@ -28,6 +33,11 @@ pub struct Server {
 }
 
 impl Server {
+    /// Starts `lipsync serve --device echo` (see [`ECHO`]) on a free port.
+    pub fn start_echo(extra: &[&str]) -> Server {
+        Self::start_with(ECHO, extra, &[])
+    }
+
     /// Starts `lipsync serve` on a free port with the test checkpoint; returns once it listens.
     pub fn start(extra: &[&str]) -> Server {
         Self::start_with_checkpoint(
@@ -93,9 +103,12 @@ impl Server {
         if let Some(t) = &temp_data {
             cmd.arg("--data-dir").arg(t.path());
         }
+        if checkpoint == ECHO {
+            cmd.args(["--device", "echo"]);
+        } else {
+            cmd.arg("--checkpoint").arg(checkpoint);
+        }
         let mut child = cmd
-            .arg("--checkpoint")
-            .arg(checkpoint)
             .args(["--port", "0"])
             // Small batches keep CPU warm-up short, and shutdown is unhurried, unless the test
             // sets its own (clap refuses a flag given twice).
