@@ -1,5 +1,5 @@
-//! Batch jobs (`/v1/jobs`) as a user meets them: the real `lipsync serve` with the test
-//! weights, driven over HTTP, its webhooks received by a loopback receiver that records them,
+//! Batch jobs (`/v1/jobs`) as a user meets them: the real `lipsync serve` on the echo device
+//! (the model stand-in), driven over HTTP, its webhooks received by a loopback receiver that records them,
 //! against the embedded SQLite store and a real PostgreSQL (tests/common/pg.rs: these fail,
 //! never skip, without PostgreSQL). Needs ffmpeg and ffprobe.
 //!
@@ -151,10 +151,10 @@ fn check_delivery(h: &Hook, id: &str, event: &str, attempt: u32) {
 // Servers, forms and jobs
 
 /// `Server::start_with` off the runtime's worker (it blocks until the server listens), so the
-/// receiver keeps answering meanwhile.
+/// receiver keeps answering meanwhile. On the echo device: these tests are about jobs, their
+/// store, files and webhooks, not the model.
 fn start(flags: &[&str], env: &[(&str, &str)]) -> Server {
-    let ck = common::checkpoint("zip_bare.pt").display().to_string();
-    tokio::task::block_in_place(|| Server::start_with(&ck, flags, env))
+    tokio::task::block_in_place(|| Server::start_with(common::server::ECHO, flags, env))
 }
 
 fn start_beside(first: &Server, flags: &[&str]) -> Server {

@@ -265,6 +265,10 @@ fn largest_fitting(
 /// 2 is over the memory limit).
 const FALLBACK_CHECK_BATCH: usize = 2;
 
+/// Served batches whose time is within this ratio of the warm-up's prediction leave the
+/// offer at the warm-up's figure ([`PoolStatus::recent_batch_cost`]).
+pub const COST_BAND: (f64, f64) = (0.7, 1.4);
+
 /// What the pool is doing, for `/ready`, `/info` and metrics.
 #[derive(Debug, Default)]
 pub struct PoolStatus {
@@ -326,13 +330,17 @@ impl PoolStatus {
 
     /// What a batch costs now: the warm-up's measurement scaled by how served batches
     /// compared with it lately (a moving average of their ratio), so a warm-up on a busy
-    /// machine, or a machine that got busier, does not fix the figure until a restart.
+    /// machine, or a machine that got busier, does not fix the figure until a restart. Within
+    /// [`COST_BAND`] of the warm-up's figure the warm-up's stands: batch times wander a little
+    /// all the time, and an offer that moved with them would differ from one moment to the
+    /// next for nothing.
     pub fn recent_batch_cost(&self) -> Option<BatchCost> {
         let cost = self.batch_cost()?;
         let scale = self
             .cost_scale
             .lock()
             .unwrap_or_else(|p| p.into_inner())
+            .filter(|s| !(COST_BAND.0..=COST_BAND.1).contains(s))
             .unwrap_or(1.0);
         Some(BatchCost {
             fixed: cost.fixed * scale,
@@ -1414,6 +1422,38 @@ mod tests {
         fn index(&self, i: usize) -> usize {
             100 + i
         }
+    }
+
+    #[test]
+    fn the_recent_batch_cost_follows_served_batches_outside_the_band() {
+        let status = PoolStatus::default();
+        assert_eq!(status.recent_batch_cost(), None);
+        let warm = BatchCost {
+            fixed: 0.01,
+            per_frame: 0.001,
+        };
+        *status.cost.lock().unwrap() = Some(warm);
+        assert_eq!(status.recent_batch_cost(), Some(warm));
+        // Batches a little slower than the warm-up's figure: it stands.
+        for _ in 0..20 {
+            status.observe_batch(10, Duration::from_secs_f64(0.024));
+        }
+        assert_eq!(status.recent_batch_cost(), Some(warm));
+        // Three times slower (a busier machine): the cost follows, towards 3x.
+        for _ in 0..30 {
+            status.observe_batch(10, Duration::from_secs_f64(0.06));
+        }
+        let now = status.recent_batch_cost().unwrap();
+        assert!((now.per_frame / warm.per_frame - 3.0).abs() < 0.05, "{now:?}");
+        assert!((now.fixed / warm.fixed - 3.0).abs() < 0.05, "{now:?}");
+        // Four times faster than the warm-up (a warm-up on a busy machine): it follows.
+        for _ in 0..40 {
+            status.observe_batch(10, Duration::from_secs_f64(0.005));
+        }
+        let now = status.recent_batch_cost().unwrap();
+        assert!((now.per_frame / warm.per_frame - 0.25).abs() < 0.02, "{now:?}");
+        // The warm-up's batch cost itself is kept.
+        assert_eq!(status.batch_cost(), Some(warm));
     }
 
     #[test]

@@ -56,15 +56,10 @@ impl Server {
         Self::spawn(checkpoint, extra, env, Some(serial))
     }
 
-    /// A second server beside this one (replicas sharing something): it runs under this
-    /// one's turn, so it must be dropped first.
+    /// A second server beside this one (replicas sharing something), with its checkpoint
+    /// (or on echo like it): it runs under this one's turn, so it must be dropped first.
     pub fn start_beside(&self, extra: &[&str]) -> Server {
-        Self::spawn(
-            &super::checkpoint("zip_bare.pt").display().to_string(),
-            extra,
-            &[],
-            None,
-        )
+        Self::spawn(&self.checkpoint.clone(), extra, &[], None)
     }
 
     fn spawn(
