@@ -127,7 +127,10 @@ async fn an_echo_server_without_a_checkpoint_renders_40_s_with_a_moving_mouth() 
             moving += 1;
         }
     }
-    assert!(moving >= 900, "{moving} of 999 frames differ from the one before");
+    assert!(
+        moving >= 900,
+        "{moving} of 999 frames differ from the one before"
+    );
     let (mut x0, mut y0, mut x1, mut y1) = (512, 512, 0, 0);
     for (i, _) in changed.iter().enumerate().filter(|(_, c)| **c > 100) {
         let (x, y) = (i % 512, i / 512);

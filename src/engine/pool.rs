@@ -1444,14 +1444,20 @@ mod tests {
             status.observe_batch(10, Duration::from_secs_f64(0.06));
         }
         let now = status.recent_batch_cost().unwrap();
-        assert!((now.per_frame / warm.per_frame - 3.0).abs() < 0.05, "{now:?}");
+        assert!(
+            (now.per_frame / warm.per_frame - 3.0).abs() < 0.05,
+            "{now:?}"
+        );
         assert!((now.fixed / warm.fixed - 3.0).abs() < 0.05, "{now:?}");
         // Four times faster than the warm-up (a warm-up on a busy machine): it follows.
         for _ in 0..40 {
             status.observe_batch(10, Duration::from_secs_f64(0.005));
         }
         let now = status.recent_batch_cost().unwrap();
-        assert!((now.per_frame / warm.per_frame - 0.25).abs() < 0.02, "{now:?}");
+        assert!(
+            (now.per_frame / warm.per_frame - 0.25).abs() < 0.02,
+            "{now:?}"
+        );
         // The warm-up's batch cost itself is kept.
         assert_eq!(status.batch_cost(), Some(warm));
     }
