@@ -73,12 +73,14 @@ class Server:
     """`lipsync serve` (release) on a free port of 127.0.0.1, ready; its jobs' files in a
     temporary data directory that `stop` removes."""
 
-    def __init__(self, *extra: str):
+    def __init__(self, *extra: str, echo: bool = False):
+        """`echo`: on the echo device (`--device echo`, no checkpoint), the model stand-in."""
         self.log: list[str] = []
         self.data_dir = tempfile.TemporaryDirectory(prefix="lipsync-client-data-")
+        model = ["--device", "echo"] if echo else ["--checkpoint", weights()]
         self.proc = subprocess.Popen(
             [
-                release_binary(), "serve", "--checkpoint", weights(),
+                release_binary(), "serve", *model,
                 "--host", "127.0.0.1", "--port", "0",
                 "--max-batch", "8", "--first-batch", "2",
                 "--data-dir", self.data_dir.name, *extra,

@@ -10,11 +10,13 @@ import time
 import numpy as np
 import pytest
 
-from conftest import API_KEY, read_speech
+from conftest import API_KEY, PHOTO, Server, read_speech
 from lipsync_client import (
     AUDIO_RATE,
     AsyncClient,
     BadRequest,
+    Client,
+    LipsyncError,
     LiveEvent,
     LiveFrame,
     NotFound,
@@ -270,3 +272,47 @@ def test_refusals_raise_their_errors(server, avatar, live_opts):
     while server.metric("lipsync_stream_sessions") != 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.metric("lipsync_stream_sessions") == 0
+
+
+def test_an_echo_server_admits_sessions_up_to_its_cpu_capacity_and_refuses_over_it():
+    """On the echo device the model costs nothing, so the cores are the limit: `/info` offers
+    the sessions they take (`max_sessions`, from the CPU seconds a live frame costs), each one
+    opened while there is room is admitted, and the first one past it is refused with
+    `over_capacity`. The offer follows the measured cost, so each opening is checked against
+    what `/info` says just before it."""
+    s = Server(echo=True)
+    try:
+        info = s.get_json("/info")
+        assert info["device"] == "echo" and info["checkpoint"] is None, info
+        offered = info["sessions"]["max_sessions"]
+        assert 1 <= offered <= 64, info["sessions"]
+        with Client(s.url) as c:
+            avatar_id = c.create_avatar(image=PHOTO)["id"]
+
+        async def go():
+            opened = []
+            async with AsyncClient(s.url) as c:
+                try:
+                    for _ in range(65):
+                        room = s.get_json("/info")["sessions"]["max_sessions"]
+                        live = c.live(avatar_id)
+                        try:
+                            await live.__aenter__()
+                        except LipsyncError as e:
+                            assert e.error_type == "over_capacity", repr(e)
+                            assert "CPU" in str(e), repr(e)
+                            assert len(opened) >= room, (len(opened), room)
+                            return len(opened)
+                        opened.append(live)
+                        assert len(opened) <= room, (len(opened), room)
+                    raise AssertionError("65 sessions admitted")
+                finally:
+                    for live in opened:
+                        await live.close()
+
+        admitted = run(go(), 120)
+        # Admitted up to the offer it made before any session (the cost may move a little
+        # as their frames go out).
+        assert abs(admitted - offered) <= max(1, offered // 4), (admitted, offered)
+    finally:
+        s.stop()
