@@ -111,6 +111,7 @@ fn admit(s: &Scheduler, n: usize) -> Result<(RequestId, Receiver<FrameResult>), 
     let frames = (0..n)
         .map(|index| FrameWork {
             index,
+            shown: index,
             mel: Vec::new(),
             face: face.clone(),
         })

@@ -173,6 +173,7 @@ fn run(args: &Args, sessions: usize) -> String {
         }
         let work = FrameWork {
             index: 0,
+            shown: 0,
             mel: Vec::new(),
             face: face.clone(),
         };

@@ -299,7 +299,7 @@ mod tests {
         meter.sample();
         assert!(meter.measured());
         let per = meter.seconds_per_megapixel();
-        assert!(per >= 0.005 && per < 0.02, "{per}");
+        assert!((0.005..0.02).contains(&per), "{per}");
         // Twice the pixels, half the frames.
         let a = meter.frames_per_second(1_000_000);
         let b = meter.frames_per_second(2_000_000);

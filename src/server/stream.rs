@@ -1160,6 +1160,38 @@ pub async fn wait_closed(sessions: &Sessions, limit: Duration) {
     }
 }
 
+/// A session's output that tells the CPU meter about every frame that goes out.
+struct Metered<'a> {
+    inner: &'a mut dyn Sink,
+    meter: &'a CpuMeter,
+    pixels: u64,
+}
+
+impl Sink for Metered<'_> {
+    fn event(
+        &mut self,
+        activity: Activity,
+        frame: u64,
+        pts: f64,
+        so_far: &SessionStats,
+    ) -> Result<(), engine::Error> {
+        self.inner.event(activity, frame, pts, so_far)
+    }
+
+    fn frame(&mut self, frame: OutFrame<'_>) -> Result<(), engine::Error> {
+        self.meter.frame_sent(self.pixels);
+        self.inner.frame(frame)
+    }
+
+    fn flush(&mut self) -> Result<(), engine::Error> {
+        self.inner.flush()
+    }
+
+    fn drawn(&mut self, frame: u64, arrived: Instant) -> Option<f64> {
+        self.inner.drawn(frame, arrived)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1212,37 +1244,5 @@ mod tests {
             assert_eq!(jpeg, &encode_jpeg(img).unwrap());
         }
         assert_ne!(got[3], got[4], "a new image is encoded anew");
-    }
-}
-
-/// A session's output that tells the CPU meter about every frame that goes out.
-struct Metered<'a> {
-    inner: &'a mut dyn Sink,
-    meter: &'a CpuMeter,
-    pixels: u64,
-}
-
-impl Sink for Metered<'_> {
-    fn event(
-        &mut self,
-        activity: Activity,
-        frame: u64,
-        pts: f64,
-        so_far: &SessionStats,
-    ) -> Result<(), engine::Error> {
-        self.inner.event(activity, frame, pts, so_far)
-    }
-
-    fn frame(&mut self, frame: OutFrame<'_>) -> Result<(), engine::Error> {
-        self.meter.frame_sent(self.pixels);
-        self.inner.frame(frame)
-    }
-
-    fn flush(&mut self) -> Result<(), engine::Error> {
-        self.inner.flush()
-    }
-
-    fn drawn(&mut self, frame: u64, arrived: Instant) -> Option<f64> {
-        self.inner.drawn(frame, arrived)
     }
 }
