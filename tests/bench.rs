@@ -371,3 +371,93 @@ fn pytorch_reference_runs_on_the_cpu_with_tiny_sizes() {
     let bf16 = psnr("bf16", "nchw");
     assert!(bf16 > 20.0 && bf16 < 80.0, "{acc:?}");
 }
+
+#[test]
+fn bench_media_measures_the_service_on_echo_against_its_encoders_floor() {
+    // No checkpoint: the section runs `lipsync serve --device echo` as its child.
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("media.json");
+    let o = Command::new(env!("CARGO_BIN_EXE_lipsync"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["bench", "--device", "echo", "--sections", "media"])
+        .args(["--media-seconds", "2", "--media-repeats", "1"])
+        .args(["--live-sessions", "1", "--live-seconds", "4", "--json"])
+        .arg(&json)
+        .env_remove("LIPSYNC_CHECKPOINT")
+        .output()
+        .unwrap();
+    let out = text(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", text(&o.stderr));
+    for line in [
+        "## Media side on the echo device (2 s of speech, 50 frames at 25 fps",
+        "| photo 512x512 |",
+        "| photo 1280x720 |",
+        "| clip 1280x720 |",
+        "### One core against two",
+        "### Live sessions",
+        "| fmp4 | 1 |",
+        "| jpeg | 1 |",
+        "Largest number of sessions that holds",
+    ] {
+        assert!(out.contains(line), "{line} missing:\n{out}");
+    }
+
+    let v = read_json(&json);
+    assert_eq!(v["sections"], serde_json::json!(["media"]));
+    let m = &v["media"];
+    let rows = m["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 3, "{m}");
+    for r in rows {
+        let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+        // A playable MP4 (H.264 + AAC, 2 s × 25 frames), first byte before the last.
+        assert_eq!(r["playable"], true, "{r}");
+        assert_eq!(r["frames"], 50);
+        assert!(
+            f("wall_s") > 0.0 && f("ttfb_s") > 0.0 && f("ttfb_s") <= f("wall_s"),
+            "{r}"
+        );
+        // The tree's CPU and the floor's (one ffmpeg), and their ratio: the service does at
+        // least most of the floor's work, and not absurdly more.
+        assert!(f("tree_cpu_s") > 0.0 && f("floor_cpu_s") > 0.0, "{r}");
+        let ratio = f("ratio");
+        assert!(
+            (ratio - f("tree_cpu_s") / f("floor_cpu_s")).abs() < 1e-9,
+            "{r}"
+        );
+        assert!(ratio > 0.5 && ratio < 50.0, "{r}");
+    }
+    // 720p costs the encoder more than 512².
+    assert!(
+        rows[1]["floor_cpu_s"].as_f64() > rows[0]["floor_cpu_s"].as_f64(),
+        "{m}"
+    );
+
+    // One core against two, where there are two.
+    let cores = m["cores"].as_array().unwrap();
+    assert!(!cores.is_empty(), "{m}");
+    assert_eq!(cores[0]["cpus"], "0");
+    assert!(cores.iter().all(|c| c["wall_s"].as_f64().unwrap() > 0.0));
+
+    // One live level per output, measured from the client and the server's process tree.
+    let levels = m["live"]["levels"].as_array().unwrap();
+    let outputs: Vec<_> = levels
+        .iter()
+        .map(|l| l["output"].as_str().unwrap())
+        .collect();
+    assert_eq!(outputs, ["fmp4", "jpeg"]);
+    for l in levels {
+        assert_eq!(l["sessions"], 1);
+        assert!(l["frames_received"].as_u64().unwrap() > 50, "{l}");
+        let p50 = l["latency_ms"]["p50"].as_f64().unwrap();
+        assert!(p50 > 0.0 && p50 < 10_000.0, "{l}");
+        assert!(l["cpu_ms_per_frame"].as_f64().unwrap() > 0.0, "{l}");
+        assert!(l["sessions_stats"][0]["held_frames"].is_u64(), "{l}");
+    }
+    // The fMP4 session's encoder was seen.
+    assert!(
+        levels[0]["encoders_pss_mb"].as_f64().unwrap() > 0.0,
+        "{}",
+        levels[0]
+    );
+    assert!(m["live"]["largest_holding"].get("fmp4").is_some());
+}

@@ -2,12 +2,14 @@
 //! path; one instance against several at the same frames in flight; accuracy of every
 //! precision and path against an exact f32 reference; load and warm-up time with and without
 //! the autotune cache; encoder frames/s; end-to-end seconds and time to first byte through
-//! the service's pipeline (pool, batcher, job, compositor, encoder), without HTTP.
+//! the service's pipeline (pool, batcher, job, compositor, encoder), without HTTP; and the
+//! media side of the real service on the echo device (`media`, see [`media`]).
 //!
 //! `--sections` runs only some parts, so a time-boxed run (a GPU stage) takes what fits. The
 //! instance, autotune and end-to-end parts run in the precision `serve` would run
 //! (`--service-dtype` to choose another); the model and accuracy parts in every `--dtypes`.
 
+mod media;
 mod model_runs;
 
 use std::io::Write;
@@ -32,10 +34,11 @@ use super::{read_file, CliError};
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
     /// Wav2Lip checkpoint (any form; `lipsync init-weights` output is fine: speed does not
-    /// depend on the values).
-    #[arg(long, env = "LIPSYNC_CHECKPOINT", required_unless_present = "video")]
+    /// depend on the values). Every section but media needs one (and --video none).
+    #[arg(long, env = "LIPSYNC_CHECKPOINT")]
     pub checkpoint: Option<PathBuf>,
     /// Where the model runs [default: cuda when built with CUDA and a GPU is present, else cpu].
+    /// echo (the model stand-in) runs only the media section, which always runs on it.
     #[arg(long, value_parser = choice::<DeviceKind>(DeviceKind::NAMES))]
     pub device: Option<DeviceKind>,
     /// The GPU to measure, numbered from 0 as CUDA numbers them, as `serve --cuda-device`
@@ -50,8 +53,11 @@ pub struct BenchArgs {
     /// the own cuDNN path, by batch), memory (the planned path's arena peak per batch size,
     /// no GPU needed), compare (the model path's configurations of --compare-configs in one
     /// process: each upsampling form timed per layer, frames/s, per-layer times, peak memory
-    /// and accuracy; CUDA) [default: all but memory and compare; encoder only with
-    /// --encode-frames above 0, layers only on CUDA].
+    /// and accuracy; CUDA), media (the real service on the echo device as a child process:
+    /// requests on a photo, a 720p photo and a 720p clip with their CPU against one ffmpeg's
+    /// encode of the same video, one core against two, live sessions; no checkpoint needed)
+    /// [default: all but memory, compare and media; encoder only with --encode-frames above
+    /// 0, layers only on CUDA; with --device echo: media].
     #[arg(long, value_delimiter = ',', value_parser = choice::<Section>(Section::NAMES))]
     pub sections: Vec<Section>,
     /// Precisions of the model and accuracy runs, comma-separated [default: f32,f16,bf16 on
@@ -124,6 +130,8 @@ pub struct BenchArgs {
     /// (no cuDNN fusion) and auto:auto:none:on (unpadded inputs)].
     #[arg(long, value_delimiter = ',')]
     pub compare_configs: Vec<String>,
+    #[command(flatten)]
+    pub media: media::MediaFlags,
 }
 
 /// A part of the bench.
@@ -139,6 +147,7 @@ pub enum Section {
     Layers,
     Memory,
     Compare,
+    Media,
 }
 
 impl Section {
@@ -153,8 +162,9 @@ impl Section {
         "layers",
         "memory",
         "compare",
+        "media",
     ];
-    const ALL: [Section; 9] = [
+    const ALL: [Section; 10] = [
         Section::Model,
         Section::Instances,
         Section::Accuracy,
@@ -164,6 +174,7 @@ impl Section {
         Section::Layers,
         Section::Memory,
         Section::Compare,
+        Section::Media,
     ];
 
     fn name(self) -> &'static str {
@@ -222,12 +233,14 @@ impl Plan {
                 v.iter().map(|&x| x as usize).collect()
             }
         };
-        let mut sections = if a.sections.is_empty() {
+        let mut sections = if a.sections.is_empty() && device == DeviceKind::Echo {
+            vec![Section::Media]
+        } else if a.sections.is_empty() {
             Section::ALL
                 .into_iter()
                 .filter(|&s| s != Section::Encoder || a.encode_frames > 0)
                 .filter(|&s| s != Section::Layers || cuda)
-                .filter(|&s| !matches!(s, Section::Memory | Section::Compare))
+                .filter(|&s| !matches!(s, Section::Memory | Section::Compare | Section::Media))
                 .collect()
         } else {
             if a.sections.contains(&Section::Encoder) && a.encode_frames == 0 {
@@ -239,6 +252,17 @@ impl Plan {
         };
         sections.sort();
         sections.dedup();
+        if device == DeviceKind::Echo {
+            if let Some(s) = sections.iter().find(|&&s| s != Section::Media) {
+                return Err(CliError::Jobs(format!(
+                    "--device echo runs only --sections media (the {} section measures a model)",
+                    s.name()
+                )));
+            }
+        }
+        if sections.contains(&Section::Media) {
+            a.media.check().map_err(CliError::Jobs)?;
+        }
         let dtypes = if !a.dtypes.is_empty() {
             a.dtypes.clone()
         } else if cuda {
@@ -309,6 +333,15 @@ fn device_name(d: DeviceKind) -> &'static str {
     d.name()
 }
 
+/// `serve`'s engine and media flags.
+#[derive(Parser)]
+struct ServeFlags {
+    #[command(flatten)]
+    engine: EngineArgs,
+    #[command(flatten)]
+    media: MediaArgs,
+}
+
 /// The engine settings `serve` runs with on `device`, given `flags` (the others at serve's
 /// defaults, or from the `LIPSYNC_*` variables serve reads): one source for the defaults.
 fn serve_settings(
@@ -316,13 +349,18 @@ fn serve_settings(
     cuda_device: usize,
     flags: &[String],
 ) -> Result<(EngineArgs, Resolved), CliError> {
-    #[derive(Parser)]
-    struct Serve {
-        #[command(flatten)]
-        engine: EngineArgs,
-        #[command(flatten)]
-        media: MediaArgs,
-    }
+    let s = serve_flags(device, cuda_device, flags)?;
+    let r = s.engine.resolve(&s.media);
+    Ok((s.engine, r))
+}
+
+/// `serve`'s flags on `device` given `flags`, as [`serve_settings`] reads them (the media
+/// flags too: the encoder's preset, quality and threads).
+fn serve_flags(
+    device: DeviceKind,
+    cuda_device: usize,
+    flags: &[String],
+) -> Result<ServeFlags, CliError> {
     let mut argv: Vec<String> = [
         "serve",
         "--checkpoint",
@@ -335,10 +373,7 @@ fn serve_settings(
     .map(String::from)
     .to_vec();
     argv.extend(flags.iter().cloned());
-    let s = Serve::try_parse_from(argv)
-        .map_err(|e| CliError::Jobs(format!("serve's settings: {e}")))?;
-    let r = s.engine.resolve(&s.media);
-    Ok((s.engine, r))
+    ServeFlags::try_parse_from(argv).map_err(|e| CliError::Jobs(format!("serve's settings: {e}")))
 }
 
 /// Runs `f` repeatedly for at least `seconds` (and 3 times); returns (runs, elapsed).
@@ -392,15 +427,28 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
         }
         return Ok(());
     }
-    let checkpoint = a.checkpoint.clone().expect("clap requires --checkpoint");
     a.conv.apply()?;
     let device = a.device.unwrap_or_else(DeviceKind::default_for_host);
     let plan = Plan::new(&a, device)?;
-    let (weights, _) = GeneratorWeights::from_file(&checkpoint)?;
-    let weights = Arc::new(weights.fold()?);
+    // The media section runs the service on echo: no model, no checkpoint.
+    let model_sections = a.autotune_probe || plan.sections.iter().any(|&s| s != Section::Media);
+    let (checkpoint, weights) = if model_sections {
+        let checkpoint = a.checkpoint.clone().ok_or_else(|| {
+            CliError::Jobs(
+                "--checkpoint is needed by every bench section but media (and by none with \
+                 --video)"
+                    .into(),
+            )
+        })?;
+        let (weights, _) = GeneratorWeights::from_file(&checkpoint)?;
+        (checkpoint, Some(Arc::new(weights.fold()?)))
+    } else {
+        (PathBuf::new(), None)
+    };
     if a.autotune_probe {
-        return model_runs::autotune_probe(&plan, weights);
+        return model_runs::autotune_probe(&plan, weights.expect("loaded"));
     }
+    let weights = || weights.as_ref().expect("loaded for the model sections");
     let mut results = serde_json::json!({
         "device": device, "host_cpus": std::thread::available_parallelism().map_or(1, |n| n.get()),
         "version": env!("CARGO_PKG_VERSION"), "sections": plan.sections,
@@ -410,16 +458,20 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
         Some(path) => write_json(path, results),
         None => Ok(()),
     };
-    println!(
-        "Sections: {}; device {}; instance, autotune and end-to-end runs in {}.\n",
-        plan.sections
-            .iter()
-            .map(|s| s.name())
-            .collect::<Vec<_>>()
-            .join(", "),
-        device_name(device),
-        plan.service_text()
-    );
+    if model_sections {
+        println!(
+            "Sections: {}; device {}; instance, autotune and end-to-end runs in {}.\n",
+            plan.sections
+                .iter()
+                .map(|s| s.name())
+                .collect::<Vec<_>>()
+                .join(", "),
+            device_name(device),
+            plan.service_text()
+        );
+    } else {
+        println!("Sections: media (the service on the echo device).");
+    }
     let mut prepared = None;
     let mut avatar = || -> Result<Avatar, CliError> {
         if prepared.is_none() {
@@ -436,24 +488,25 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
     for &section in &plan.sections {
         match section {
             Section::Model => {
-                let (rows, memory) = model_runs::model(&a, &plan, &weights)?;
+                let (rows, memory) = model_runs::model(&a, &plan, weights())?;
                 results["model"] = rows;
                 results["memory"] = memory;
             }
             Section::Instances => {
-                results["instances"] = model_runs::instances(&a, &plan, &weights)?
+                results["instances"] = model_runs::instances(&a, &plan, weights())?
             }
             Section::Accuracy => {
-                results["accuracy"] = model_runs::accuracy(&a, &plan, &weights, &avatar()?)?
+                results["accuracy"] = model_runs::accuracy(&a, &plan, weights(), &avatar()?)?
             }
             Section::Autotune => {
                 results["autotune"] = model_runs::autotune(&a, &plan, &checkpoint)?
             }
             Section::Encoder => results["encoder"] = encoder(&a, &plan, &avatar()?)?,
-            Section::E2e => results["end_to_end"] = end_to_end(&a, &plan, &weights, &avatar()?)?,
-            Section::Layers => results["layers"] = model_runs::layers(&plan, &weights)?,
+            Section::E2e => results["end_to_end"] = end_to_end(&a, &plan, weights(), &avatar()?)?,
+            Section::Layers => results["layers"] = model_runs::layers(&plan, weights())?,
             Section::Memory => results["planned_memory"] = model_runs::memory(&a, &plan)?,
-            Section::Compare => results["compare"] = model_runs::compare(&a, &plan, &weights)?,
+            Section::Compare => results["compare"] = model_runs::compare(&a, &plan, weights())?,
+            Section::Media => results["media"] = media::media(&a)?,
         }
         save(&results)?;
     }
@@ -726,6 +779,27 @@ mod tests {
         .is_err());
         assert!("kernels".parse::<Section>().is_err());
         assert_eq!(Section::E2e.name(), "e2e");
+    }
+
+    #[test]
+    fn media_runs_only_when_named_and_is_all_echo_runs() {
+        let all = Plan::new(&args(&[]), DeviceKind::Cuda).unwrap();
+        assert!(!all.sections.contains(&Section::Media));
+        let echo = Plan::new(&args(&[]), DeviceKind::Echo).unwrap();
+        assert_eq!(echo.sections, [Section::Media]);
+        let named = Plan::new(&args(&["--sections", "media,model"]), DeviceKind::Cpu).unwrap();
+        assert_eq!(named.sections, [Section::Model, Section::Media]);
+        // echo draws no faces: the model sections would measure nothing.
+        assert!(Plan::new(&args(&["--sections", "media,model"]), DeviceKind::Echo).is_err());
+        assert!(Plan::new(
+            &args(&["--sections", "media", "--media-seconds", "0"]),
+            DeviceKind::Echo
+        )
+        .is_err());
+        let a = args(&["--sections", "media", "--live-sessions", "1,3"]);
+        assert_eq!(a.media.live_sessions, [1, 3]);
+        assert_eq!(args(&[]).media.live_sessions, [1, 2, 4, 8, 16, 32, 64]);
+        assert_eq!(Section::Media.name(), "media");
     }
 
     #[test]

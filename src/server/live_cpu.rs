@@ -1,5 +1,6 @@
 //! The CPU's side of the live offer: what a live frame costs the process tree, measured as
-//! frames go out, and how many frames per second the cores can take.
+//! frames go out, and how many frames per second the cores can take; and the process-tree
+//! CPU accounting from `/proc` it rests on (which `bench --sections media` uses too).
 //!
 //! Every live frame is composited and encoded on the CPU whether its face was drawn or held,
 //! and the cost grows with the frame's pixels. So the meter keeps one figure, CPU seconds per
@@ -22,9 +23,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// CPU seconds per megapixel of live frame before any has been measured: 512×512 JPEG and
-/// fMP4 sessions on the echo device, 2-core VM, 2026-11-26 (`lipsync bench --sections media`,
-/// docs/BENCHMARKS.md), rounded up.
+/// CPU seconds per megapixel of live frame before any has been measured: 512×512 sessions
+/// on the echo device took 8.2–8.9 ms of CPU per fMP4 frame and 6.8–7.1 ms per JPEG frame
+/// (0.026–0.034 s per megapixel; 2-core VM, 2026-11-26, `lipsync bench --sections media`,
+/// docs/BENCHMARKS.md), rounded up to leave room for larger avatars' compositing.
 pub const PRIOR_SECONDS_PER_MEGAPIXEL: f64 = 0.040;
 
 /// Share of the cores live sessions may fill: the rest absorbs bursts (a batch's frames
@@ -39,9 +41,6 @@ const SAMPLE_PIXELS: u64 = 20 * 512 * 512;
 
 /// Weight of a new sample in the moving average.
 const SAMPLE_WEIGHT: f64 = 0.3;
-
-/// Clock ticks per second in `/proc/<pid>/stat` (USER_HZ, 100 on Linux).
-const TICKS_PER_SECOND: f64 = 100.0;
 
 /// The meter (one per server).
 #[derive(Debug)]
@@ -154,31 +153,10 @@ impl CpuMeter {
     }
 }
 
-/// CPU seconds of this process and its children, reaped ones included: the process's own
-/// user and system time, its waited-for children's, and each live child's (with its own
-/// reaped children). Linux's `/proc`; 0 where it cannot be read.
+/// CPU seconds of this process and its descendants, reaped ones included
+/// ([`tree_cpu_seconds_of`] this process).
 pub fn tree_cpu_seconds() -> f64 {
-    let me = std::process::id();
-    let own = std::fs::read_to_string("/proc/self/stat")
-        .ok()
-        .and_then(|s| stat_fields(&s))
-        .map_or(0.0, |f| f.cpu_ticks);
-    let children: f64 = std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .bytes()
-                .all(|b| b.is_ascii_digit())
-        })
-        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
-        .filter_map(|s| stat_fields(&s))
-        .filter(|f| f.ppid == me)
-        .map(|f| f.cpu_ticks)
-        .sum();
-    (own + children) / TICKS_PER_SECOND
+    tree_cpu_seconds_of(std::process::id())
 }
 
 /// Threads of the model instances (`lipsync-instance-N`, cut to 15 bytes by the kernel).
@@ -186,7 +164,7 @@ const INSTANCE_THREAD: &str = "lipsync-instanc";
 
 /// [`tree_cpu_seconds`] less the CPU time of the model instances' threads that are running.
 pub fn media_cpu_seconds() -> f64 {
-    let model: f64 = std::fs::read_dir("/proc/self/task")
+    let model: u64 = std::fs::read_dir("/proc/self/task")
         .into_iter()
         .flatten()
         .flatten()
@@ -195,30 +173,105 @@ pub fn media_cpu_seconds() -> f64 {
                 .is_ok_and(|c| c.trim_end().starts_with(INSTANCE_THREAD))
         })
         .filter_map(|t| std::fs::read_to_string(t.path().join("stat")).ok())
-        .filter_map(|s| stat_fields(&s))
-        .map(|f| f.cpu_ticks)
+        .filter_map(|s| parse_stat(&s))
+        .map(|f| f.ticks)
         .sum();
-    tree_cpu_seconds() - model / TICKS_PER_SECOND
+    tree_cpu_seconds() - model as f64 / clock_ticks()
 }
 
-/// What the meter reads from a `/proc/<pid>/stat` line.
-struct Stat {
-    ppid: u32,
-    /// utime + stime + cutime + cstime (a thread's children's are 0).
-    cpu_ticks: f64,
-}
-
-/// Parses a stat line: the fields after the command (which may hold spaces and parentheses,
-/// so it is cut at the last `)`): state, ppid, ... utime (14th field), stime, cutime, cstime.
-fn stat_fields(line: &str) -> Option<Stat> {
-    let rest = &line[line.rfind(')')? + 1..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // f[0] is field 3 (state): field k is f[k - 3].
-    let field = |k: usize| f.get(k - 3).and_then(|v| v.parse::<f64>().ok());
-    Some(Stat {
-        ppid: f.get(1)?.parse().ok()?,
-        cpu_ticks: field(14)? + field(15)? + field(16)? + field(17)?,
+/// Clock ticks per second of /proc's CPU times (`getconf CLK_TCK`, 100 where it cannot say;
+/// asked once).
+pub fn clock_ticks() -> f64 {
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        std::process::Command::new("getconf")
+            .arg("CLK_TCK")
+            .stderr(std::process::Stdio::null())
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+            .filter(|t: &f64| *t > 0.0)
+            .unwrap_or(100.0)
     })
+}
+
+/// One process (or thread) as `/proc/<pid>/stat` shows it.
+#[derive(Debug, Clone)]
+pub struct ProcStat {
+    pub pid: u32,
+    pub ppid: u32,
+    /// Its command name (15 bytes at most).
+    pub comm: String,
+    /// utime + stime + cutime + cstime, in clock ticks: its own CPU and that of every
+    /// descendant it has reaped (a thread's reaped children are 0).
+    pub ticks: u64,
+}
+
+/// Parses a stat line. The command may hold spaces and parentheses, so it is cut at the last
+/// `)`; after it come state, ppid, ... utime (the 14th field), stime, cutime, cstime.
+pub fn parse_stat(text: &str) -> Option<ProcStat> {
+    let open = text.find('(')?;
+    let close = text.rfind(')')?;
+    let pid = text[..open].trim().parse().ok()?;
+    let comm = text[open + 1..close].to_string();
+    let f: Vec<&str> = text[close + 1..].split_whitespace().collect();
+    // f[0] is field 3 (state): field k is f[k - 3].
+    let num = |k: usize| f.get(k - 3).and_then(|x| x.parse::<u64>().ok());
+    Some(ProcStat {
+        pid,
+        ppid: u32::try_from(num(4)?).ok()?,
+        comm,
+        ticks: num(14)? + num(15)? + num(16)? + num(17)?,
+    })
+}
+
+/// Every process on the machine.
+pub fn processes() -> Vec<ProcStat> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().parse::<u32>().is_ok())
+        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+        .filter_map(|t| parse_stat(&t))
+        .collect()
+}
+
+/// `root` (first) and its live descendants.
+pub fn tree(root: u32) -> Vec<ProcStat> {
+    let all = processes();
+    let mut children: std::collections::HashMap<u32, Vec<&ProcStat>> = Default::default();
+    for p in &all {
+        children.entry(p.ppid).or_default().push(p);
+    }
+    let mut out: Vec<ProcStat> = all.iter().filter(|p| p.pid == root).cloned().collect();
+    let mut i = 0;
+    while i < out.len() {
+        if let Some(c) = children.get(&out[i].pid) {
+            out.extend(c.iter().map(|p| (*p).clone()));
+        }
+        i += 1;
+    }
+    out
+}
+
+/// CPU seconds of `root`'s process tree so far: each live process's own time plus what it
+/// has reaped (a process that ended is in its parent's reaped time). Linux's `/proc`; 0
+/// where it cannot be read.
+pub fn tree_cpu_seconds_of(root: u32) -> f64 {
+    tree(root).iter().map(|p| p.ticks).sum::<u64>() as f64 / clock_ticks()
+}
+
+/// CPU seconds of this process's reaped children so far (cutime + cstime).
+pub fn reaped_children_seconds() -> f64 {
+    std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|t| {
+            // Fields 16 and 17 (cutime, cstime): 13 and 14 after the command.
+            let f: Vec<&str> = t[t.rfind(')')? + 1..].split_whitespace().collect();
+            Some(f.get(13)?.parse::<u64>().ok()? + f.get(14)?.parse::<u64>().ok()?)
+        })
+        .map_or(0.0, |t| t as f64 / clock_ticks())
 }
 
 #[cfg(test)]
@@ -229,10 +282,16 @@ mod tests {
     fn stat_lines_give_the_parent_and_the_cpu_of_the_process_and_its_reaped_children() {
         let line = "4242 (ffmpeg (x264) a) S 17 4242 17 0 -1 4194304 900 0 0 0 \
                     250 40 7 3 20 0 3 0 1000 2000000 500 18446744073709551615";
-        let s = stat_fields(line).unwrap();
-        assert_eq!(s.ppid, 17);
-        assert_eq!(s.cpu_ticks, 300.0);
-        assert!(stat_fields("garbage").is_none());
+        let s = parse_stat(line).unwrap();
+        assert_eq!(
+            (s.pid, s.ppid, s.comm.as_str()),
+            (4242, 17, "ffmpeg (x264) a")
+        );
+        assert_eq!(s.ticks, 300);
+        assert!(parse_stat("garbage").is_none());
+        // This process is its own tree's root.
+        let me = std::process::id();
+        assert_eq!(tree(me)[0].pid, me);
     }
 
     #[test]

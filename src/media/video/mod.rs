@@ -301,6 +301,17 @@ impl EncoderSettings {
         a
     }
 
+    /// The single-process encoder's command line for frames that are already yuv420p rather
+    /// than RGB: the same x264 options, audio track and fragmented MP4 on stdout, without the
+    /// pixel conversion. `bench --sections media` runs it as the floor of the service's encode.
+    pub fn yuv420p_args(&self) -> Vec<String> {
+        let mut a = self.single_args();
+        if let Some(p) = a.iter().position(|x| x == "rgb24") {
+            a[p] = "yuv420p".into();
+        }
+        a
+    }
+
     /// x264 threads of each segment worker.
     pub fn worker_threads(&self) -> usize {
         self.threads.unwrap_or_else(|| {
