@@ -210,13 +210,33 @@ impl Drop for Slot {
     }
 }
 
-/// The instances' batch cost as live sessions meet it: the warm-up's measurement scaled by
-/// recent batches ([`crate::engine::pool::PoolStatus::recent_batch_cost`]), plus the
-/// stall a debug build's fault hook adds to every batch (`batch_delay_ms`, which tests use to
-/// slow the engine on purpose: the lag and the drawing rates must see that slower engine as
-/// they would a slower machine; release builds have no stall). `None` before it is measured.
-fn batch_cost(engine: &Engine) -> Option<crate::engine::pool::BatchCost> {
-    let mut cost = engine.status().recent_batch_cost()?;
+/// The instances' batch cost as live sessions meet it, plus the stall a debug build's fault
+/// hook adds to every batch (`batch_delay_ms`, which tests use to slow the engine on purpose:
+/// the lag and the drawing rates must see that slower engine as they would a slower machine;
+/// release builds have no stall). `None` before it is measured.
+///
+/// Where the model does not run on the CPU (cuda, echo): the warm-up's measurement scaled by
+/// recent batches ([`crate::engine::pool::PoolStatus::recent_batch_cost`]). On the CPU device
+/// the warm-up's: there the sessions' own compositing and encoding compete with the model for
+/// the cores, so batch times measured while sessions run are not what more drawing would get
+/// (an offer that rose with them made the sessions draw more faces than the cores could also
+/// encode, and their frames went out late).
+fn batch_cost(app: &App, engine: &Engine) -> Option<crate::engine::pool::BatchCost> {
+    if app.cfg.device.gpu_like() {
+        with_stall(engine.status().recent_batch_cost()?)
+    } else {
+        warm_batch_cost(engine)
+    }
+}
+
+/// The warm-up's batch cost plus the fault hook's stall, for the sessions' lag: a session's
+/// clock is set once, when it opens, and a lag that moved with the last few batches would
+/// give sessions opened a moment apart different clocks for nothing.
+fn warm_batch_cost(engine: &Engine) -> Option<crate::engine::pool::BatchCost> {
+    with_stall(engine.status().batch_cost()?)
+}
+
+fn with_stall(mut cost: crate::engine::pool::BatchCost) -> Option<crate::engine::pool::BatchCost> {
     if let Some(stall) = crate::engine::faults::delay("batch_delay_ms") {
         cost.fixed += stall.as_secs_f64();
     }
@@ -225,8 +245,8 @@ fn batch_cost(engine: &Engine) -> Option<crate::engine::pool::BatchCost> {
 
 /// Frames per second the instances sustain at their largest batch (from the warm-up), if
 /// measured.
-fn capacity_fps(engine: &Engine) -> Option<f64> {
-    let cost = batch_cost(engine)?;
+fn capacity_fps(app: &App, engine: &Engine) -> Option<f64> {
+    let cost = batch_cost(app, engine)?;
     let n = engine.scheduler().limits().max_batch as f64;
     let t = cost.fixed + cost.per_frame * n;
     (t > 0.0).then(|| engine.status().instances as f64 * n / t)
@@ -260,7 +280,7 @@ impl LiveCapacity {
     /// `None` before the warm-up has measured the batch cost.
     fn of(app: &App, engine: &Engine) -> Option<LiveCapacity> {
         Some(LiveCapacity {
-            cost: batch_cost(engine)?,
+            cost: batch_cost(app, engine)?,
             instances: engine.status().instances as f64,
             max_batch: engine.scheduler().limits().max_batch.max(1),
             utilisation: live_utilisation(app),
@@ -315,7 +335,7 @@ pub fn next_draw_fps(app: &App, engine: &Engine) -> Option<f64> {
 /// limit is checked when a session opens, with its frame size ([`Slot::claim`]).
 fn session_slots(app: &App, engine: &Engine) -> usize {
     app.args.max_sessions.unwrap_or_else(|| {
-        capacity_fps(engine).map_or(1, |fps| ((fps / 25.0).floor() as usize).max(1))
+        capacity_fps(app, engine).map_or(1, |fps| ((fps / 25.0).floor() as usize).max(1))
     })
 }
 
@@ -811,7 +831,7 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
 /// on a CPU, where live frames run alone (see the scheduler), two frames: the one ahead and its
 /// own. A longer lag would draw more faces but put every chunk of speech that much later.
 fn session_lag(app: &App, engine: &Engine, fps: Fps) -> Duration {
-    let batch = batch_cost(engine).map_or(0.05, |c| {
+    let batch = warm_batch_cost(engine).map_or(0.05, |c| {
         let frames = if c.fixed < c.per_frame {
             2.0
         } else {

@@ -132,8 +132,26 @@ def test_live_mode_shows_speaking_frames_from_the_microphone(live_page: Page):
     # it counts have been through the encoder: they may run ahead of the frames received by
     # the encoder's delay (well under a second, 25 frames), never more.
     assert m and int(m.group(2)) + int(m.group(3)) <= int(m.group(1)) + 25, p.text("#live-frames")
+    # Interrupt while the face speaks: the server drops what it has not drawn and idles again.
+    # Early in an utterance (its "speaking" event less than 250 ms old), so the server still has
+    # frames of it to drop: near its end the server may have sent its last frame already, and a
+    # clear then interrupts nothing.
+    p.wait(
+        f"() => {{ const e = {LIVE}.events.findLast(x => x.type === 'idle' || x.type === 'speaking'); "
+        f"return e !== undefined && e.type === 'speaking' && performance.now() - e.at < 250; }}",
+        60_000,
+    )
+    p.page.click("#live-clear")
+    cleared = live(p, "performance.now()")
+    p.wait(f"() => {LIVE}.events.some(e => e.type === 'idle' && e.at > {cleared})", 30_000)
+    p.shot("16-live-interrupted")
+
     # The speaking frames are the model's mouths, not the idle face: the mouth changes while
     # speaking, far more than the idle face's frames differ from one another (encoding noise).
+    # Measured once the interrupted face has idled again: when the microphone's speech reaches
+    # the server within a frame of `ready`, the first utterance starts at frame 1 and only one
+    # idle frame precedes it, too few to measure the idle face's noise.
+    p.wait("() => window.mouth.filter(f => !f.speaking).length >= 3", 30_000)
     mouth = p.page.evaluate("window.mouth")
     speaking = [f["diff"] for f in mouth if f["speaking"]]
     idle = [f["diff"] for f in mouth if not f["speaking"]]
@@ -148,20 +166,6 @@ def test_live_mode_shows_speaking_frames_from_the_microphone(live_page: Page):
     assert live(p, "L.jumps") == 0
     first = live(p, "L.utterances[0]")
     assert any(f["speaking"] and first["pts"] - 1e-3 <= f["t"] < first["pts"] + 0.5 for f in mouth), (first, mouth)
-
-    # Interrupt while the face speaks: the server drops what it has not drawn and idles again.
-    # Early in an utterance (its "speaking" event less than 250 ms old), so the server still has
-    # frames of it to drop: near its end the server may have sent its last frame already, and a
-    # clear then interrupts nothing.
-    p.wait(
-        f"() => {{ const e = {LIVE}.events.findLast(x => x.type === 'idle' || x.type === 'speaking'); "
-        f"return e !== undefined && e.type === 'speaking' && performance.now() - e.at < 250; }}",
-        60_000,
-    )
-    p.page.click("#live-clear")
-    cleared = live(p, "performance.now()")
-    p.wait(f"() => {LIVE}.events.some(e => e.type === 'idle' && e.at > {cleared})", 30_000)
-    p.shot("16-live-interrupted")
 
     # Stop: everything sent is drawn, then the server's statistics, then it closes.
     p.page.click("#live-stop")

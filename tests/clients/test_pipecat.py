@@ -149,7 +149,9 @@ def test_an_interruption_stops_the_speech_at_once(server, avatar, live_opts):
         TTSStartedFrame(),
         *tts_frames(pcm24, 24000, chunk_s=0.2, paced=False),
         TTSStoppedFrame(),
-        SleepFrame(sleep=1.5),
+        # Mid-speech: the 4 s reply starts on screen one lag after it was sent (up to about
+        # 0.8 s with the CPU model on 2 cores), so 2.5 s in, a second or more has been spoken.
+        SleepFrame(sleep=2.5),
         InterruptionFrame(),
         SleepFrame(sleep=2.0),
         # The next reply, after the interruption.
