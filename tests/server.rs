@@ -13,27 +13,6 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use reqwest::multipart::{Form, Part};
 
-fn codecs(bytes: &[u8]) -> String {
-    let f = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(f.path(), bytes).unwrap();
-    let out = Command::new("ffprobe")
-        .args([
-            "-v",
-            "error",
-            "-show_entries",
-            "stream=codec_name",
-            "-of",
-            "csv=p=0",
-        ])
-        .arg(f.path())
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn the_video_streams_and_its_first_fragment_arrives_before_the_last_frame_is_computed() {
     // Two encoder workers (segments encoded in parallel, joined in order): the stream must
@@ -78,7 +57,7 @@ async fn the_video_streams_and_its_first_fragment_arrives_before_the_last_frame_
         }
     }
     assert!(first_fragment.is_some(), "no fragment ever arrived");
-    assert_eq!(codecs(&bytes), "h264,aac");
+    assert_eq!(common::server::codecs(&bytes), "h264,aac");
     assert_eq!(decoded_frames(&bytes), 100);
     let m = s.metrics().await;
     assert!(

@@ -282,6 +282,28 @@ pub fn lipsync_form(audio: &str, image: &str) -> Form {
         )
 }
 
+/// ffprobe's codec names of an MP4's streams, comma-separated in order (`h264,aac`).
+pub fn codecs(bytes: &[u8]) -> String {
+    let f = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(f.path(), bytes).unwrap();
+    let out = Command::new("ffprobe")
+        .args([
+            "-v",
+            "error",
+            "-show_entries",
+            "stream=codec_name",
+            "-of",
+            "csv=p=0",
+        ])
+        .arg(f.path())
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// Frames ffprobe decodes from an MP4 (or a prefix of one).
 pub fn decoded_frames(bytes: &[u8]) -> u64 {
     let f = tempfile::NamedTempFile::new().unwrap();
