@@ -47,12 +47,7 @@ async fn an_echo_server_without_a_checkpoint_renders_40_s_with_a_moving_mouth() 
     // The GPU's batch sizes, as echo stands in for a GPU (the tests' defaults are smaller).
     let s = Server::start_echo(&["--max-batch", "512", "--first-batch", "16"]);
     s.wait_ready().await;
-    let info: serde_json::Value = reqwest::get(s.url("/info"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let info = s.info().await;
     assert_eq!(info["device"], "echo", "{info}");
     assert_eq!(info["checkpoint"], serde_json::Value::Null, "{info}");
     assert_eq!(info["conv_path"], "echo", "{info}");

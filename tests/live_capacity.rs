@@ -53,15 +53,6 @@ fn start_slowed() -> Server {
     )
 }
 
-async fn info(s: &Server) -> serde_json::Value {
-    reqwest::get(s.url("/info"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
 /// `seconds` of speech, 16 kHz s16le mono: the one-second ARCTIC clip over and over.
 fn speech(seconds: usize) -> Vec<i16> {
     let one = lipsync::media::audio::load(&media("arctic_a0007_1s.wav"), 60.0)
@@ -350,7 +341,7 @@ async fn a_session_over_capacity_keeps_its_clock_its_audio_and_draws_what_it_can
     let s = start_slowed();
     s.wait_ready().await;
     let avatar = s.upload_avatar().await;
-    let offered = info(&s).await["sessions"]["draw_fps"].as_f64().unwrap();
+    let offered = s.info().await["sessions"]["draw_fps"].as_f64().unwrap();
     let speech = speech(4);
     let run = run_session(&s, &avatar, &speech, Duration::from_secs(1)).await;
     let m = check_session("session", &run, &speech);

@@ -664,7 +664,9 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         loop {
             tick.tick().await;
-            meter.sessions.cpu.sample();
+            // It reads /proc: off the runtime's workers.
+            let m = meter.clone();
+            let _ = tokio::task::spawn_blocking(move || m.sessions.cpu.sample()).await;
         }
     });
 

@@ -223,7 +223,7 @@ impl Drop for Slot {
 /// encode, and their frames went out late).
 fn batch_cost(app: &App, engine: &Engine) -> Option<crate::engine::pool::BatchCost> {
     if app.cfg.device.gpu_like() {
-        with_stall(engine.status().recent_batch_cost()?)
+        engine.status().recent_batch_cost().map(with_stall)
     } else {
         warm_batch_cost(engine)
     }
@@ -233,14 +233,14 @@ fn batch_cost(app: &App, engine: &Engine) -> Option<crate::engine::pool::BatchCo
 /// clock is set once, when it opens, and a lag that moved with the last few batches would
 /// give sessions opened a moment apart different clocks for nothing.
 fn warm_batch_cost(engine: &Engine) -> Option<crate::engine::pool::BatchCost> {
-    with_stall(engine.status().batch_cost()?)
+    engine.status().batch_cost().map(with_stall)
 }
 
-fn with_stall(mut cost: crate::engine::pool::BatchCost) -> Option<crate::engine::pool::BatchCost> {
+fn with_stall(mut cost: crate::engine::pool::BatchCost) -> crate::engine::pool::BatchCost {
     if let Some(stall) = crate::engine::faults::delay("batch_delay_ms") {
         cost.fixed += stall.as_secs_f64();
     }
-    Some(cost)
+    cost
 }
 
 /// Frames per second the instances sustain at their largest batch (from the warm-up), if

@@ -242,6 +242,16 @@ impl Server {
         panic!("server never became ready");
     }
 
+    /// `GET /info`.
+    pub async fn info(&self) -> serde_json::Value {
+        reqwest::get(self.url("/info"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
     pub async fn metrics(&self) -> String {
         reqwest::get(self.url("/metrics"))
             .await
