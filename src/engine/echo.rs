@@ -69,10 +69,19 @@ impl Model for Echo {
                 n * FACE_LEN
             ))));
         }
-        let mut faces = Vec::with_capacity(n * PRED_LEN);
-        for (frame, &index) in face.chunks_exact(FACE_LEN).zip(indices) {
-            echo_face(&frame[PRED_LEN..], shift(index), &mut faces);
+        // Written over the input, front to back: face k's output lies before its reference
+        // half and after every reference half read so far. The pool then reuses the buffer
+        // (with the input's capacity) for its next batch's input.
+        let mut faces = face;
+        for (k, &index) in indices.iter().enumerate() {
+            echo_face(
+                &mut faces,
+                k * FACE_LEN + PRED_LEN,
+                k * PRED_LEN,
+                shift(index),
+            );
         }
+        faces.truncate(n * PRED_LEN);
         Ok(Prediction {
             faces,
             overflow: false,
@@ -84,19 +93,20 @@ impl Model for Echo {
     }
 }
 
-/// Appends `reference` (`(3, 96, 96)`) to `out` with its lower [`MOVED_ROWS`] rows shifted
-/// down by `shift` pixels.
-fn echo_face(reference: &[f32], shift: usize, out: &mut Vec<f32>) {
+/// Copies the reference face at `buf[src..]` (`(3, 96, 96)`) to `buf[dst..]` (a range apart
+/// from it) with its lower [`MOVED_ROWS`] rows shifted down by `shift` pixels.
+fn echo_face(buf: &mut [f32], src: usize, dst: usize, shift: usize) {
     let plane = FACE_SIZE * FACE_SIZE;
     let top = FACE_SIZE - MOVED_ROWS;
-    for channel in reference.chunks_exact(plane) {
+    for c in 0..3 {
         for row in 0..FACE_SIZE {
             let from = if row < top {
                 row
             } else {
                 (row.saturating_sub(shift)).max(top)
             };
-            out.extend_from_slice(&channel[from * FACE_SIZE..(from + 1) * FACE_SIZE]);
+            let at = src + c * plane + from * FACE_SIZE;
+            buf.copy_within(at..at + FACE_SIZE, dst + c * plane + row * FACE_SIZE);
         }
     }
 }

@@ -566,6 +566,7 @@ fn run_instance(
         cap: cfg.limits.max_batch,
         memory_limit: cfg.memory_limit,
         planned_memory: cfg.planned_memory.clone(),
+        spare: Vec::new(),
     };
     if cfg.warm_up {
         let cost = inst.warm_up()?;
@@ -682,11 +683,13 @@ fn build_inputs(
     inputs: &dyn BatchInputs,
     range: Range<usize>,
     size: usize,
+    mut face: Vec<f32>,
 ) -> (Vec<f32>, Vec<f32>) {
     let n = range.len();
     debug_assert!(n > 0 && n <= size);
     let mut mel = Vec::with_capacity(size * MEL_LEN);
-    let mut face = Vec::with_capacity(size * FACE_LEN);
+    face.clear();
+    face.reserve(size * FACE_LEN);
     for i in range {
         inputs.push(i, &mut mel, &mut face);
     }
@@ -731,6 +734,11 @@ struct Instance<'a> {
     memory_limit: Option<u64>,
     /// The planned path's settings, when the instances run it ([`PoolConfig::planned_memory`]).
     planned_memory: Option<crate::model::cudnn::ConvSettings>,
+    /// The last batch's output, once answered: the next batch's face input is built in it
+    /// when it is large enough (a model that answers in its input's buffer, as the echo
+    /// does, then allocates nothing per batch: a fresh buffer of this size is mapped page
+    /// by page, which cost more than the echo's work).
+    spare: Vec<f32>,
 }
 
 impl Instance<'_> {
@@ -850,7 +858,7 @@ impl Instance<'_> {
             self.estimate(size, dtype) + self.fallback_weights(),
             format_args!("a batch of {size}"),
         )?;
-        let (mel, face) = build_inputs(inputs, 0..n, size);
+        let (mel, face) = build_inputs(inputs, 0..n, size, std::mem::take(&mut self.spare));
         let indices = batch_indices(inputs, 0..n, size);
         let out = self.model.predict_frames(&indices, mel, face)?;
         let mut pred = out.faces;
@@ -924,7 +932,7 @@ impl Instance<'_> {
         for (range, size) in plan {
             let m = range.len();
             let indices = batch_indices(inputs, range.clone(), size);
-            let (mel, face) = build_inputs(inputs, range, size);
+            let (mel, face) = build_inputs(inputs, range, size, Vec::new());
             let out = model.predict_frames(&indices, mel, face)?;
             pred.extend_from_slice(&out.faces[..m * PRED_LEN]);
         }
@@ -979,6 +987,7 @@ impl Instance<'_> {
                         .reply
                         .send(Ok((item.work.index, face::prediction_to_bgr(p))));
                 }
+                self.spare = pred;
                 Ok(())
             }
             Err(e) if is_out_of_memory(&e) && n > 1 => {
@@ -1482,6 +1491,7 @@ mod tests {
             cap: 8,
             memory_limit,
             planned_memory: None,
+            spare: Vec::new(),
         }
     }
 
@@ -1556,7 +1566,7 @@ mod tests {
                 let want: Vec<f32> = if rebuilt {
                     first_mel_values(
                         firsts.len(),
-                        &build_inputs(&inputs, 0..firsts.len(), firsts.len()).0,
+                        &build_inputs(&inputs, 0..firsts.len(), firsts.len(), Vec::new()).0,
                     )
                 } else {
                     vec![-1.0; firsts.len() * PRED_LEN]
