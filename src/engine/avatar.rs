@@ -9,6 +9,7 @@ use super::clip::{Clip, Loop};
 use crate::media::audio::Fps;
 use crate::media::face::{self, Blend, BlendMask, Detection, FaceBox, Pads};
 use crate::media::image::{self, Frame, ImageLimits};
+use crate::media::yuv::Region;
 use crate::media::Error;
 
 /// Blend masks of a video avatar's face boxes whose size differs from its first frame's, made
@@ -127,8 +128,17 @@ impl Avatar {
     }
 
     /// Pastes a predicted face (96×96 BGR) into `frame` at avatar frame `i`'s face box, with
-    /// the avatar's blend mask, or one from `masks` for a box of another size.
-    pub fn paste_at(&self, frame: &mut Frame, i: usize, face_bgr: &[u8], masks: &mut BlendMasks) {
+    /// the avatar's blend mask, or one from `masks` for a box of another size. `frame` is
+    /// the part of the avatar frame whose top left corner is at `origin` (the whole frame:
+    /// `(0, 0)`); it must hold the box.
+    pub fn paste_at(
+        &self,
+        frame: &mut Frame,
+        origin: (u32, u32),
+        i: usize,
+        face_bgr: &[u8],
+        masks: &mut BlendMasks,
+    ) {
         let b = self.face_at(i);
         let mask = if (b.width(), b.height()) == (self.face.width(), self.face.height()) {
             &self.mask
@@ -138,7 +148,20 @@ impl Avatar {
                 .entry((b.width(), b.height()))
                 .or_insert_with(|| BlendMask::new(self.blend, b.width(), b.height()))
         };
-        face::paste(frame, &b, face_bgr, mask);
+        let shifted = FaceBox {
+            x1: b.x1 - origin.0,
+            y1: b.y1 - origin.1,
+            x2: b.x2 - origin.0,
+            y2: b.y2 - origin.1,
+        };
+        face::paste(frame, &shifted, face_bgr, mask);
+    }
+
+    /// The even-aligned region around avatar frame `i`'s face box: all that a pasted face
+    /// changes (see [`crate::media::yuv`]).
+    pub fn face_region(&self, i: usize) -> Region {
+        let b = self.face_at(i);
+        Region::around(b.x1, b.y1, b.x2, b.y2, self.frame.width, self.frame.height)
     }
 
     /// Avatar frame `i`'s 96×96 BGR crop.

@@ -1,7 +1,11 @@
 //! Predicted faces, in frame order, to encoded video: each face (optionally saved as a PNG)
-//! pasted into a copy of the avatar's frame it was drawn on (the photo, or the clip frame the
-//! loop mode selects) and handed to the encoder; at the end the last frame is held until the
-//! audio ends. Shared by `lipsync render` and the service.
+//! pasted into the avatar's frame it was drawn on (the photo, or the clip frame the loop mode
+//! selects) and handed to the encoder as YUV 4:2:0; at the end the last frame is held until
+//! the audio ends. Shared by `lipsync render` and the service.
+//!
+//! A photo is converted to YUV once; each frame then pastes the face into a copy of the
+//! face's region alone and converts that region into the kept frame
+//! ([`crate::media::yuv`]). A clip frame is decoded, pasted and converted whole.
 
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
@@ -13,6 +17,7 @@ use super::{Avatar, Error};
 use crate::media::face::{self, FACE_SIZE};
 use crate::media::image::Frame;
 use crate::media::video::VideoEncoder;
+use crate::media::yuv::Yuv420;
 
 /// Clip frames decoded ahead of the compositor.
 const PREFETCH: usize = 4;
@@ -26,7 +31,9 @@ pub struct Compositor<'a> {
     masks: BlendMasks,
     encoder: &'a mut dyn VideoEncoder,
     faces_dir: Option<PathBuf>,
-    last: Option<Frame>,
+    /// The frame last written; for a photo, also the photo converted once, whose face
+    /// region each frame overwrites.
+    last: Option<Yuv420>,
     pub frames: usize,
     pub composite_time: Duration,
     pub encode_time: Duration,
@@ -67,19 +74,39 @@ impl<'a> Compositor<'a> {
         }
         let a = self.avatar;
         let i = a.select(self.frames, self.mode);
-        let mut frame = match &self.prefetched {
-            Some(rx) => match rx.recv() {
-                Ok(f) => f?,
-                Err(_) => a.background(i)?.into_owned(),
-            },
-            None => a.background(i)?.into_owned(),
+        let frame = match &self.prefetched {
+            Some(rx) => {
+                let mut frame = match rx.recv() {
+                    Ok(f) => f?,
+                    Err(_) => a.background(i)?.into_owned(),
+                };
+                a.paste_at(&mut frame, (0, 0), i, face_bgr, &mut self.masks);
+                self.last.insert(Yuv420::from_rgb(&frame))
+            }
+            None if a.clip.is_some() => {
+                let mut frame = a.background(i)?.into_owned();
+                a.paste_at(&mut frame, (0, 0), i, face_bgr, &mut self.masks);
+                self.last.insert(Yuv420::from_rgb(&frame))
+            }
+            None => {
+                let region = a.face_region(i);
+                let mut patch = region.crop(&a.frame);
+                a.paste_at(
+                    &mut patch,
+                    (region.x, region.y),
+                    i,
+                    face_bgr,
+                    &mut self.masks,
+                );
+                let kept = self.last.get_or_insert_with(|| Yuv420::from_rgb(&a.frame));
+                kept.write_rgb(region.x, region.y, &patch);
+                kept
+            }
         };
-        a.paste_at(&mut frame, i, face_bgr, &mut self.masks);
         self.composite_time += t.elapsed();
         let t = Instant::now();
-        self.encoder.write_frame(&frame)?;
+        self.encoder.write_yuv(frame)?;
         self.encode_time += t.elapsed();
-        self.last = Some(frame);
         self.frames += 1;
         Ok(())
     }
@@ -89,7 +116,7 @@ impl<'a> Compositor<'a> {
         let t = Instant::now();
         if let Some(frame) = &self.last {
             while self.frames < total {
-                self.encoder.write_frame(frame)?;
+                self.encoder.write_yuv(frame)?;
                 self.frames += 1;
             }
         }

@@ -54,6 +54,7 @@ use crate::media::audio::mel::{self, HOP, SAMPLE_RATE};
 use crate::media::audio::{mel_spectrogram, Fps, FramePlan, MIN_SAMPLES, WINDOW};
 use crate::media::face;
 use crate::media::image::Frame;
+use crate::media::yuv::Region;
 
 /// Audio after a frame's time that the model needs to draw it: 16 mel columns of 200 samples
 /// minus one, plus half of the 800-sample STFT window (= 212.5 ms at 16 kHz).
@@ -200,6 +201,10 @@ pub struct OutFrame<'a> {
     /// Presentation time, `index / fps` seconds.
     pub pts: f64,
     pub image: &'a Frame,
+    /// Where this frame can differ from the session's other frames: a photo avatar's face
+    /// region (the rest is always the photo); `None` (a video avatar): anywhere. A sink that
+    /// keeps a converted copy of the frame converts only this part again.
+    pub region: Option<Region>,
     /// This frame's share of the session's audio (16 kHz mono; silence while idle).
     pub audio: &'a [f32],
     /// The idle frame (the same image every time: sinks may cache its encoding).
@@ -411,6 +416,19 @@ pub fn mel_window(samples: &[f32], start: usize) -> Vec<f32> {
     mel.window(start - from / HOP, WINDOW)
 }
 
+/// [`mel_window`] of an utterance still coming, whose samples may end before the window's:
+/// the rest is taken as silence.
+fn open_mel_window(samples: &[f32], start: usize) -> Vec<f32> {
+    let end = (start + WINDOW - 1) * HOP + mel::N_FFT / 2;
+    if samples.len() >= end {
+        return mel_window(samples, start);
+    }
+    let from = start.saturating_sub(3) * HOP;
+    let mut padded = samples[from.min(samples.len())..].to_vec();
+    padded.resize(end - from, 0.0);
+    mel_spectrogram(&padded).window(start - from / HOP, WINDOW)
+}
+
 /// Mel columns of `n` samples that no later sample changes.
 fn final_columns(n: usize) -> usize {
     let half = mel::N_FFT / 2;
@@ -572,6 +590,8 @@ pub struct Session<'a> {
     face_input: Arc<Vec<u8>>,
     cfg: SessionConfig,
     idle_frame: Frame,
+    /// Where a photo avatar's frames change ([`OutFrame::region`]).
+    region: Option<Region>,
     start: Instant,
     /// Next frame to send.
     next: u64,
@@ -617,6 +637,7 @@ impl<'a> Session<'a> {
             face_input: avatar.crop(0),
             scratch: idle_frame.clone(),
             idle_frame,
+            region: (!clip).then(|| avatar.face_region(0)),
             avatar,
             cfg,
             start,
@@ -636,6 +657,19 @@ impl<'a> Session<'a> {
 
     fn due(&self, k: u64) -> Instant {
         self.start + self.cfg.lag + Duration::from_secs_f64(k as f64 / self.fps())
+    }
+
+    /// When frame `k` is drawn at the latest: its due time less the time the lag leaves a
+    /// face to come (a frame whose audio came in real time is drawn about then).
+    fn draw_by(&self, k: u64) -> Instant {
+        self.due(k) - self.cfg.lag.saturating_sub(AUDIO_LOOKAHEAD)
+    }
+
+    /// Whether all of utterance frame `j`'s own audio has come (a frame never goes out with
+    /// part of its speech).
+    fn heard(&self, u: &Utterance, j: usize) -> bool {
+        let end = self.sample_at(u.first + j as u64 + 1) - self.sample_at(u.first);
+        end as usize <= u.samples.len()
     }
 
     /// How long after its due time a drawn face may still come before its frame is held.
@@ -706,6 +740,9 @@ impl<'a> Session<'a> {
         for u in &self.utts {
             if !u.closed {
                 until = until.min(u.last_audio + self.cfg.utterance_gap);
+                if self.heard(u, u.planned) {
+                    until = until.min(self.draw_by(u.first + u.planned as u64));
+                }
             }
         }
         until
@@ -847,12 +884,21 @@ impl<'a> Session<'a> {
                 let plan = FramePlan::new(cols, self.cfg.fps)?;
                 // As a file: the frames that cover all of its audio, those past the model's
                 // last one holding its face (so no speech is cut).
+                // Frames already drawn while it was open stay its frames.
                 let seconds = u.samples.len() as f64 / f64::from(SAMPLE_RATE);
-                (video_frames(seconds, self.cfg.fps, plan.len()), Some(plan))
+                let frames = video_frames(seconds, self.cfg.fps, plan.len()).max(u.planned);
+                (frames, Some(plan))
             } else {
                 let cols = final_columns(u.samples.len());
                 let mut n = u.planned;
                 while ((n as f64 * step) as usize) + WINDOW <= cols {
+                    n += 1;
+                }
+                // A frame whose own audio has come but not all of its window's (the speech
+                // paused or ended; the utterance closes only after the gap) is drawn when its
+                // time to be drawn comes, the rest of its window silent: waiting for the
+                // close would show the utterance's last frames late, with the mouth frozen.
+                while self.heard(u, n) && now >= self.draw_by(u.first + n as u64) {
                     n += 1;
                 }
                 (n, None)
@@ -877,9 +923,9 @@ impl<'a> Session<'a> {
                 }
                 next_draw = j as f64 + self.stride.value();
                 let u = &self.utts[i];
-                let start = match &plan {
-                    Some(p) => p.start(j),
-                    None => (j as f64 * step) as usize,
+                let (start, window): (usize, fn(&[f32], usize) -> Vec<f32>) = match &plan {
+                    Some(p) => (p.start(j), mel_window),
+                    None => ((j as f64 * step) as usize, open_mel_window),
                 };
                 let face = if self.clip {
                     let c = self
@@ -892,7 +938,7 @@ impl<'a> Session<'a> {
                 let work = FrameWork {
                     index: 0,
                     shown: (first + j as u64) as usize,
-                    mel: mel_window(&u.samples, start),
+                    mel: window(&u.samples, start),
                     face,
                 };
                 draws.push((j, self.engine.submit_realtime(vec![(work, due)])));
@@ -945,6 +991,7 @@ impl<'a> Session<'a> {
             index: k,
             pts: self.pts(k),
             image,
+            region: self.region,
             audio: &audio,
             idle: !self.clip,
         })?;
@@ -961,6 +1008,10 @@ impl<'a> Session<'a> {
         let mut sent_speaking: Vec<(u64, Instant)> = Vec::new();
         loop {
             let k = self.next;
+            // An utterance whose frames all went out before it closed ends with its close.
+            if self.utts.front().is_some_and(Utterance::done) {
+                self.utts.pop_front();
+            }
             let speaking_now = match self.utts.front_mut() {
                 Some(u) => {
                     u.pull()?;
@@ -1018,6 +1069,7 @@ impl<'a> Session<'a> {
                 index: k,
                 pts: self.pts(k),
                 image: &image,
+                region: self.region,
                 audio: &audio,
                 idle: false,
             });
@@ -1081,9 +1133,15 @@ impl<'a> Session<'a> {
             let Some(face) = face else {
                 return Ok(());
             };
-            a.paste_at(&mut self.scratch, i, face, &mut self.masks);
+            a.paste_at(&mut self.scratch, (0, 0), i, face, &mut self.masks);
         } else if let Some(face) = face {
-            self.scratch.rgb.copy_from_slice(&self.avatar.frame.rgb);
+            // Only the face box changes: the rest of `scratch` is the photo already.
+            let b = &self.avatar.face;
+            let stride = self.scratch.width as usize * 3;
+            for y in b.y1 as usize..b.y2 as usize {
+                let row = y * stride + b.x1 as usize * 3..y * stride + b.x2 as usize * 3;
+                self.scratch.rgb[row.clone()].copy_from_slice(&self.avatar.frame.rgb[row]);
+            }
             face::paste(
                 &mut self.scratch,
                 &self.avatar.face,
@@ -1135,6 +1193,22 @@ mod tests {
             assert!(start + WINDOW <= final_columns(n) || n == x.len());
             assert_eq!(mel_window(&x[..n], start), want, "frame {j}");
         }
+    }
+
+    #[test]
+    fn an_open_utterances_frame_drawn_before_its_window_came_hears_silence_after_its_audio() {
+        let x = speech(16_000);
+        for (n, start) in [(8_000, 30), (12_345, 50), (3_000, 2), (16_000, 40)] {
+            let mut silent = x[..n].to_vec();
+            silent.resize(n + 16_000, 0.0);
+            assert_eq!(
+                open_mel_window(&x[..n], start),
+                mel_window(&silent, start),
+                "{n} samples, window at {start}"
+            );
+        }
+        // With the whole window there, it is the plain window.
+        assert_eq!(open_mel_window(&x, 10), mel_window(&x, 10));
     }
 
     #[test]

@@ -5,6 +5,7 @@ pub mod audio;
 pub mod face;
 pub mod image;
 pub mod video;
+pub mod yuv;
 
 /// Errors of the media layer, each a problem with what the user supplied (or a limit it hit).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

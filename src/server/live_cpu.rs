@@ -24,10 +24,10 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// CPU seconds per megapixel of live frame before any has been measured: 512×512 sessions
-/// on the echo device took 8.2–8.9 ms of CPU per fMP4 frame and 6.8–7.1 ms per JPEG frame
-/// (0.026–0.034 s per megapixel; 2-core VM, 2026-11-26, `lipsync bench --sections media`,
-/// docs/BENCHMARKS.md), rounded up to leave room for larger avatars' compositing.
-pub const PRIOR_SECONDS_PER_MEGAPIXEL: f64 = 0.040;
+/// on the echo device took 2.5–3.5 ms of CPU per frame, fMP4 or JPEG, speaking half the
+/// time (0.010–0.013 s per megapixel; 2-core VM, 2026-11-27, `lipsync bench --sections
+/// media`, docs/BENCHMARKS.md), rounded up to leave room for larger avatars' compositing.
+pub const PRIOR_SECONDS_PER_MEGAPIXEL: f64 = 0.014;
 
 /// Share of the cores live sessions may fill: the rest absorbs bursts (a batch's frames
 /// composited at once, an utterance's first frames) and the server's other work.

@@ -1,20 +1,26 @@
-//! Live fragmented MP4 for a session: one zero-latency x264 process that takes raw RGB frames
-//! on stdin and the session's audio (s16le, 16 kHz mono) through a FIFO, and writes H.264 +
-//! AAC as fMP4 with a fragment per frame; [`Fragments`] cuts its output into the init segment
-//! and `moof`+`mdat` fragments, and counts the video frames they hold.
+//! Live fragmented MP4 for a session: one zero-latency x264 process that takes raw YUV 4:2:0
+//! frames on stdin and the session's audio (s16le, 16 kHz mono) through a FIFO, and writes
+//! H.264 + AAC (48 kHz) as fMP4 with a fragment per frame; [`Fragments`] cuts its output into
+//! the init segment and `moof`+`mdat` fragments, and counts the video frames they hold.
 //!
 //! Video and audio are written by two threads, so ffmpeg, which reads its inputs in turn, can
 //! never block on one pipe while the caller waits on the other.
+//!
+//! [`LiveEncoder::spawn`] returns once ffmpeg has started (it has opened the audio input,
+//! its first, which the writer primes with [`PRIME_SAMPLES`] of silence that the filter trims
+//! again): a session's clock then starts with its encoder up, and many sessions opened at once
+//! do not see their first frames late while their encoders load.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::mpsc::{self, Sender};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use super::process::{spawn_thread, Process};
-use super::{strings, EncoderSettings};
-use crate::media::image::Frame;
+use super::{strings, EncoderSettings, NO_PROBE, QUIET};
+use crate::media::yuv::Yuv420;
 use crate::media::Error;
 
 /// Receives the encoder's output: `Some(bytes)` as they come, `None` once at the end.
@@ -27,27 +33,56 @@ pub struct LiveEncoder {
     video: Option<Sender<Vec<u8>>>,
     audio: Option<Sender<Vec<u8>>>,
     writers: Vec<JoinHandle<()>>,
+    fifo: PathBuf,
     _dir: tempfile::TempDir,
-    buf: Vec<u8>,
+}
+
+/// Silence written to the audio input as soon as ffmpeg opens it (one read of its PCM
+/// demuxer), so that ffmpeg gets past probing that input without the session's audio; the
+/// filter trims it again.
+pub const PRIME_SAMPLES: usize = 1024;
+
+/// How long ffmpeg may take to start.
+const START_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Lets a writer blocked opening `fifo` (its reader never came) go on: opening the read end
+/// completes its open, and its first write then fails once this end is closed.
+fn release_writer(fifo: &Path) {
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc_nonblock())
+        .open(fifo);
+}
+
+/// `O_NONBLOCK` on Linux (an open for reading that does not wait for a writer).
+const fn libc_nonblock() -> i32 {
+    0o4000
 }
 
 impl EncoderSettings {
     fn live_args(&self, fifo: &str) -> Vec<String> {
-        // No stream probing: both inputs are described exactly, and the probe would hold the
-        // first frames back (a second and more of latency at a session's start).
-        const NO_PROBE: [&str; 4] = ["-probesize", "32", "-analyzeduration", "0"];
-        let mut a = self.raw_input_args();
-        let video_input = a.iter().position(|x| x == "-i").unwrap_or(a.len());
-        a.splice(video_input..video_input, strings(&NO_PROBE));
-        a.extend(strings(&NO_PROBE));
+        // The audio first: ffmpeg opens its inputs in order, and the audio's opening tells
+        // that it has started (see the module documentation). Both are described exactly: no
+        // probing (see NO_PROBE).
+        let mut a: Vec<String> = strings(&QUIET).chain(strings(&NO_PROBE)).collect();
         a.extend(strings(&["-f", "s16le", "-ar", "16000", "-ac", "1", "-i"]));
         a.push(fifo.to_string());
-        a.extend(strings(&["-map", "0:v:0", "-map", "1:a:0"]));
+        a.extend(self.raw_video_input_args());
+        a.extend(strings(&["-map", "1:v:0", "-map", "0:a:0"]));
         a.extend(self.x264_args(self.threads));
-        // As the file encoder: trim the AAC priming so speech and lips stay in step.
+        // As the file encoder: trim the AAC priming (1024 samples at the encoder's rate) so
+        // speech and lips stay in step, and the writer's PRIME_SAMPLES (3 × at 48 kHz). The AAC runs at 48 kHz, not the session's 16 kHz: a
+        // video frame is written only once the audio up to its time is encoded, and AAC holds
+        // two 1024-sample frames back (the one being filled and the encoder's delay), 128 ms
+        // at 16 kHz but 43 ms at 48 kHz: frames went out 160–250 ms after they were handed
+        // over, now 40–100 ms.
+        a.extend(strings(&["-af"]));
+        a.push(format!(
+            "aresample=48000,atrim=start_sample={}",
+            1024 + 3 * PRIME_SAMPLES
+        ));
         a.extend(strings(&[
-            "-af",
-            "atrim=start_sample=1024",
             "-c:a",
             "aac",
             "-b:a",
@@ -100,31 +135,66 @@ impl LiveEncoder {
                 }
             }
         })?;
+        let (opened_tx, opened) = mpsc::channel::<()>();
+        let audio_fifo = fifo.clone();
         let audio = spawn_thread("live-audio", move || {
             // Opening blocks until ffmpeg opens its end.
-            let Ok(mut pipe) = std::fs::OpenOptions::new().write(true).open(&fifo) else {
+            let Ok(mut pipe) = std::fs::OpenOptions::new().write(true).open(&audio_fifo) else {
                 return;
             };
+            if pipe.write_all(&[0; 2 * PRIME_SAMPLES]).is_err() {
+                return;
+            }
+            let _ = opened_tx.send(());
             for data in arx {
                 if pipe.write_all(&data).is_err() {
                     break;
                 }
             }
         })?;
-        Ok(LiveEncoder {
+        let encoder = LiveEncoder {
             settings,
             process,
             video: Some(vtx),
             audio: Some(atx),
             writers: vec![video, audio],
+            fifo,
             _dir: dir,
-            buf: Vec::new(),
-        })
+        };
+        // Dropping the encoder on a failure kills ffmpeg and releases the writers.
+        let until = std::time::Instant::now() + START_TIMEOUT;
+        let mut encoder = encoder;
+        loop {
+            match opened.recv_timeout(Duration::from_millis(20)) {
+                Ok(()) => return Ok(encoder),
+                Err(mpsc::RecvTimeoutError::Timeout) if !encoder.process.exited() => {
+                    if std::time::Instant::now() >= until {
+                        return Err(Error::Encoder(format!(
+                            "the live encoder did not start within {} s",
+                            START_TIMEOUT.as_secs()
+                        )));
+                    }
+                }
+                // ffmpeg stopped before it took the audio: its stderr says why.
+                Err(_) => {
+                    encoder.video = None;
+                    encoder.audio = None;
+                    release_writer(&encoder.fifo);
+                    for w in encoder.writers.drain(..) {
+                        let _ = w.join();
+                    }
+                    return Err(match encoder.process.finish() {
+                        Err(e) => e,
+                        Ok(_) => Error::Encoder("the live encoder stopped at once".into()),
+                    });
+                }
+            }
+        }
     }
 
     /// The next frame and its audio (16 kHz mono s16le).
-    pub fn write(&mut self, frame: &Frame, audio_s16le: Vec<u8>) -> Result<(), Error> {
-        let data = self.settings.coded_frame(frame, &mut self.buf)?.to_vec();
+    pub fn write(&mut self, frame: &Yuv420, audio_s16le: Vec<u8>) -> Result<(), Error> {
+        let data = self.settings.coded_frame(frame)?.to_vec();
         let gone = || Error::Encoder("the live encoder stopped".into());
         self.video
             .as_ref()
@@ -156,6 +226,7 @@ impl Drop for LiveEncoder {
         self.process.signal_kill();
         self.video = None;
         self.audio = None;
+        release_writer(&self.fifo);
         for w in self.writers.drain(..) {
             let _ = w.join();
         }
@@ -329,7 +400,11 @@ mod tests {
             }
         });
         let mut enc = LiveEncoder::spawn(s, consume).unwrap();
-        let frame = Frame::new(64, 48, vec![90; 64 * 48 * 3]);
+        let frame = Yuv420::from_rgb(&crate::media::image::Frame::new(
+            64,
+            48,
+            vec![90; 64 * 48 * 3],
+        ));
         for _ in 0..25 {
             enc.write(&frame, vec![0u8; 640 * 2]).unwrap();
         }
@@ -361,5 +436,63 @@ mod tests {
             .max()
             .unwrap();
         assert!(most <= 5, "a fragment holds {most} frames (over 200 ms)");
+    }
+
+    #[test]
+    fn speech_and_lips_stay_in_step_in_a_live_stream() {
+        // Frames 0-49 dark and silent, 50-99 bright with a 1 kHz tone: the tone must start
+        // at 2.000 s in the decoded stream, as the bright picture does.
+        let mut s = EncoderSettings::new(64, 48, crate::media::audio::Fps::DEFAULT);
+        s.preset = "ultrafast".into();
+        let out = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = out.clone();
+        let consume: StdoutConsumer = Box::new(move |d| {
+            if let Some(d) = d {
+                sink.lock().unwrap().extend_from_slice(d);
+            }
+        });
+        let mut enc = LiveEncoder::spawn(s, consume).unwrap();
+        for k in 0..100usize {
+            let level = if k < 50 { 16 } else { 235 };
+            let frame = crate::media::image::Frame::new(64, 48, vec![level; 64 * 48 * 3]);
+            let audio: Vec<u8> = (0..640)
+                .flat_map(|i| {
+                    let t = (k * 640 + i) as f32 / 16_000.0;
+                    let v = if k < 50 {
+                        0.0
+                    } else {
+                        (t * 1000.0 * std::f32::consts::TAU).sin() * 12_000.0
+                    };
+                    (v as i16).to_le_bytes()
+                })
+                .collect();
+            enc.write(&Yuv420::from_rgb(&frame), audio).unwrap();
+        }
+        enc.finish().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("live.mp4");
+        std::fs::write(&path, &*out.lock().unwrap()).unwrap();
+        let probe = std::process::Command::new(super::super::default_ffmpeg())
+            .args(["-hide_banner", "-nostdin", "-i"])
+            .arg(&path)
+            .args([
+                "-map",
+                "0:a",
+                "-af",
+                "silencedetect=n=-20dB:d=0.3",
+                "-f",
+                "null",
+                "-",
+            ])
+            .output()
+            .unwrap();
+        let log = String::from_utf8_lossy(&probe.stderr);
+        let end: f64 = log
+            .split("silence_end: ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no silence end in: {log}"));
+        assert!((end - 2.0).abs() <= 0.005, "the tone starts at {end} s");
     }
 }

@@ -2,14 +2,16 @@
 //!
 //! [`VideoEncoder`] is the interface; [`spawn`] picks the implementation:
 //!
-//! - [`FfmpegEncoder`] (one worker): a single `ffmpeg` child process takes raw RGB frames on
-//!   its stdin, encodes them with libx264 tuned for low latency (no B-frames, no lookahead, a
+//! - [`FfmpegEncoder`] (one worker): a single `ffmpeg` child process takes raw YUV 4:2:0
+//!   frames on its stdin (converted here, [`crate::media::yuv`], so that only what changes
+//!   is converted), encodes them with libx264 tuned for low latency (no B-frames, no lookahead, a
 //!   keyframe every second), muxes the speech file as the AAC track, and writes fragmented MP4
 //!   (`frag_keyframe+empty_moov+default_base_moof`) to its stdout, which is passed to a sink
 //!   as it arrives.
 //! - [`SegmentedEncoder`] (several workers): x264 on one process is bounded by one process's
 //!   serial work (pixel conversion, muxing), so the frames are cut into keyframe-aligned
-//!   one-second segments, encoded round-robin by several x264 processes, joined in order into
+//!   one-second segments, encoded round-robin by several x264 processes (one thread each by
+//!   default: the workers give the parallelism), joined in order into
 //!   one H.264 stream and muxed (stream copy, plus the AAC track) by a last ffmpeg process.
 //!   The result is the same kind of file, streamed the same way.
 //!
@@ -28,11 +30,20 @@ use std::process::{Command, Stdio};
 
 use crate::media::audio::Fps;
 use crate::media::image::Frame;
+use crate::media::yuv::{self, Yuv420};
 use crate::media::Error;
 
 pub use remux::faststart;
 pub use segmented::SegmentedEncoder;
 pub use single::FfmpegEncoder;
+
+/// No stream probing for an input that is described exactly: by default ffmpeg reads up to
+/// 5 MB of it first (13 frames of 512², or a second and more of a live session), holding the
+/// first frames back.
+const NO_PROBE: [&str; 4] = ["-probesize", "32", "-analyzeduration", "0"];
+
+/// An ffmpeg that says nothing but errors and never reads the terminal.
+const QUIET: [&str; 4] = ["-hide_banner", "-nostdin", "-loglevel", "error"];
 
 /// x264 presets, fastest first.
 pub const PRESETS: &[&str] = &[
@@ -55,8 +66,13 @@ pub type Sink = Box<dyn std::io::Write + Send>;
 
 /// Encodes frames, in order, into a video.
 pub trait VideoEncoder: Send {
-    /// Appends the next frame (RGB, the size the encoder was made for).
-    fn write_frame(&mut self, frame: &Frame) -> Result<(), Error>;
+    /// Appends the next frame (YUV 4:2:0, the size the encoder was made for).
+    fn write_yuv(&mut self, frame: &Yuv420) -> Result<(), Error>;
+    /// Appends the next frame given as RGB (converted whole: where only a part of each frame
+    /// changes, convert that part into a kept [`Yuv420`] and use [`Self::write_yuv`]).
+    fn write_frame(&mut self, frame: &Frame) -> Result<(), Error> {
+        self.write_yuv(&Yuv420::from_rgb(frame))
+    }
     /// Flushes everything to the sink and waits for the encoder to finish.
     fn finish(self: Box<Self>) -> Result<EncodeSummary, Error>;
 }
@@ -97,14 +113,16 @@ pub struct EncoderSettings {
 pub const BACKGROUND_NICE: i32 = 10;
 
 /// Encoder workers for one stream when frames come from a model on a GPU (faster than one
-/// x264 process can take them): half the cores, at most 8; one when they come from the
-/// CPU, where the model is the bottleneck and needs the cores.
+/// x264 process can take them): one per core, at most 8 (with more cores each worker's x264
+/// gets `cores / 8` threads). x264 with zero latency and one thread is the most efficient
+/// per frame (the floor `bench --sections media` measures); its own threads scale poorly.
+/// One when frames come from the CPU, where the model is the bottleneck and needs the cores.
 pub fn default_workers(gpu: bool) -> usize {
     if !gpu {
         return 1;
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    (cores / 2).clamp(1, 8)
+    cores.clamp(1, 8)
 }
 
 /// Starts the encoder `settings` ask for; encoded bytes go to `sink` as they are made.
@@ -177,46 +195,33 @@ impl EncoderSettings {
 
     /// H.264 in 4:2:0 needs even dimensions: odd sizes are padded by one row/column.
     fn coded_size(&self) -> (u32, u32) {
-        (self.width + self.width % 2, self.height + self.height % 2)
+        yuv::coded_size(self.width, self.height)
     }
 
-    /// Bytes of one coded RGB frame.
-    fn coded_frame_bytes(&self) -> usize {
-        let (w, h) = self.coded_size();
-        w as usize * h as usize * 3
-    }
-
-    /// The frame's pixels as the encoder takes them: checks the size and pads odd sizes by
-    /// repeating the last column and/or row (into `buf`).
-    fn coded_frame<'a>(&self, frame: &'a Frame, buf: &'a mut Vec<u8>) -> Result<&'a [u8], Error> {
+    /// The frame's bytes as the encoder takes them, after checking its size.
+    fn coded_frame<'a>(&self, frame: &'a Yuv420) -> Result<&'a [u8], Error> {
         if (frame.width, frame.height) != (self.width, self.height) {
             return Err(Error::Encoder(format!(
                 "frame is {}x{}, the encoder expects {}x{}",
                 frame.width, frame.height, self.width, self.height
             )));
         }
-        let (cw, ch) = self.coded_size();
-        if (cw, ch) == (self.width, self.height) {
-            return Ok(&frame.rgb);
-        }
-        let (w, h) = (self.width as usize, self.height as usize);
-        buf.clear();
-        for y in 0..ch as usize {
-            let row = &frame.rgb[y.min(h - 1) * w * 3..(y.min(h - 1) + 1) * w * 3];
-            buf.extend_from_slice(row);
-            if cw as usize > w {
-                buf.extend_from_slice(&row[(w - 1) * 3..]);
-            }
-        }
-        Ok(buf)
+        Ok(frame.bytes())
     }
 
-    /// Quiet ffmpeg reading raw RGB frames from stdin.
+    /// Quiet ffmpeg reading raw YUV 4:2:0 frames from stdin.
     fn raw_input_args(&self) -> Vec<String> {
+        let mut a: Vec<String> = strings(&QUIET).collect();
+        a.extend(self.raw_video_input_args());
+        a
+    }
+
+    /// Raw YUV 4:2:0 frames from stdin as an input, unprobed.
+    fn raw_video_input_args(&self) -> Vec<String> {
         let (w, h) = self.coded_size();
         let (num, den) = self.fps.ratio();
-        let mut a: Vec<String> = strings(&["-hide_banner", "-nostdin", "-loglevel", "error"])
-            .chain(strings(&["-f", "rawvideo", "-pix_fmt", "rgb24"]))
+        let mut a: Vec<String> = strings(&NO_PROBE)
+            .chain(strings(&["-f", "rawvideo", "-pix_fmt", "yuv420p"]))
             .collect();
         a.extend(["-video_size".into(), format!("{w}x{h}")]);
         a.extend(["-framerate".into(), format!("{num}/{den}")]);
@@ -301,15 +306,11 @@ impl EncoderSettings {
         a
     }
 
-    /// The single-process encoder's command line for frames that are already yuv420p rather
-    /// than RGB: the same x264 options, audio track and fragmented MP4 on stdout, without the
-    /// pixel conversion. `bench --sections media` runs it as the floor of the service's encode.
+    /// The single-process encoder's command line (yuv420p frames on stdin, the x264 options,
+    /// audio track and fragmented MP4 on stdout). `bench --sections media` runs it as the
+    /// floor of the service's encode.
     pub fn yuv420p_args(&self) -> Vec<String> {
-        let mut a = self.single_args();
-        if let Some(p) = a.iter().position(|x| x == "rgb24") {
-            a[p] = "yuv420p".into();
-        }
-        a
+        self.single_args()
     }
 
     /// x264 threads of each segment worker.
@@ -334,8 +335,8 @@ impl EncoderSettings {
     fn muxer_args(&self) -> Vec<String> {
         let (num, den) = self.fps.ratio();
         // Read the stream as it comes rather than probing seconds of it first.
-        let mut a: Vec<String> = strings(&["-hide_banner", "-nostdin", "-loglevel", "error"])
-            .chain(strings(&["-probesize", "32", "-analyzeduration", "0"]))
+        let mut a: Vec<String> = strings(&QUIET)
+            .chain(strings(&NO_PROBE))
             .chain(strings(&["-f", "h264"]))
             .collect();
         a.extend(["-framerate".into(), format!("{num}/{den}")]);

@@ -174,6 +174,13 @@ impl Process {
         }
     }
 
+    /// Whether the process has exited (it is reaped by [`Self::finish`]).
+    pub(super) fn exited(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_none_or(|c| !matches!(c.try_wait(), Ok(None)))
+    }
+
     /// Kills ffmpeg if it is still running, without waiting for anything.
     pub(super) fn signal_kill(&mut self) {
         if let Some(child) = self.child.as_mut() {

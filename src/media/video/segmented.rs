@@ -31,7 +31,7 @@ use std::thread::JoinHandle;
 use super::process::{spawn_thread, Process, StdoutConsumer};
 use super::single::SinkError;
 use super::{EncodeSummary, EncoderSettings, Sink, VideoEncoder};
-use crate::media::image::Frame;
+use crate::media::yuv::{self, Yuv420};
 use crate::media::Error;
 
 /// Raw frames queued for all workers together, at most (a 512×512 frame is 0.75 MiB).
@@ -49,7 +49,6 @@ pub struct SegmentedEncoder {
     muxer: Process,
     sink_error: SinkError,
     frames: u64,
-    buf: Vec<u8>,
 }
 
 struct Worker {
@@ -67,8 +66,9 @@ impl SegmentedEncoder {
         let segment_len = settings.gop() as usize;
         // Enough queued frames per worker that the producer can hand each its next segment
         // while the others encode, within the memory budget for large frames.
-        let frame_queue =
-            (FRAME_QUEUE_BYTES / (k * settings.coded_frame_bytes())).clamp(2, segment_len);
+        let frame_queue = (FRAME_QUEUE_BYTES
+            / (k * yuv::frame_bytes(settings.width, settings.height)))
+        .clamp(2, segment_len);
 
         let sink_error = SinkError::default();
         let mut muxer = Process::spawn(
@@ -120,7 +120,6 @@ impl SegmentedEncoder {
             muxer,
             sink_error,
             frames: 0,
-            buf: Vec::new(),
         })
     }
 
@@ -158,7 +157,7 @@ impl SegmentedEncoder {
 }
 
 impl VideoEncoder for SegmentedEncoder {
-    fn write_frame(&mut self, frame: &Frame) -> Result<(), Error> {
+    fn write_yuv(&mut self, frame: &Yuv420) -> Result<(), Error> {
         if let Some(e) = self.sink_error.get() {
             return Err(e);
         }
@@ -169,7 +168,7 @@ impl VideoEncoder for SegmentedEncoder {
                 Ok(_) => Error::Encoder("the encoder stopped early".into()),
             });
         }
-        let data = self.settings.coded_frame(frame, &mut self.buf)?.to_vec();
+        let data = self.settings.coded_frame(frame)?.to_vec();
         let k = self.workers.len() as u64;
         let w = ((self.frames / self.segment_len) % k) as usize;
         let sent = self.workers[w]

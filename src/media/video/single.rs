@@ -4,7 +4,7 @@ use std::sync::{Arc, Mutex};
 
 use super::process::{Process, StdoutConsumer};
 use super::{EncodeSummary, EncoderSettings, Sink, VideoEncoder};
-use crate::media::image::Frame;
+use crate::media::yuv::Yuv420;
 use crate::media::Error;
 
 /// The single-process encoder (`workers == 1`).
@@ -14,7 +14,6 @@ pub struct FfmpegEncoder {
     /// Set by the stdout thread when the sink refuses data (e.g. the client went away).
     sink_error: SinkError,
     frames: u64,
-    buf: Vec<u8>,
 }
 
 /// The first error the sink returned; after it, output is drained and discarded so ffmpeg
@@ -64,7 +63,6 @@ impl FfmpegEncoder {
             sink_error.consumer(sink),
         )?;
         Ok(FfmpegEncoder {
-            buf: Vec::new(),
             settings,
             process,
             sink_error,
@@ -74,11 +72,11 @@ impl FfmpegEncoder {
 }
 
 impl VideoEncoder for FfmpegEncoder {
-    fn write_frame(&mut self, frame: &Frame) -> Result<(), Error> {
+    fn write_yuv(&mut self, frame: &Yuv420) -> Result<(), Error> {
         if let Some(e) = self.sink_error.get() {
             return Err(e);
         }
-        let data = self.settings.coded_frame(frame, &mut self.buf)?;
+        let data = self.settings.coded_frame(frame)?;
         self.process.write_all(data)?;
         self.frames += 1;
         Ok(())
