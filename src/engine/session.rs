@@ -659,10 +659,13 @@ impl<'a> Session<'a> {
         self.start + self.cfg.lag + Duration::from_secs_f64(k as f64 / self.fps())
     }
 
-    /// When frame `k` is drawn at the latest: its due time less the time the lag leaves a
-    /// face to come (a frame whose audio came in real time is drawn about then).
+    /// When frame `k` is drawn at the latest, with the rest of its window silent if that has
+    /// not come: half a frame after its window would have come in real time (audio a little
+    /// late is still heard), which leaves the face the lag's time for a batch and half a
+    /// frame, and [`Self::grace`] after its due time.
     fn draw_by(&self, k: u64) -> Instant {
-        self.due(k) - self.cfg.lag.saturating_sub(AUDIO_LOOKAHEAD)
+        let late = Duration::from_secs_f64(0.5 / self.fps());
+        self.due(k) + late - self.cfg.lag.saturating_sub(AUDIO_LOOKAHEAD)
     }
 
     /// Whether all of utterance frame `j`'s own audio has come (a frame never goes out with
