@@ -356,9 +356,23 @@ async fn a_session_idles_speaks_the_file_plan_and_ends() {
     assert_eq!(s.metric("lipsync_stream_sessions").await, 0.0);
 }
 
+/// An echo server that draws faces one at a time, each batch stalled 20 ms (the debug
+/// build's fault hook): at most 50 a second, whatever the machine. Speech sent faster than
+/// real time is drawn, and its frames sent, as fast as the engine and encoder go; a test of
+/// what happens to speech not yet sent must not depend on how fast that is.
+fn start_paced_echo(extra: &[&str]) -> Server {
+    let mut args = vec!["--instances", "1", "--max-batch", "1"];
+    args.extend_from_slice(extra);
+    Server::start_with(
+        common::server::ECHO,
+        &args,
+        &[("LIPSYNC_TEST_FAULTS", "batch_delay_ms:20")],
+    )
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn clear_interrupts_speech_at_once() {
-    let s = Server::start_echo(&["--utterance-gap-ms", "5000"]);
+    let s = start_paced_echo(&["--utterance-gap-ms", "5000"]);
     s.wait_ready().await;
     let avatar = s.upload_avatar().await;
     let (mut ws, mut got) = open_session(&s, &avatar).await;
@@ -927,23 +941,7 @@ fn wait_exit(s: &mut Server) -> std::process::ExitStatus {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_mid_utterance_closes_1001_at_the_shutdown_timeout() {
-    // Faces drawn one at a time, each batch stalled 20 ms (the debug build's fault hook): at
-    // most 50 frames a second, whatever the machine, where speech sent faster than real time
-    // would otherwise be drawn and sent as fast as the cores go.
-    let s = Server::start_with(
-        common::server::ECHO,
-        &[
-            "--utterance-gap-ms",
-            "5000",
-            "--shutdown-timeout",
-            "1",
-            "--instances",
-            "1",
-            "--max-batch",
-            "1",
-        ],
-        &[("LIPSYNC_TEST_FAULTS", "batch_delay_ms:20")],
-    );
+    let s = start_paced_echo(&["--utterance-gap-ms", "5000", "--shutdown-timeout", "1"]);
     s.wait_ready().await;
     let avatar = s.upload_avatar().await;
     let (mut ws, mut got) = open_session(&s, &avatar).await;

@@ -44,7 +44,14 @@ const PICTURE_QUEUE_BYTES: usize = 16 << 20;
 pub struct SegmentedEncoder {
     settings: EncoderSettings,
     segment_len: u64,
-    workers: Vec<Worker>,
+    /// Worker `i` starts with its first segment (frame `i · segment_len`): the first
+    /// segment's worker and the muxer then start without the others loading beside them,
+    /// and a short video starts only the workers it needs.
+    workers: Vec<Option<Worker>>,
+    /// Each worker's output queue, which the joiner reads.
+    outputs: Vec<PictureQueue>,
+    /// Frames queued for each worker, at most.
+    frame_queue: usize,
     joiner: Option<JoinHandle<Result<u64, Error>>>,
     muxer: Process,
     sink_error: SinkError,
@@ -82,56 +89,71 @@ impl SegmentedEncoder {
             .take_stdin()
             .ok_or_else(|| Error::Internal("muxer without stdin".into()))?;
 
-        let worker_args = settings.worker_args();
-        let mut workers = Vec::with_capacity(k);
-        let mut outputs = Vec::with_capacity(k);
-        for i in 0..k {
-            // One segment of pictures: a worker can finish its next segment while the joiner
-            // forwards the others', and no more.
-            let au_rx = PictureQueue::new(segment_len, PICTURE_QUEUE_BYTES);
-            let au_tx = au_rx.clone();
-            let mut process = Process::spawn(
-                &settings.ffmpeg,
-                settings.nice,
-                &worker_args,
-                &format!("encoder worker {i}"),
-                flv_consumer(au_tx),
-            )?;
-            let stdin = process
-                .take_stdin()
-                .ok_or_else(|| Error::Internal("worker without stdin".into()))?;
-            let (tx, rx) = sync_channel::<Vec<u8>>(frame_queue);
-            let feeder = spawn_thread("encoder-feeder", move || feed(stdin, rx))?;
-            workers.push(Worker {
-                frames: Some(tx),
-                feeder: Some(feeder),
-                process,
-            });
-            outputs.push(au_rx);
-        }
+        // One segment of pictures per worker: a worker can finish its next segment while the
+        // joiner forwards the others', and no more.
+        let outputs: Vec<PictureQueue> = (0..k)
+            .map(|_| PictureQueue::new(segment_len, PICTURE_QUEUE_BYTES))
+            .collect();
+        let queues = outputs.clone();
         let joiner = spawn_thread("encoder-joiner", move || {
-            join_segments(outputs, segment_len, muxer_stdin)
+            join_segments(queues, segment_len, muxer_stdin)
         })?;
-        Ok(SegmentedEncoder {
+        let mut encoder = SegmentedEncoder {
             settings,
             segment_len: segment_len as u64,
-            workers,
+            workers: (0..k).map(|_| None).collect(),
+            outputs,
+            frame_queue,
             joiner: Some(joiner),
             muxer,
             sink_error,
             frames: 0,
+        };
+        encoder.workers[0] = Some(encoder.start_worker(0)?);
+        Ok(encoder)
+    }
+
+    /// Starts worker `i`'s ffmpeg and the thread that feeds it.
+    fn start_worker(&self, i: usize) -> Result<Worker, Error> {
+        let mut process = Process::spawn(
+            &self.settings.ffmpeg,
+            self.settings.nice,
+            &self.settings.worker_args(),
+            &format!("encoder worker {i}"),
+            flv_consumer(self.outputs[i].clone()),
+        )?;
+        let stdin = process
+            .take_stdin()
+            .ok_or_else(|| Error::Internal("worker without stdin".into()))?;
+        let (tx, rx) = sync_channel::<Vec<u8>>(self.frame_queue);
+        let feeder = spawn_thread("encoder-feeder", move || feed(stdin, rx))?;
+        Ok(Worker {
+            frames: Some(tx),
+            feeder: Some(feeder),
+            process,
         })
+    }
+
+    /// Closes the output queues of the workers that never started: the joiner then sees
+    /// their segments end (empty) instead of waiting for them.
+    fn close_unstarted(&self) {
+        for (w, q) in self.workers.iter().zip(&self.outputs) {
+            if w.is_none() {
+                q.close();
+            }
+        }
     }
 
     /// Ends every worker's input, waits for all processes and threads, and reports the
     /// first failure in causal order: the output going away, a worker, the muxer, the
     /// joiner. Returns the bytes written and the frames the joiner forwarded.
     fn wind_down(&mut self) -> Result<(u64, u64), Error> {
-        for w in &mut self.workers {
+        self.close_unstarted();
+        for w in self.workers.iter_mut().flatten() {
             drop(w.frames.take());
         }
         let mut worker_error = None;
-        for w in &mut self.workers {
+        for w in self.workers.iter_mut().flatten() {
             if let Some(f) = w.feeder.take() {
                 let _ = f.join();
             }
@@ -171,9 +193,19 @@ impl VideoEncoder for SegmentedEncoder {
         let data = self.settings.coded_frame(frame)?.to_vec();
         let k = self.workers.len() as u64;
         let w = ((self.frames / self.segment_len) % k) as usize;
+        if self.workers[w].is_none() {
+            let started = self.start_worker(w);
+            match started {
+                Ok(worker) => self.workers[w] = Some(worker),
+                Err(e) => {
+                    let _ = self.wind_down();
+                    return Err(e);
+                }
+            }
+        }
         let sent = self.workers[w]
-            .frames
             .as_ref()
+            .and_then(|worker| worker.frames.as_ref())
             .is_some_and(|tx| tx.send(data).is_ok());
         if !sent {
             // That worker's ffmpeg stopped reading: it failed, and its stderr says why.
@@ -205,14 +237,15 @@ impl Drop for SegmentedEncoder {
     /// An unfinished encoder kills every process first (so no thread can wait on another
     /// that is still blocked), then reaps them and joins the threads.
     fn drop(&mut self) {
-        for w in &mut self.workers {
+        self.close_unstarted();
+        for w in self.workers.iter_mut().flatten() {
             drop(w.frames.take());
         }
         self.muxer.signal_kill();
-        for w in &mut self.workers {
+        for w in self.workers.iter_mut().flatten() {
             w.process.signal_kill();
         }
-        for w in &mut self.workers {
+        for w in self.workers.iter_mut().flatten() {
             if let Some(f) = w.feeder.take() {
                 let _ = f.join();
             }
