@@ -926,9 +926,9 @@ impl<'a> Session<'a> {
                 }
                 next_draw = j as f64 + self.stride.value();
                 let u = &self.utts[i];
-                let (start, window): (usize, fn(&[f32], usize) -> Vec<f32>) = match &plan {
-                    Some(p) => (p.start(j), mel_window),
-                    None => ((j as f64 * step) as usize, open_mel_window),
+                let mel = match &plan {
+                    Some(p) => mel_window(&u.samples, p.start(j)),
+                    None => open_mel_window(&u.samples, (j as f64 * step) as usize),
                 };
                 let face = if self.clip {
                     let c = self
@@ -941,7 +941,7 @@ impl<'a> Session<'a> {
                 let work = FrameWork {
                     index: 0,
                     shown: (first + j as u64) as usize,
-                    mel: window(&u.samples, start),
+                    mel,
                     face,
                 };
                 draws.push((j, self.engine.submit_realtime(vec![(work, due)])));

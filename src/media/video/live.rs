@@ -1,6 +1,6 @@
 //! Live fragmented MP4 for a session: one zero-latency x264 process that takes raw YUV 4:2:0
 //! frames on stdin and the session's audio (s16le, 16 kHz mono) through a FIFO, and writes
-//! H.264 + AAC (48 kHz) as fMP4 with a fragment per frame; [`Fragments`] cuts its output into
+//! H.264 + AAC as fMP4 with a fragment per frame; [`Fragments`] cuts its output into
 //! the init segment and `moof`+`mdat` fragments, and counts the video frames they hold.
 //!
 //! Video and audio are written by two threads, so ffmpeg, which reads its inputs in turn, can
@@ -71,17 +71,13 @@ impl EncoderSettings {
         a.extend(self.raw_video_input_args());
         a.extend(strings(&["-map", "1:v:0", "-map", "0:a:0"]));
         a.extend(self.x264_args(self.threads));
-        // As the file encoder: trim the AAC priming (1024 samples at the encoder's rate) so
-        // speech and lips stay in step, and the writer's PRIME_SAMPLES (3 × at 48 kHz). The AAC runs at 48 kHz, not the session's 16 kHz: a
-        // video frame is written only once the audio up to its time is encoded, and AAC holds
-        // two 1024-sample frames back (the one being filled and the encoder's delay), 128 ms
-        // at 16 kHz but 43 ms at 48 kHz: frames went out 160–250 ms after they were handed
-        // over, now 40–100 ms.
+        // As the file encoder: trim the AAC priming (1024 samples) so speech and lips stay in
+        // step, and the writer's PRIME_SAMPLES. (AAC at 48 kHz would cut the delay a frame's
+        // fragment waits for its audio from about 160 to 50 ms, as its 1024-sample frames
+        // are 21 ms long instead of 64, and stays in step; but Chromium's MSE playback of it
+        // stalled, so the AAC stays at the session's 16 kHz.)
         a.extend(strings(&["-af"]));
-        a.push(format!(
-            "aresample=48000,atrim=start_sample={}",
-            1024 + 3 * PRIME_SAMPLES
-        ));
+        a.push(format!("atrim=start_sample={}", 1024 + PRIME_SAMPLES));
         a.extend(strings(&[
             "-c:a",
             "aac",
