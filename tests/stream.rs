@@ -389,6 +389,11 @@ async fn clear_interrupts_speech_at_once() {
     let back_to_idle = t.elapsed();
     let idle = got.events("idle");
     let speaking = got.events("speaking");
+    assert!(
+        idle.len() >= 2,
+        "no idle after the interrupt: {:?}",
+        got.texts
+    );
     assert!(idle[1] > speaking[0]);
     assert!(
         idle[1] - speaking[0] < 250,
