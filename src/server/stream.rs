@@ -897,10 +897,13 @@ fn session_thread(
         // Frame k is due at this message + lag + k / fps.
         "lag_ms": (cfg.lag.as_secs_f64() * 1e4).round() / 10.0,
     });
+    // The clock starts as `ready` goes out, before the client can answer it: speech that
+    // came back at once is never older than the session's start (it would start the
+    // utterance at frame 0, before the idle frame the session opens with).
+    let start = Instant::now();
     if out.blocking_send(Out::Text(ready.to_string())).is_err() {
         return;
     }
-    let start = Instant::now();
     let session = Session::new(engine, avatar, &face, cfg, start);
     let mut jpeg = JpegSink {
         out: out.clone(),

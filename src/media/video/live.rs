@@ -45,14 +45,16 @@ pub const PRIME_SAMPLES: usize = 1024;
 /// How long ffmpeg may take to start.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// Lets a writer blocked opening `fifo` (its reader never came) go on: opening the read end
-/// completes its open, and its first write then fails once this end is closed.
-fn release_writer(fifo: &Path) {
+/// Lets a writer blocked opening `fifo` (its reader never came), or about to open it, go on:
+/// the read end this opens completes its open. Keep it until the writer has been joined; its
+/// writes fail once it is closed.
+fn release_writer(fifo: &Path) -> Option<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt;
-    let _ = std::fs::OpenOptions::new()
+    std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc_nonblock())
-        .open(fifo);
+        .open(fifo)
+        .ok()
 }
 
 /// `O_NONBLOCK` on Linux (an open for reading that does not wait for a writer).
@@ -175,7 +177,7 @@ impl LiveEncoder {
                 Err(_) => {
                     encoder.video = None;
                     encoder.audio = None;
-                    release_writer(&encoder.fifo);
+                    let _reader = release_writer(&encoder.fifo);
                     for w in encoder.writers.drain(..) {
                         let _ = w.join();
                     }
@@ -222,7 +224,7 @@ impl Drop for LiveEncoder {
         self.process.signal_kill();
         self.video = None;
         self.audio = None;
-        release_writer(&self.fifo);
+        let _reader = release_writer(&self.fifo);
         for w in self.writers.drain(..) {
             let _ = w.join();
         }
