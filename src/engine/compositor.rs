@@ -74,34 +74,21 @@ impl<'a> Compositor<'a> {
         }
         let a = self.avatar;
         let i = a.select(self.frames, self.mode);
-        let frame = match &self.prefetched {
-            Some(rx) => {
-                let mut frame = match rx.recv() {
-                    Ok(f) => f?,
-                    Err(_) => a.background(i)?.into_owned(),
-                };
-                a.paste_at(&mut frame, (0, 0), i, face_bgr, &mut self.masks);
-                self.last.insert(Yuv420::from_rgb(&frame))
-            }
-            None if a.clip.is_some() => {
-                let mut frame = a.background(i)?.into_owned();
-                a.paste_at(&mut frame, (0, 0), i, face_bgr, &mut self.masks);
-                self.last.insert(Yuv420::from_rgb(&frame))
-            }
-            None => {
-                let region = a.face_region(i);
-                let mut patch = region.crop(&a.frame);
-                a.paste_at(
-                    &mut patch,
-                    (region.x, region.y),
-                    i,
-                    face_bgr,
-                    &mut self.masks,
-                );
-                let kept = self.last.get_or_insert_with(|| Yuv420::from_rgb(&a.frame));
-                kept.write_rgb(region.x, region.y, &patch);
-                kept
-            }
+        let frame = if a.clip.is_some() {
+            let mut frame = match self.prefetched.as_ref().map(mpsc::Receiver::recv) {
+                Some(Ok(f)) => f?,
+                _ => a.background(i)?.into_owned(),
+            };
+            a.paste_at(&mut frame, (0, 0), i, face_bgr, &mut self.masks);
+            self.last.insert(Yuv420::from_rgb(&frame))
+        } else {
+            let region = a.face_region(i);
+            let mut patch = region.crop(&a.frame);
+            let origin = (region.x, region.y);
+            a.paste_at(&mut patch, origin, i, face_bgr, &mut self.masks);
+            let kept = self.last.get_or_insert_with(|| Yuv420::from_rgb(&a.frame));
+            kept.write_rgb(region.x, region.y, &patch);
+            kept
         };
         self.composite_time += t.elapsed();
         let t = Instant::now();
