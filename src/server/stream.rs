@@ -952,20 +952,12 @@ struct JpegSink {
     last: Option<(crate::media::image::Frame, Vec<u8>)>,
 }
 
-/// A live frame as JPEG (baseline, 4:2:0, [`JPEG_QUALITY`]), by the `jpeg-encoder` crate:
-/// with AVX2 it takes a 512×512 frame in about a fifth of the image crate's time.
+/// A live frame as JPEG (baseline, 4:2:0, [`JPEG_QUALITY`]): the `jpeg-encoder` crate takes a
+/// 512×512 frame in about a fifth of the image crate's time.
 fn encode_jpeg(frame: &crate::media::image::Frame) -> Result<Vec<u8>, engine::Error> {
-    let failed = |e: String| engine::Error::Inference(format!("JPEG encoding failed: {e}"));
-    let side = |v: u32| u16::try_from(v).map_err(|_| failed(format!("a side of {v} px")));
     let mut buf = Vec::with_capacity(frame.rgb.len() / 8);
-    jpeg_encoder::Encoder::new(&mut buf, JPEG_QUALITY)
-        .encode(
-            &frame.rgb,
-            side(frame.width)?,
-            side(frame.height)?,
-            jpeg_encoder::ColorType::Rgb,
-        )
-        .map_err(|e| failed(e.to_string()))?;
+    crate::media::image::encode_jpeg(frame, JPEG_QUALITY, &mut buf)
+        .map_err(|e| engine::Error::Inference(e.to_string()))?;
     Ok(buf)
 }
 
