@@ -358,7 +358,7 @@ fn sniff_other(b: &[u8]) -> String {
 /// Encodes `frame` as a baseline 4:2:0 JPEG of the given quality (1–100) into `out`, with the
 /// `jpeg-encoder` crate (AVX2 where the CPU has it). 4:2:0 is what the video encoder keeps of
 /// the colour anyway; it halves the blocks to decode against the `image` crate's 4:4:4 (a
-/// 1280×720 frame of similar size and quality after conversion to 4:2:0 decodes in about 0.75
+/// 1280×720 frame of similar size and quality after conversion to 4:2:0 decodes in about 0.8
 /// of the time, and encodes in a third).
 pub fn encode_jpeg(frame: &Frame, quality: u8, out: &mut Vec<u8>) -> Result<(), Error> {
     let failed = |e: String| Error::Internal(format!("JPEG encoding failed: {e}"));

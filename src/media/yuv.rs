@@ -334,7 +334,8 @@ mod tests {
         for width in [2usize, 6, 34, 96, 1282] {
             let f = noise(width as u32, 2, width as u32);
             let rows = [&f.rgb[..width * 3], &f.rgb[width * 3..]];
-            let run = |convert: fn([&[u8]; 2], [&mut [u8]; 2], &mut [u8], &mut [u8])| {
+            type RowPair = fn([&[u8]; 2], [&mut [u8]; 2], &mut [u8], &mut [u8]);
+            let run = |convert: RowPair| {
                 let (mut y0, mut y1) = (vec![0; width], vec![0; width]);
                 let (mut u, mut v) = (vec![0; width / 2], vec![0; width / 2]);
                 convert(rows, [&mut y0, &mut y1], &mut u, &mut v);

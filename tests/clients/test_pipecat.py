@@ -203,7 +203,10 @@ def test_cancel_closes_the_session(server, avatar, live_opts):
         SleepFrame(sleep=0.3),
         TTSStartedFrame(),
         *tts_frames(pcm, 16000, chunk_s=0.1, paced=False),
-        SleepFrame(sleep=0.5),
+        # Long enough for frames to come on a loaded machine: in a full test run on two slow
+        # cores, none had come 0.5 s after the speech (the session's first frame is due a lag
+        # of about 0.25 s after it opens).
+        SleepFrame(sleep=1.5),
         CancelFrame(),
     ]
     seen: dict[str, float] = {}
