@@ -17,7 +17,7 @@ use super::{Avatar, Error};
 use crate::media::face::{self, FACE_SIZE};
 use crate::media::image::Frame;
 use crate::media::video::VideoEncoder;
-use crate::media::yuv::Yuv420;
+use crate::media::yuv::{self, Yuv420};
 
 /// Clip frames decoded ahead of the compositor.
 const PREFETCH: usize = 4;
@@ -80,7 +80,7 @@ impl<'a> Compositor<'a> {
                 _ => a.background(i)?.into_owned(),
             };
             a.paste_at(&mut frame, (0, 0), i, face_bgr, &mut self.masks);
-            self.last.insert(Yuv420::from_rgb(&frame))
+            yuv::convert_into(&mut self.last, &frame)
         } else {
             let region = a.face_region(i);
             let mut patch = region.crop(&a.frame);

@@ -151,9 +151,16 @@ impl Yuv420 {
     /// The whole frame converted.
     pub fn from_rgb(frame: &Frame) -> Yuv420 {
         let mut out = Yuv420::black(frame.width, frame.height);
+        out.write_whole(frame);
+        out
+    }
+
+    /// Converts `frame`, of this frame's size, over all of it (odd sizes padded by the last
+    /// column and row).
+    fn write_whole(&mut self, frame: &Frame) {
         let (cw, ch) = coded_size(frame.width, frame.height);
         if (cw, ch) == (frame.width, frame.height) {
-            out.write_rgb(0, 0, frame);
+            self.write_rgb(0, 0, frame);
         } else {
             let all = Region {
                 x: 0,
@@ -161,9 +168,8 @@ impl Yuv420 {
                 width: cw,
                 height: ch,
             };
-            out.write_rgb(0, 0, &all.crop(frame));
+            self.write_rgb(0, 0, &all.crop(frame));
         }
-        out
     }
 
     /// The coded frame's bytes: Y, U, V planes.
@@ -235,6 +241,20 @@ impl Yuv420 {
     }
 }
 
+/// `frame` converted whole into `slot`, in the buffer it holds when that is a frame of the same
+/// size (a stream of frames is converted without a fresh frame-sized buffer each time).
+pub fn convert_into<'s>(slot: &'s mut Option<Yuv420>, frame: &Frame) -> &'s mut Yuv420 {
+    let reusable = slot
+        .as_ref()
+        .is_some_and(|kept| (kept.width, kept.height) == (frame.width, frame.height));
+    if !reusable {
+        *slot = Some(Yuv420::black(frame.width, frame.height));
+    }
+    let out = slot.as_mut().expect("set above");
+    out.write_whole(frame);
+    out
+}
+
 /// A frame kept converted, for a stream of frames that differ from each other only within a
 /// known region (a photo avatar's face): each new frame converts only that region.
 #[derive(Debug, Default)]
@@ -249,7 +269,9 @@ impl Converted {
             (Some(kept), Some(r)) if (kept.width, kept.height) == (frame.width, frame.height) => {
                 kept.write_rgb(r.x, r.y, &r.crop(frame));
             }
-            (kept, _) => *kept = Some(Yuv420::from_rgb(frame)),
+            (kept, _) => {
+                convert_into(kept, frame);
+            }
         }
         self.0.as_ref().expect("set above")
     }
@@ -370,6 +392,20 @@ mod tests {
                 assert_eq!((u[c], v[c]), chroma4(s(0), s(1), s(2)));
             }
         }
+    }
+
+    /// A slot holding a frame of the same size is converted over in its own buffer, with the
+    /// bytes a fresh conversion gives; a frame of another size replaces it.
+    #[test]
+    fn a_slot_is_converted_in_place_and_equals_a_fresh_conversion() {
+        let mut slot = None;
+        let first = convert_into(&mut slot, &noise(51, 39, 1)).bytes().as_ptr();
+        let second = noise(51, 39, 2);
+        let again = convert_into(&mut slot, &second);
+        assert_eq!(again.bytes().as_ptr(), first);
+        assert_eq!(*again, Yuv420::from_rgb(&second));
+        let other = noise(20, 10, 3);
+        assert_eq!(*convert_into(&mut slot, &other), Yuv420::from_rgb(&other));
     }
 
     #[test]
