@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Makes (once) a venv under target/torch-venv with PyTorch and numpy, for the tests that run the
-# PyTorch yardstick (tests/bench.rs) and the rehearsal of the GPU run's torch stage
-# (bench/gpu_run.sh --rehearse). Prints the venv's python on stdout; progress goes to stderr.
+# PyTorch yardstick (tests/bench.rs), the enhancers' reference (tests/enhancer.rs) and the
+# rehearsal of the GPU run's torch stage (bench/gpu_run.sh --rehearse). Prints the venv's python
+# on stdout; progress goes to stderr.
+# Beside it, in target/torch-venv/upstream, the upstream Real-ESRGAN architecture files that
+# tests/reference/esrgan_reference.py loads: the realesrgan 0.3.0 wheel and the basicsr 1.4.2
+# sdist from PyPI, checked against their SHA-256 (not installed: their package imports pull
+# OpenCV and torchvision, which the reference replaces with stand-ins).
 # PyTorch's CPU-only index is tried first (a 200 MB wheel); where it cannot be reached, PyPI's
 # wheel (CUDA libraries included, about 5 GB installed) is used: both compute on the CPU here.
 #
@@ -16,5 +21,39 @@ if ! "$venv/bin/python" -c 'import torch, numpy' 2>/dev/null; then
   "${pip[@]}" --index-url https://download.pytorch.org/whl/cpu --timeout 20 torch numpy >&2 2>/dev/null \
     || "${pip[@]}" torch numpy >&2
   "$venv/bin/python" -c 'import torch, numpy' >&2
+fi
+upstream=$venv/upstream
+if [ ! -f "$upstream/basicsr/archs/rrdbnet_arch.py" ] || [ ! -f "$upstream/realesrgan/archs/srvgg_arch.py" ]; then
+  echo "torch-venv: fetching the upstream Real-ESRGAN architecture files into $upstream" >&2
+  "$venv/bin/python" - "$upstream" >&2 <<'PY'
+import hashlib, io, json, pathlib, sys, tarfile, urllib.request, zipfile
+out = pathlib.Path(sys.argv[1])
+# (project, version, file, SHA-256); the file's address comes from PyPI's JSON API.
+files = [
+    ("realesrgan", "0.3.0", "realesrgan-0.3.0-py3-none-any.whl",
+     "59336c16c30dd5130eff350dd27424acb9b7281d18a6810130e265606c9a6088"),
+    ("basicsr", "1.4.2", "basicsr-1.4.2.tar.gz",
+     "b89b595a87ef964cda9913b4d99380ddb6554c965577c0c10cb7b78e31301e87"),
+]
+wanted = {"realesrgan/archs/srvgg_arch.py", "basicsr/archs/rrdbnet_arch.py", "basicsr/archs/arch_util.py"}
+for project, version, name, sha in files:
+    meta = json.load(urllib.request.urlopen(f"https://pypi.org/pypi/{project}/json", timeout=60))
+    url = next(u["url"] for u in meta["releases"][version] if u["filename"] == name)
+    data = urllib.request.urlopen(url, timeout=60).read()
+    if hashlib.sha256(data).hexdigest() != sha:
+        sys.exit(f"{url}: SHA-256 mismatch")
+    if name.endswith(".whl"):
+        z = zipfile.ZipFile(io.BytesIO(data))
+        members = {n: z.read(n) for n in z.namelist()}
+    else:
+        t = tarfile.open(fileobj=io.BytesIO(data))
+        members = {m.name.split("/", 1)[1]: t.extractfile(m).read() for m in t.getmembers() if m.isfile() and "/" in m.name}
+    for name in wanted & members.keys():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(members[name])
+missing = [n for n in wanted if not (out / n).is_file()]
+if missing:
+    sys.exit(f"upstream files missing: {missing}")
+PY
 fi
 echo "$venv/bin/python"

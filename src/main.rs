@@ -47,6 +47,9 @@ enum Command {
     /// Stream speech to a running server's live session (`GET /v1/stream`) in real time and
     /// write the video that comes back; prints latency and late frames.
     Stream(Box<commands::stream::StreamArgs>),
+    /// Run one enhancer (Real-ESRGAN, ...) on one image as given, on the CPU in f32: for
+    /// checks, scripts and comparing models.
+    Enhance(commands::enhance::EnhanceArgs),
 }
 
 fn main() -> ExitCode {
@@ -105,5 +108,6 @@ fn run(command: Command) -> Result<(), CliError> {
         Command::Audio(a) => commands::audio::audio_info(a),
         Command::Bench(a) => commands::bench::bench(*a),
         Command::Stream(a) => commands::stream::stream(*a),
+        Command::Enhance(a) => commands::enhance::enhance(a),
     }
 }

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use candle_core::{DType, Device, Tensor};
-use common::{checkpoint, lipsync, text};
+use common::{checkpoint, lipsync, text, torch_python};
 use lipsync::model::{GeneratorWeights, Wav2Lip};
 
 fn bench(args: &[&str], json: &Path) -> Output {
@@ -225,26 +225,6 @@ fn bench_sections_run_only_the_parts_named() {
         "{}",
         text(&o.stderr)
     );
-}
-
-/// The Python with PyTorch. `LIPSYNC_TORCH_PYTHON` set (as `scripts/test.sh` does, with the
-/// venv it makes): that Python, which must have torch and numpy (the test fails otherwise, so
-/// the suite never skips these silently). Unset: `python3` if it has them, else `None` (a bare
-/// `cargo test` on a machine without PyTorch says SKIPPED and passes).
-fn torch_python() -> Option<String> {
-    let set = std::env::var("LIPSYNC_TORCH_PYTHON").ok();
-    let python = set.clone().unwrap_or_else(|| "python3".into());
-    let o = Command::new(&python)
-        .args(["-c", "import torch, numpy"])
-        .output();
-    let ok = o.as_ref().is_ok_and(|o| o.status.success());
-    if !ok && set.is_some() {
-        panic!(
-            "LIPSYNC_TORCH_PYTHON={python} cannot import torch and numpy: {}",
-            o.map(|o| text(&o.stderr)).unwrap_or_else(|e| e.to_string())
-        );
-    }
-    ok.then_some(python)
 }
 
 #[test]

@@ -5,6 +5,7 @@ pub mod audio;
 pub mod bench;
 pub mod bench_clip;
 pub mod checkpoint;
+pub mod enhance;
 pub mod render;
 pub mod stream;
 
@@ -26,6 +27,11 @@ pub enum CliError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{0}")]
     Jobs(String),
     #[error("{0}")]
@@ -38,7 +44,7 @@ impl CliError {
             CliError::Model(e) => e.kind(),
             CliError::Media(e) => e.kind(),
             CliError::Engine(e) => e.kind(),
-            CliError::Read { .. } => "io",
+            CliError::Read { .. } | CliError::Write { .. } => "io",
             CliError::Jobs(_) => "jobs_failed",
             CliError::Serve(_) => "serve_failed",
         }

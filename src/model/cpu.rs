@@ -28,12 +28,92 @@ use super::Result;
 
 /// Activations, NHWC.
 #[derive(Debug, Clone)]
-struct Act {
-    n: usize,
-    h: usize,
-    w: usize,
-    c: usize,
-    data: Vec<f32>,
+pub(crate) struct Act {
+    pub n: usize,
+    pub h: usize,
+    pub w: usize,
+    pub c: usize,
+    pub data: Vec<f32>,
+}
+
+/// What follows a convolution's bias (and residual), applied in the same pass.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Activation<'a> {
+    None,
+    Relu,
+    /// `max(x, 0) + slope · min(x, 0)`.
+    Leaky(f32),
+    /// [`Activation::Leaky`] with one slope per output channel (PyTorch's `PReLU(c)`).
+    PRelu(&'a [f32]),
+}
+
+impl Activation<'_> {
+    /// Applies the activation to one output pixel's channel vector.
+    fn apply(self, row: &mut [f32]) {
+        match self {
+            Activation::None => {}
+            Activation::Relu => row.iter_mut().for_each(|v| *v = v.max(0.0)),
+            Activation::Leaky(a) => row.iter_mut().for_each(|v| {
+                if *v < 0.0 {
+                    *v *= a
+                }
+            }),
+            Activation::PRelu(a) => row.iter_mut().zip(a).for_each(|(v, a)| {
+                if *v < 0.0 {
+                    *v *= a
+                }
+            }),
+        }
+    }
+}
+
+/// A stride-1 convolution with a square kernel, "same" padding and bias, in NHWC, for the
+/// networks that run beside the generator on the CPU (the enhancers): the generator's own
+/// product kernel behind a plain interface.
+#[derive(Debug, Clone)]
+pub(crate) struct Conv {
+    gather: Gather,
+    bias: Vec<f32>,
+    cin: usize,
+    cout: usize,
+}
+
+impl Conv {
+    /// From PyTorch's `[cout, cin, k, k]` weight (row-major) and `[cout]` bias, padding
+    /// `k / 2` on every side.
+    pub fn new(weight: &[f32], bias: &[f32], cin: usize, cout: usize, k: usize) -> Self {
+        assert_eq!(weight.len(), cout * cin * k * k, "convolution weight size");
+        assert_eq!(bias.len(), cout, "convolution bias size");
+        Conv {
+            gather: Gather::conv(weight, cin, cout, k, k / 2, (1, 1)),
+            bias: bias.to_vec(),
+            cin,
+            cout,
+        }
+    }
+
+    pub fn cin(&self) -> usize {
+        self.cin
+    }
+
+    pub fn cout(&self) -> usize {
+        self.cout
+    }
+
+    /// `act(conv(x) + bias + residual)`, the same size as `x`.
+    pub fn forward(&self, x: &Act, residual: Option<&Act>, act: Activation) -> Act {
+        assert_eq!(x.c, self.cin, "convolution input channels");
+        let data = self
+            .gather
+            .run(x, (x.h, x.w), self.cout, &self.bias, residual, act);
+        Act {
+            n: x.n,
+            h: x.h,
+            w: x.w,
+            c: self.cout,
+            data,
+        }
+    }
 }
 
 /// Where a layer's output pixels come from: each position `(a, b)` of an output grid reads
@@ -164,26 +244,7 @@ impl Layer {
         let (k, p) = (s.kernel, s.padding as isize);
         let op = match s.kind {
             LayerKind::Conv | LayerKind::Plain => {
-                // PyTorch [cout, cin, kh, kw] → [(kh·k + kw)·cin + ci, cout].
-                let mut weight = vec![0f32; k * k * s.cin * s.cout];
-                for o in 0..s.cout {
-                    for c in 0..s.cin {
-                        for kh in 0..k {
-                            for kw in 0..k {
-                                weight[((kh * k + kw) * s.cin + c) * s.cout + o] =
-                                    w[((o * s.cin + c) * k + kh) * k + kw];
-                            }
-                        }
-                    }
-                }
-                let taps = (0..k * k)
-                    .map(|t| ((t / k) as isize - p, (t % k) as isize - p))
-                    .collect();
-                Op::Conv(Gather {
-                    stride: s.stride,
-                    taps,
-                    weight,
-                })
+                Op::Conv(Gather::conv(&w, s.cin, s.cout, k, s.padding, s.stride))
             }
             LayerKind::ConvTranspose => {
                 let st = s.stride.0 as isize;
@@ -236,13 +297,17 @@ impl Layer {
 
     fn forward(&self, x: &Act) -> Act {
         let s = &self.spec;
-        let relu = s.kind != LayerKind::Plain;
+        let act = if s.kind == LayerKind::Plain {
+            Activation::None
+        } else {
+            Activation::Relu
+        };
         match &self.op {
             Op::Conv(g) => {
                 let oh = (x.h + 2 * s.padding - s.kernel) / s.stride.0 + 1;
                 let ow = (x.w + 2 * s.padding - s.kernel) / s.stride.1 + 1;
                 let residual = s.residual.then_some(x);
-                let data = g.run(x, (oh, ow), s.cout, &self.bias, residual, relu);
+                let data = g.run(x, (oh, ow), s.cout, &self.bias, residual, act);
                 Act {
                     n: x.n,
                     h: oh,
@@ -261,7 +326,7 @@ impl Layer {
                     .enumerate()
                     .map(|(i, g)| {
                         let grid = (count(oh, i / st), count(ow, i % st));
-                        g.run(x, grid, s.cout, &self.bias, None, relu)
+                        g.run(x, grid, s.cout, &self.bias, None, act)
                     })
                     .collect();
                 let c = s.cout;
@@ -293,8 +358,40 @@ impl Layer {
 }
 
 impl Gather {
+    /// A convolution from PyTorch's `[cout, cin, k, k]` weight:
+    /// `[(kh·k + kw)·cin + ci, cout]`, with taps offset by the padding.
+    fn conv(
+        w: &[f32],
+        cin: usize,
+        cout: usize,
+        k: usize,
+        pad: usize,
+        stride: (usize, usize),
+    ) -> Self {
+        let p = pad as isize;
+        let mut weight = vec![0f32; k * k * cin * cout];
+        for o in 0..cout {
+            for c in 0..cin {
+                for kh in 0..k {
+                    for kw in 0..k {
+                        weight[((kh * k + kw) * cin + c) * cout + o] =
+                            w[((o * cin + c) * k + kh) * k + kw];
+                    }
+                }
+            }
+        }
+        let taps = (0..k * k)
+            .map(|t| ((t / k) as isize - p, (t % k) as isize - p))
+            .collect();
+        Gather {
+            stride,
+            taps,
+            weight,
+        }
+    }
+
     /// Every output pixel of the grid, `[n·rows·cols, cout]`: bias (+ residual, the input
-    /// pixel at the same position) + gathered rows × weight, then ReLU.
+    /// pixel at the same position) + gathered rows × weight, then the activation.
     fn run(
         &self,
         x: &Act,
@@ -302,7 +399,7 @@ impl Gather {
         cout: usize,
         bias: &[f32],
         residual: Option<&Act>,
-        relu: bool,
+        act: Activation,
     ) -> Vec<f32> {
         let cin = x.c;
         let k = self.taps.len() * cin;
@@ -345,9 +442,7 @@ impl Gather {
                     self.gather_rows(x, cols, rows * cols, first, col);
                     product(dst, col, &self.weight, m, k, cout, inner);
                 }
-                if relu {
-                    dst.iter_mut().for_each(|v| *v = v.max(0.0));
-                }
+                dst.chunks_exact_mut(cout).for_each(|row| act.apply(row));
             },
         );
         out
@@ -416,7 +511,7 @@ fn product(
     }
 }
 
-fn nchw_to_nhwc(x: &[f32], n: usize, c: usize, h: usize, w: usize) -> Act {
+pub(crate) fn nchw_to_nhwc(x: &[f32], n: usize, c: usize, h: usize, w: usize) -> Act {
     let mut data = vec![0f32; n * c * h * w];
     data.par_chunks_mut(w * c)
         .enumerate()
@@ -432,7 +527,7 @@ fn nchw_to_nhwc(x: &[f32], n: usize, c: usize, h: usize, w: usize) -> Act {
     Act { n, h, w, c, data }
 }
 
-fn nhwc_to_nchw(x: &Act) -> Vec<f32> {
+pub(crate) fn nhwc_to_nchw(x: &Act) -> Vec<f32> {
     let (n, c, h, w) = (x.n, x.c, x.h, x.w);
     let mut out = vec![0f32; n * c * h * w];
     out.par_chunks_mut(h * w)
@@ -447,20 +542,29 @@ fn nhwc_to_nchw(x: &Act) -> Vec<f32> {
 }
 
 /// `[a, b]` along channels (decoder output first, as in the original).
-fn concat_channels(a: &Act, b: &Act) -> Act {
-    debug_assert_eq!((a.n, a.h, a.w), (b.n, b.h, b.w));
-    let c = a.c + b.c;
-    let mut data = vec![0f32; a.n * a.h * a.w * c];
-    data.par_chunks_mut(c)
-        .zip(a.data.par_chunks(a.c).zip(b.data.par_chunks(b.c)))
-        .for_each(|(out, (x, y))| {
-            out[..a.c].copy_from_slice(x);
-            out[a.c..].copy_from_slice(y);
-        });
+pub(crate) fn concat_channels(a: &Act, b: &Act) -> Act {
+    concat_all(&[a, b])
+}
+
+/// The parts side by side along channels, in order (`torch.cat(parts, 1)`).
+pub(crate) fn concat_all(parts: &[&Act]) -> Act {
+    let first = parts.first().expect("something to concatenate");
+    debug_assert!(parts
+        .iter()
+        .all(|p| (p.n, p.h, p.w) == (first.n, first.h, first.w)));
+    let c: usize = parts.iter().map(|p| p.c).sum();
+    let mut data = vec![0f32; first.n * first.h * first.w * c];
+    data.par_chunks_mut(c).enumerate().for_each(|(px, out)| {
+        let mut at = 0;
+        for p in parts {
+            out[at..at + p.c].copy_from_slice(&p.data[px * p.c..(px + 1) * p.c]);
+            at += p.c;
+        }
+    });
     Act {
-        n: a.n,
-        h: a.h,
-        w: a.w,
+        n: first.n,
+        h: first.h,
+        w: first.w,
         c,
         data,
     }

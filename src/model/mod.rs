@@ -43,6 +43,7 @@ pub mod arch;
 pub mod checkpoint;
 pub mod cpu;
 pub mod cudnn;
+pub mod enhancer;
 pub mod init;
 pub mod kernels;
 pub mod netexec;
@@ -91,6 +92,9 @@ pub enum Error {
     },
     #[error("checkpoint has tensors Wav2Lip does not use (another model or variant?): {}", .0.join(", "))]
     UnexpectedKeys(Vec<String>),
+    /// A file recognised as a model's that does not hold exactly its tensors.
+    #[error("not a complete {model} checkpoint: {detail}")]
+    Mismatch { model: String, detail: String },
     #[error("tensor {key} holds non-finite values")]
     NonFinite { key: String },
     #[error("{0}")]
@@ -123,6 +127,7 @@ impl Error {
             Error::MissingKey { .. } => "missing_key",
             Error::WrongShape { .. } => "wrong_shape",
             Error::UnexpectedKeys(_) => "unexpected_keys",
+            Error::Mismatch { .. } => "mismatch",
             Error::NonFinite { .. } => "non_finite",
             Error::Device(_) => "device",
             Error::BadInput(_) => "bad_input",

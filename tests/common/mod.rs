@@ -109,6 +109,26 @@ pub fn lipsync(args: &[&dyn AsRef<std::ffi::OsStr>]) -> std::process::Output {
         .unwrap()
 }
 
+/// The Python with PyTorch. `LIPSYNC_TORCH_PYTHON` set (as `scripts/test.sh` does, with the
+/// venv it makes): that Python, which must have torch and numpy (the test fails otherwise, so
+/// the suite never skips these silently). Unset: `python3` if it has them, else `None` (a bare
+/// `cargo test` on a machine without PyTorch says SKIPPED and passes).
+pub fn torch_python() -> Option<String> {
+    let set = std::env::var("LIPSYNC_TORCH_PYTHON").ok();
+    let python = set.clone().unwrap_or_else(|| "python3".into());
+    let o = std::process::Command::new(&python)
+        .args(["-c", "import torch, numpy"])
+        .output();
+    let ok = o.as_ref().is_ok_and(|o| o.status.success());
+    if !ok && set.is_some() {
+        panic!(
+            "LIPSYNC_TORCH_PYTHON={python} cannot import torch and numpy: {}",
+            o.map(|o| text(&o.stderr)).unwrap_or_else(|e| e.to_string())
+        );
+    }
+    ok.then_some(python)
+}
+
 pub fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }

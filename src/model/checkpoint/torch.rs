@@ -487,13 +487,18 @@ fn dict_tensors(pk: &Pickle, dict: Id, prefix: &str) -> Result<Vec<(String, Tens
     Ok(out)
 }
 
-/// Finds the model weights in a `torch.save`d object: a dict with `state_dict`, a bare state
-/// dict, or a whole pickled module.
+/// The top-level keys that hold a state dict, in order of preference: PyTorch's usual
+/// `state_dict`, then BasicSR's `params_ema` (the averaged weights that Real-ESRGAN and GFPGAN
+/// publish) over its `params`.
+const STATE_DICT_KEYS: [&str; 3] = ["state_dict", "params_ema", "params"];
+
+/// Finds the model weights in a `torch.save`d object: a dict with `state_dict` (or
+/// `params_ema` / `params`), a bare state dict, or a whole pickled module.
 fn find_tensors(pk: &Pickle) -> Result<Found, Error> {
     let root = pk.root;
     match pk.get(root) {
         Value::Dict(entries) => {
-            if let Some(sd) = pk.dict_get(root, "state_dict") {
+            if let Some(sd) = STATE_DICT_KEYS.iter().find_map(|k| pk.dict_get(root, k)) {
                 return match pk.get(sd) {
                     Value::Dict(_) => Ok(Found::StateDict(dict_tensors(pk, sd, "")?)),
                     Value::Object { .. } => {
@@ -502,7 +507,7 @@ fn find_tensors(pk: &Pickle) -> Result<Found, Error> {
                         Ok(Found::Module(out))
                     }
                     _ => Err(Error::NotACheckpoint(
-                        "the checkpoint's state_dict is not a dict".into(),
+                        "the checkpoint's state dict is not a dict".into(),
                     )),
                 };
             }

@@ -1,0 +1,489 @@
+//! Real-ESRGAN (xinntao/Real-ESRGAN, BSD-3; its RRDBNet is BasicSR's, Apache-2.0): both
+//! architectures of the published files, recognised from their keys.
+//!
+//! - **SRVGGNetCompact** (`realesr-general-x4v3.pth`, K = 32; `realesr-animevideov3.pth`,
+//!   K = 16): `body.0` a 3×3 convolution 3 → F, `body.1` a PReLU with one slope per channel,
+//!   then K × (3×3 convolution F → F, PReLU), then `body.{2K+2}` a 3×3 convolution
+//!   F → 3·s²; a pixel shuffle by s (`out[c, s·y + i, s·x + j] = in[s²·c + s·i + j, y, x]`)
+//!   and the input, upsampled by nearest neighbour, added. No output activation.
+//! - **RRDBNet** (`RealESRGAN_x4plus.pth`; `RealESRGAN_x2plus.pth`, which first
+//!   pixel-unshuffles the input by 2 into 12 channels): `conv_first`, B residual-in-residual
+//!   dense blocks, `conv_body` added to `conv_first`'s output, two nearest ×2 upsamplings
+//!   each followed by a 3×3 convolution and LeakyReLU(0.2), `conv_hr` with LeakyReLU(0.2),
+//!   `conv_last`. A dense block's five convolutions read the concatenation of its input and
+//!   every earlier output (LeakyReLU(0.2) after the first four) and return
+//!   `0.2 · conv5 + input`; three of them make an RRDB, which returns `0.2 · out + input`.
+//!
+//! The output is clamped to [0, 1], as Real-ESRGAN's own wrapper does before rounding.
+
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use super::{dims, strict_tensors, EnhancerNet, Kind};
+use crate::model::checkpoint::Checkpoint;
+use crate::model::cpu::{concat_all, nchw_to_nhwc, Act, Activation, Conv};
+use crate::model::{Error, Result};
+
+/// LeakyReLU's slope in RRDBNet.
+const LEAKY: f32 = 0.2;
+/// The scale of RRDBNet's residuals.
+const RESIDUAL: f32 = 0.2;
+
+/// A Real-ESRGAN network when the checkpoint has the keys of one.
+pub fn recognise(ck: &Checkpoint) -> Option<Result<Arc<dyn EnhancerNet>>> {
+    if dims(ck, "conv_first.weight").is_some() && dims(ck, "body.0.rdb1.conv1.weight").is_some() {
+        return Some(Rrdb::load(ck).map(|n| Arc::new(n) as Arc<dyn EnhancerNet>));
+    }
+    let first = dims(ck, "body.0.weight")?;
+    if first.len() != 4 || dims(ck, "conv_first.weight").is_some() {
+        return None;
+    }
+    if dims(ck, "body.1.weight").is_none() {
+        return Some(Err(Error::Unsupported(
+            "an SRVGGNetCompact without PReLU weights (act_type relu or leakyrelu, which the \
+             published files do not use)"
+                .into(),
+        )));
+    }
+    Some(Compact::load(ck).map(|n| Arc::new(n) as Arc<dyn EnhancerNet>))
+}
+
+/// A 3×3 convolution's tensors: `{prefix}.weight` `[cout, cin, 3, 3]` and `{prefix}.bias`.
+fn conv_keys(prefix: &str, cin: usize, cout: usize) -> [(String, Vec<usize>); 2] {
+    [
+        (format!("{prefix}.weight"), vec![cout, cin, 3, 3]),
+        (format!("{prefix}.bias"), vec![cout]),
+    ]
+}
+
+/// Takes a convolution's weight and bias (in [`conv_keys`] order) from the loaded tensors.
+fn take_conv(t: &mut impl Iterator<Item = Vec<f32>>, cin: usize, cout: usize, scale: f32) -> Conv {
+    let mut w = t.next().expect("a weight per convolution");
+    let mut b = t.next().expect("a bias per convolution");
+    if scale != 1.0 {
+        w.iter_mut().chain(b.iter_mut()).for_each(|v| *v *= scale);
+    }
+    Conv::new(&w, &b, cin, cout, 3)
+}
+
+/// SRVGGNetCompact.
+pub struct Compact {
+    feat: usize,
+    upscale: usize,
+    /// `body.0`, then the K body convolutions.
+    convs: Vec<Conv>,
+    /// The PReLU slopes after each of `convs`.
+    slopes: Vec<Vec<f32>>,
+    last: Conv,
+}
+
+impl Compact {
+    const MODEL: &'static str = "SRVGGNetCompact";
+
+    fn load(ck: &Checkpoint) -> Result<Self> {
+        let mismatch = |detail: String| Error::Mismatch {
+            model: Self::MODEL.into(),
+            detail,
+        };
+        let first = dims(ck, "body.0.weight").unwrap_or(&[]);
+        let feat = first[0];
+        if first[1] != 3 {
+            return Err(mismatch(format!(
+                "body.0.weight has shape {first:?}: the input must have 3 channels (RGB)"
+            )));
+        }
+        // The last convolution is the highest `body.N`; convolutions sit at even N.
+        let last_index = ck
+            .tensors
+            .iter()
+            .filter_map(|(k, _)| {
+                k.strip_prefix("body.")?
+                    .strip_suffix(".weight")?
+                    .parse()
+                    .ok()
+            })
+            .max()
+            .unwrap_or(0usize);
+        if last_index < 2 || last_index % 2 != 0 {
+            return Err(mismatch(format!(
+                "its last layer is body.{last_index}, which is not a convolution"
+            )));
+        }
+        let k = (last_index - 2) / 2;
+        let out = dims(ck, &format!("body.{last_index}.weight"))
+            .and_then(|d| d.first().copied())
+            .unwrap_or(0);
+        let upscale = (1..=8).find(|s| 3 * s * s == out).ok_or_else(|| {
+            mismatch(format!(
+                "body.{last_index} has {out} output channels, not 3·s² for an upscale s"
+            ))
+        })?;
+        let mut expected = Vec::new();
+        for i in 0..=k {
+            let cin = if i == 0 { 3 } else { feat };
+            expected.extend(conv_keys(&format!("body.{}", 2 * i), cin, feat));
+            expected.push((format!("body.{}.weight", 2 * i + 1), vec![feat]));
+        }
+        expected.extend(conv_keys(&format!("body.{last_index}"), feat, out));
+        let mut t = strict_tensors(ck, Self::MODEL, &expected)?.into_iter();
+        let mut convs = Vec::with_capacity(k + 1);
+        let mut slopes = Vec::with_capacity(k + 1);
+        for i in 0..=k {
+            convs.push(take_conv(&mut t, if i == 0 { 3 } else { feat }, feat, 1.0));
+            slopes.push(t.next().expect("a PReLU per convolution"));
+        }
+        let last = take_conv(&mut t, feat, out, 1.0);
+        Ok(Compact {
+            feat,
+            upscale,
+            convs,
+            slopes,
+            last,
+        })
+    }
+}
+
+impl EnhancerNet for Compact {
+    fn kind(&self) -> Kind {
+        Kind::Esrgan
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "SRVGGNetCompact ({} body convolutions, {} features, x{})",
+            self.convs.len() - 1,
+            self.feat,
+            self.upscale
+        )
+    }
+
+    fn scale(&self) -> usize {
+        self.upscale
+    }
+
+    fn check_size(&self, height: usize, width: usize) -> Result<()> {
+        check_nonempty(height, width)
+    }
+
+    fn multiply_adds(&self, height: usize, width: usize) -> f64 {
+        let per_pixel: usize = self
+            .convs
+            .iter()
+            .chain([&self.last])
+            .map(|c| 9 * c.cin() * c.cout())
+            .sum();
+        (height * width * per_pixel) as f64
+    }
+
+    fn forward_cpu(&self, n: usize, height: usize, width: usize, rgb: &[f32]) -> Result<Vec<f32>> {
+        check_input(self, n, height, width, rgb)?;
+        let x = nchw_to_nhwc(rgb, n, 3, height, width);
+        let mut y: Option<Act> = None;
+        for (conv, slope) in self.convs.iter().zip(&self.slopes) {
+            let input = y.as_ref().unwrap_or(&x);
+            y = Some(conv.forward(input, None, Activation::PRelu(slope)));
+        }
+        let y = self
+            .last
+            .forward(y.as_ref().unwrap_or(&x), None, Activation::None);
+        // Pixel shuffle, the nearest-upsampled input added, clamped; NCHW out.
+        let s = self.upscale;
+        let (oh, ow) = (height * s, width * s);
+        let mut out = vec![0f32; n * 3 * oh * ow];
+        out.par_chunks_mut(ow).enumerate().for_each(|(row, dst)| {
+            let (plane, oy) = (row / oh, row % oh);
+            let (b, c) = (plane / 3, plane % 3);
+            let (iy, i) = (oy / s, oy % s);
+            for (ox, v) in dst.iter_mut().enumerate() {
+                let (ix, j) = (ox / s, ox % s);
+                let conv = y.data[((b * height + iy) * width + ix) * y.c + (c * s + i) * s + j];
+                let base = rgb[((b * 3 + c) * height + iy) * width + ix];
+                *v = (conv + base).clamp(0.0, 1.0);
+            }
+        });
+        Ok(out)
+    }
+}
+
+/// One residual dense block: five convolutions, the last scaled by [`RESIDUAL`].
+struct DenseBlock([Conv; 5]);
+
+impl DenseBlock {
+    fn forward(&self, x: &Act) -> Act {
+        let mut outs: Vec<Act> = Vec::with_capacity(4);
+        for conv in &self.0[..4] {
+            let input = if outs.is_empty() {
+                conv.forward(x, None, Activation::Leaky(LEAKY))
+            } else {
+                let parts: Vec<&Act> = std::iter::once(x).chain(&outs).collect();
+                conv.forward(&concat_all(&parts), None, Activation::Leaky(LEAKY))
+            };
+            outs.push(input);
+        }
+        let parts: Vec<&Act> = std::iter::once(x).chain(&outs).collect();
+        // `0.2 · conv5(...) + x`, with the 0.2 folded into conv5's weights at load.
+        self.0[4].forward(&concat_all(&parts), Some(x), Activation::None)
+    }
+}
+
+/// RRDBNet.
+pub struct Rrdb {
+    scale: usize,
+    feat: usize,
+    grow: usize,
+    first: Conv,
+    /// Three dense blocks per RRDB.
+    blocks: Vec<[DenseBlock; 3]>,
+    body: Conv,
+    up1: Conv,
+    up2: Conv,
+    hr: Conv,
+    last: Conv,
+}
+
+impl Rrdb {
+    const MODEL: &'static str = "RRDBNet";
+
+    fn load(ck: &Checkpoint) -> Result<Self> {
+        let mismatch = |detail: String| Error::Mismatch {
+            model: Self::MODEL.into(),
+            detail,
+        };
+        let first = dims(ck, "conv_first.weight").unwrap_or(&[]);
+        let grow_dims = dims(ck, "body.0.rdb1.conv1.weight").unwrap_or(&[]);
+        if first.len() != 4 || grow_dims.len() != 4 {
+            return Err(mismatch(
+                "conv_first or the first dense block is not a 2-D convolution".into(),
+            ));
+        }
+        let (feat, cin, grow) = (first[0], first[1], grow_dims[0]);
+        // x4 reads RGB; x2 and x1 pixel-unshuffle it by 2 and 4 first.
+        let scale = match cin {
+            3 => 4,
+            12 => 2,
+            48 => 1,
+            _ => {
+                return Err(mismatch(format!(
+                    "conv_first reads {cin} channels: 3 (x4), 12 (x2) or 48 (x1) expected"
+                )))
+            }
+        };
+        let blocks = (0..)
+            .take_while(|i| dims(ck, &format!("body.{i}.rdb1.conv1.weight")).is_some())
+            .count();
+        let mut expected = Vec::new();
+        expected.extend(conv_keys("conv_first", cin, feat));
+        for b in 0..blocks {
+            for r in 1..=3 {
+                for c in 1..=5 {
+                    let (i, o) = (feat + (c - 1) * grow, if c == 5 { feat } else { grow });
+                    expected.extend(conv_keys(&format!("body.{b}.rdb{r}.conv{c}"), i, o));
+                }
+            }
+        }
+        for name in ["conv_body", "conv_up1", "conv_up2", "conv_hr"] {
+            expected.extend(conv_keys(name, feat, feat));
+        }
+        expected.extend(conv_keys("conv_last", feat, 3));
+        let mut t = strict_tensors(ck, Self::MODEL, &expected)?.into_iter();
+        let first = take_conv(&mut t, cin, feat, 1.0);
+        let mut dense = || -> DenseBlock {
+            DenseBlock(std::array::from_fn(|c| {
+                let (i, o) = (feat + c * grow, if c == 4 { feat } else { grow });
+                take_conv(&mut t, i, o, if c == 4 { RESIDUAL } else { 1.0 })
+            }))
+        };
+        let blocks = (0..blocks).map(|_| [dense(), dense(), dense()]).collect();
+        let mut convs = std::array::from_fn::<Conv, 5, _>(|i| {
+            take_conv(&mut t, feat, if i == 4 { 3 } else { feat }, 1.0)
+        })
+        .into_iter();
+        let mut next = || convs.next().expect("five convolutions after the body");
+        Ok(Rrdb {
+            scale,
+            feat,
+            grow,
+            first,
+            blocks,
+            body: next(),
+            up1: next(),
+            up2: next(),
+            hr: next(),
+            last: next(),
+        })
+    }
+
+    /// The pixel-unshuffle factor before `conv_first` (1 for x4).
+    fn unshuffle(&self) -> usize {
+        4 / self.scale
+    }
+}
+
+impl EnhancerNet for Rrdb {
+    fn kind(&self) -> Kind {
+        Kind::Esrgan
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "RRDBNet ({} blocks, {} features, growth {}, x{})",
+            self.blocks.len(),
+            self.feat,
+            self.grow,
+            self.scale
+        )
+    }
+
+    fn scale(&self) -> usize {
+        self.scale
+    }
+
+    fn check_size(&self, height: usize, width: usize) -> Result<()> {
+        check_nonempty(height, width)?;
+        let u = self.unshuffle();
+        if height % u != 0 || width % u != 0 {
+            return Err(Error::BadInput(format!(
+                "this x{} RRDBNet pixel-unshuffles its input by {u}: the image's sides must be \
+                 multiples of {u}, not {width}x{height}",
+                self.scale
+            )));
+        }
+        Ok(())
+    }
+
+    fn multiply_adds(&self, height: usize, width: usize) -> f64 {
+        let u = self.unshuffle();
+        let body_px = (height / u) * (width / u);
+        let conv = |c: &Conv| 9 * c.cin() * c.cout();
+        let dense: usize = self
+            .blocks
+            .iter()
+            .flatten()
+            .flat_map(|d| d.0.iter())
+            .map(conv)
+            .sum();
+        let at_body = conv(&self.first) + dense + conv(&self.body);
+        let at_2x = conv(&self.up1);
+        let at_4x = conv(&self.up2) + conv(&self.hr) + conv(&self.last);
+        (body_px * (at_body + 4 * at_2x + 16 * at_4x)) as f64
+    }
+
+    fn forward_cpu(&self, n: usize, height: usize, width: usize, rgb: &[f32]) -> Result<Vec<f32>> {
+        check_input(self, n, height, width, rgb)?;
+        let x = pixel_unshuffle(rgb, n, height, width, self.unshuffle());
+        let feat = self.first.forward(&x, None, Activation::None);
+        drop(x);
+        let mut y: Option<Act> = None;
+        for rrdb in &self.blocks {
+            let input = y.as_ref().unwrap_or(&feat);
+            let mut out = rrdb[0].forward(input);
+            out = rrdb[1].forward(&out);
+            out = rrdb[2].forward(&out);
+            // `0.2 · out + input`.
+            out.data
+                .par_iter_mut()
+                .zip(input.data.par_iter())
+                .for_each(|(o, i)| *o = RESIDUAL * *o + i);
+            y = Some(out);
+        }
+        let feat = self
+            .body
+            .forward(y.as_ref().unwrap_or(&feat), Some(&feat), Activation::None);
+        let f = self
+            .up1
+            .forward(&nearest2(&feat), None, Activation::Leaky(LEAKY));
+        drop(feat);
+        let f = self
+            .up2
+            .forward(&nearest2(&f), None, Activation::Leaky(LEAKY));
+        let f = self.hr.forward(&f, None, Activation::Leaky(LEAKY));
+        let out = self.last.forward(&f, None, Activation::None);
+        Ok(to_nchw_clamped(&out))
+    }
+}
+
+fn check_nonempty(height: usize, width: usize) -> Result<()> {
+    if height == 0 || width == 0 {
+        return Err(Error::BadInput(format!(
+            "an empty image ({width}x{height})"
+        )));
+    }
+    Ok(())
+}
+
+fn check_input(net: &dyn EnhancerNet, n: usize, h: usize, w: usize, rgb: &[f32]) -> Result<()> {
+    net.check_size(h, w)?;
+    if rgb.len() != n * 3 * h * w {
+        return Err(Error::BadInput(format!(
+            "{} values for {n} RGB images of {w}x{h}",
+            rgb.len()
+        )));
+    }
+    Ok(())
+}
+
+/// `(n, 3, h, w)` NCHW → NHWC with `3·u²` channels, channel `c·u² + i·u + j` holding
+/// `x[c, u·y + i, u·x + j]` (BasicSR's `pixel_unshuffle`); `u = 1` is the plain layout change.
+fn pixel_unshuffle(rgb: &[f32], n: usize, h: usize, w: usize, u: usize) -> Act {
+    if u == 1 {
+        return nchw_to_nhwc(rgb, n, 3, h, w);
+    }
+    let (oh, ow, c) = (h / u, w / u, 3 * u * u);
+    let mut data = vec![0f32; n * oh * ow * c];
+    data.par_chunks_mut(ow * c)
+        .enumerate()
+        .for_each(|(row, dst)| {
+            let (b, y) = (row / oh, row % oh);
+            for x in 0..ow {
+                for ch in 0..c {
+                    let (plane, i, j) = (ch / (u * u), (ch / u) % u, ch % u);
+                    dst[x * c + ch] = rgb[((b * 3 + plane) * h + y * u + i) * w + x * u + j];
+                }
+            }
+        });
+    Act {
+        n,
+        h: oh,
+        w: ow,
+        c,
+        data,
+    }
+}
+
+/// Nearest-neighbour ×2 (`F.interpolate(scale_factor=2, mode='nearest')`), NHWC.
+fn nearest2(x: &Act) -> Act {
+    let (oh, ow, c) = (x.h * 2, x.w * 2, x.c);
+    let mut data = vec![0f32; x.n * oh * ow * c];
+    data.par_chunks_mut(ow * c)
+        .enumerate()
+        .for_each(|(row, dst)| {
+            let (b, y) = (row / oh, row % oh);
+            let src = &x.data[(b * x.h + y / 2) * x.w * c..][..x.w * c];
+            for (xx, px) in dst.chunks_exact_mut(c).enumerate() {
+                px.copy_from_slice(&src[(xx / 2) * c..(xx / 2 + 1) * c]);
+            }
+        });
+    Act {
+        n: x.n,
+        h: oh,
+        w: ow,
+        c,
+        data,
+    }
+}
+
+/// NHWC → NCHW, clamped to [0, 1].
+fn to_nchw_clamped(x: &Act) -> Vec<f32> {
+    let (h, w, c) = (x.h, x.w, x.c);
+    let mut out = vec![0f32; x.n * c * h * w];
+    out.par_chunks_mut(h * w)
+        .enumerate()
+        .for_each(|(plane, dst)| {
+            let (b, ch) = (plane / c, plane % c);
+            for (i, v) in dst.iter_mut().enumerate() {
+                *v = x.data[(b * h * w + i) * c + ch].clamp(0.0, 1.0);
+            }
+        });
+    out
+}

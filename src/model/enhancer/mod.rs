@@ -1,0 +1,167 @@
+//! Enhancers: networks that sharpen the generator's faces, loaded from the files their authors
+//! publish and recognised from the files' keys (never from the file name).
+//!
+//! Each kind is one file behind [`EnhancerNet`]: it says whether a checkpoint is its kind
+//! ([`Recogniser`]), checks every key and shape strictly, and runs its f32 forward pass on the
+//! CPU. [`load`] tries the recognisers in turn.
+//!
+//! | kind | file | architectures |
+//! |---|---|---|
+//! | `esrgan` | [`esrgan`] | Real-ESRGAN's SRVGGNetCompact and RRDBNet |
+
+pub mod esrgan;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::checkpoint::{self, Checkpoint};
+use super::{Error, Result};
+
+/// The kinds of enhancer, as requests name them (`enhance=esrgan`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    Esrgan,
+}
+
+named_enum!(Kind, "an enhancer kind", { "esrgan" => Esrgan });
+
+impl Kind {
+    pub fn name(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+}
+
+/// An enhancer's weights, ready to run; shared by everything that runs it.
+pub trait EnhancerNet: Send + Sync {
+    fn kind(&self) -> Kind;
+    /// The architecture and its settings, for `/info` and messages
+    /// (`SRVGGNetCompact (32 convolutions, x4)`).
+    fn describe(&self) -> String;
+    /// How many times larger the output is than the input, per side.
+    fn scale(&self) -> usize;
+    /// Refuses input sizes the network cannot take (x2's pixel-unshuffle needs even sides).
+    fn check_size(&self, height: usize, width: usize) -> Result<()>;
+    /// Multiply-adds for one image of `height × width`.
+    fn multiply_adds(&self, height: usize, width: usize) -> f64;
+    /// `n` RGB images, `(n, 3, height, width)` in [0, 1], in; `(n, 3, height·s, width·s)`
+    /// clamped to [0, 1] out, in f32 on the CPU.
+    fn forward_cpu(&self, n: usize, height: usize, width: usize, rgb: &[f32]) -> Result<Vec<f32>>;
+}
+
+/// Looks at a checkpoint's keys: `None` when it is not this kind, else the loaded network or
+/// why this kind's file is not complete.
+pub type Recogniser = fn(&Checkpoint) -> Option<Result<Arc<dyn EnhancerNet>>>;
+
+/// Every kind's recogniser, in the order they are tried.
+const RECOGNISERS: &[Recogniser] = &[esrgan::recognise];
+
+/// A loaded enhancer file.
+#[derive(Clone)]
+pub struct Enhancer {
+    /// Its name in requests: the file's stem (`realesr-general-x4v3`).
+    pub name: String,
+    pub path: PathBuf,
+    pub net: Arc<dyn EnhancerNet>,
+}
+
+impl std::fmt::Debug for Enhancer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Enhancer")
+            .field("name", &self.name)
+            .field("path", &self.path)
+            .field("net", &self.net.describe())
+            .finish()
+    }
+}
+
+impl Enhancer {
+    pub fn kind(&self) -> Kind {
+        self.net.kind()
+    }
+}
+
+/// Reads an enhancer file and recognises its kind from the keys.
+pub fn load(path: &Path) -> Result<Enhancer> {
+    let ck = checkpoint::read(path)?;
+    let net = recognise(&ck)?;
+    let name = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    Ok(Enhancer {
+        name,
+        path: path.to_path_buf(),
+        net,
+    })
+}
+
+/// The network a checkpoint holds, by the first recogniser that knows its keys.
+pub fn recognise(ck: &Checkpoint) -> Result<Arc<dyn EnhancerNet>> {
+    for r in RECOGNISERS {
+        if let Some(net) = r(ck) {
+            return net;
+        }
+    }
+    let keys: Vec<&str> = ck.tensors.iter().take(6).map(|(k, _)| k.as_str()).collect();
+    Err(Error::Unsupported(format!(
+        "no enhancer is recognised from this checkpoint's keys ({}{}); known: {}",
+        keys.join(", "),
+        if ck.tensors.len() > keys.len() {
+            ", ..."
+        } else {
+            ""
+        },
+        super::one_of(Kind::NAMES)
+    )))
+}
+
+/// Checks a checkpoint against an architecture's full list of tensors (key, shape), strictly:
+/// the first missing key, wrong shape or extra key is the error, named for `model`. Returns
+/// the tensors in f32, in the list's order.
+pub(crate) fn strict_tensors(
+    ck: &Checkpoint,
+    model: &str,
+    expected: &[(String, Vec<usize>)],
+) -> Result<Vec<Vec<f32>>> {
+    let mut out = Vec::with_capacity(expected.len());
+    for (key, shape) in expected {
+        let Some(t) = ck.get(key) else {
+            return Err(Error::Mismatch {
+                model: model.into(),
+                detail: format!("the tensor {key} is missing"),
+            });
+        };
+        if &t.shape != shape {
+            return Err(Error::Mismatch {
+                model: model.into(),
+                detail: format!("the tensor {key} has shape {:?}, not {shape:?}", t.shape),
+            });
+        }
+        let v: Vec<f32> = t
+            .to_tensor()?
+            .to_dtype(candle_core::DType::F32)?
+            .flatten_all()?
+            .to_vec1()?;
+        if v.iter().any(|x| !x.is_finite()) {
+            return Err(Error::NonFinite { key: key.clone() });
+        }
+        out.push(v);
+    }
+    if let Some((extra, _)) = ck
+        .tensors
+        .iter()
+        .find(|(k, _)| !expected.iter().any(|(e, _)| e == k))
+    {
+        return Err(Error::Mismatch {
+            model: model.into(),
+            detail: format!("the checkpoint has a tensor it does not use: {extra}"),
+        });
+    }
+    Ok(out)
+}
+
+/// The dimensions of a checkpoint's tensor, if it has that key.
+pub(crate) fn dims<'a>(ck: &'a Checkpoint, key: &str) -> Option<&'a [usize]> {
+    ck.get(key).map(|t| t.shape.as_slice())
+}

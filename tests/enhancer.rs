@@ -1,0 +1,313 @@
+//! The Real-ESRGAN enhancers against the upstream PyTorch networks
+//! (tests/reference/esrgan_reference.py): random checkpoints in each published layout, made at
+//! test time, run through `lipsync enhance` as a user runs it; and the files it must refuse.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::{lipsync, media, text, torch_python};
+
+/// An RGB crop of the astronaut photo: (name, x, y, width, height).
+const CROPS: [(&str, u32, u32, u32, u32); 3] = [
+    // The face, at the generator's 96×96.
+    ("face", 180, 60, 96, 96),
+    // Odd sides, not square.
+    ("odd", 150, 120, 37, 29),
+    // Smaller, even: the ×4 RRDBNet's 330 GFLOP at 96×96 would make the test slow.
+    ("small", 196, 92, 48, 40),
+];
+
+/// Which crops each published file runs on.
+const RUNS: [(&str, &[&str]); 4] = [
+    ("realesr-general-x4v3", &["face", "odd"]),
+    ("realesr-animevideov3", &["face"]),
+    ("RealESRGAN_x4plus", &["small"]),
+    ("RealESRGAN_x2plus", &["face"]),
+];
+
+/// The crops as PNG (for `lipsync enhance`) and raw RGB (for the reference).
+fn write_crops(dir: &Path) -> Vec<(String, u32, u32)> {
+    let photo = image::load_from_memory(&media("astronaut.png"))
+        .unwrap()
+        .to_rgb8();
+    CROPS
+        .iter()
+        .map(|&(name, x, y, w, h)| {
+            let crop = image::imageops::crop_imm(&photo, x, y, w, h).to_image();
+            crop.save(dir.join(format!("{name}.png"))).unwrap();
+            std::fs::write(dir.join(format!("{name}.rgb")), crop.as_raw()).unwrap();
+            (name.to_string(), w, h)
+        })
+        .collect()
+}
+
+/// The reference's checkpoints and outputs in `dir`, for `runs`.
+fn reference(python: &str, dir: &Path, crops: &[(String, u32, u32)], runs: &[(&str, &[&str])]) {
+    let venv = Path::new(python).parent().and_then(Path::parent).unwrap();
+    let upstream = std::env::var_os("LIPSYNC_ESRGAN_UPSTREAM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| venv.join("upstream"));
+    let mut cmd = Command::new(python);
+    cmd.arg(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/reference/esrgan_reference.py"
+    ))
+    .arg("--upstream")
+    .arg(&upstream)
+    .arg("--out")
+    .arg(dir);
+    for (name, w, h) in crops {
+        cmd.arg("--input").arg(format!(
+            "{name}={w}x{h}:{}",
+            dir.join(format!("{name}.rgb")).display()
+        ));
+    }
+    cmd.arg("--only");
+    for (stem, inputs) in runs {
+        cmd.arg(format!("{stem}:{}", inputs.join(",")));
+    }
+    let o = cmd.output().unwrap();
+    assert!(
+        o.status.success(),
+        "the reference failed (is {} there? scripts/torch-venv.sh fetches it):\n{}",
+        upstream.display(),
+        text(&o.stderr)
+    );
+    eprint!("{}", text(&o.stderr));
+}
+
+fn read_f32(path: &Path) -> Vec<f32> {
+    std::fs::read(path)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+#[test]
+fn every_published_layout_matches_the_upstream_network() {
+    let Some(python) = torch_python() else {
+        eprintln!("SKIPPED: no PyTorch (set LIPSYNC_TORCH_PYTHON to a Python that has it)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let crops = write_crops(dir.path());
+    reference(&python, dir.path(), &crops, &RUNS);
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("expected.json")).unwrap())
+            .unwrap();
+    for (stem, inputs) in RUNS {
+        let ck = dir.path().join(format!("{stem}.pth"));
+        for input in inputs {
+            let out = dir.path().join(format!("{stem}.{input}.png"));
+            let o = lipsync(&[
+                &"enhance",
+                &"--enhancer-checkpoint",
+                &ck,
+                &"--image",
+                &dir.path().join(format!("{input}.png")),
+                &"--out",
+                &out,
+                &"--json",
+            ]);
+            assert!(o.status.success(), "{stem} on {input}: {}", text(&o.stderr));
+            let summary: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+            assert_eq!(summary["enhancer"], stem);
+            assert_eq!(summary["kind"], "esrgan");
+            let got = image::open(&out).unwrap().to_rgb8();
+            let shape = &expected[stem][input]["shape"];
+            let (c, h, w) = (
+                shape[0].as_u64().unwrap() as usize,
+                shape[1].as_u64().unwrap() as usize,
+                shape[2].as_u64().unwrap() as usize,
+            );
+            assert_eq!(c, 3);
+            assert_eq!(
+                (got.width() as usize, got.height() as usize),
+                (w, h),
+                "{stem} on {input}"
+            );
+            let want = read_f32(&dir.path().join(format!("{stem}.{input}.f32")));
+            assert_eq!(want.len(), 3 * w * h);
+            // Max |Δ| in 8-bit levels against the reference's f32 (before its rounding).
+            let mut worst = 0f32;
+            for (i, px) in got.pixels().enumerate() {
+                for ch in 0..3 {
+                    let d = (f32::from(px[ch]) - want[ch * w * h + i] * 255.0).abs();
+                    worst = worst.max(d);
+                }
+            }
+            let clamped = expected[stem][input]["clamped_fraction"].as_f64().unwrap();
+            eprintln!(
+                "{stem} on {input}: max |Δ| {worst:.3} of 255, {:.1}% clamped",
+                clamped * 100.0
+            );
+            assert!(
+                worst <= 2.0,
+                "{stem} on {input}: max |Δ| {worst} levels (goal ≤ 2)"
+            );
+            // The comparison sees the network, not the clamp.
+            assert!(
+                clamped < 0.25,
+                "{stem} on {input}: {clamped} of the output clamped"
+            );
+        }
+    }
+}
+
+/// The keys and shapes of a small SRVGGNetCompact (F features, K body convolutions, upscale s).
+fn compact_tensors(f: usize, k: usize, s: usize) -> Vec<(String, Vec<usize>)> {
+    let mut t = Vec::new();
+    for i in 0..=k {
+        let cin = if i == 0 { 3 } else { f };
+        t.push((format!("body.{}.weight", 2 * i), vec![f, cin, 3, 3]));
+        t.push((format!("body.{}.bias", 2 * i), vec![f]));
+        t.push((format!("body.{}.weight", 2 * i + 1), vec![f]));
+    }
+    t.push((
+        format!("body.{}.weight", 2 * k + 2),
+        vec![3 * s * s, f, 3, 3],
+    ));
+    t.push((format!("body.{}.bias", 2 * k + 2), vec![3 * s * s]));
+    t
+}
+
+/// Writes `keys` as a safetensors checkpoint, values from `fill(key, index)`.
+fn write_checkpoint(path: &Path, keys: &[(String, Vec<usize>)], fill: &dyn Fn(&str, usize) -> f32) {
+    let tensors: Vec<(String, candle_core::Tensor)> = keys
+        .iter()
+        .map(|(k, shape)| {
+            let n: usize = shape.iter().product();
+            let v: Vec<f32> = (0..n).map(|i| fill(k, i)).collect();
+            let t = candle_core::Tensor::from_vec(v, shape.as_slice(), &candle_core::Device::Cpu)
+                .unwrap();
+            (k.clone(), t)
+        })
+        .collect();
+    lipsync::model::checkpoint::write_safetensors(path, &tensors, &Default::default()).unwrap();
+}
+
+fn enhance(ck: &Path, image: &Path, out: &Path) -> std::process::Output {
+    lipsync(&[
+        &"enhance",
+        &"--enhancer-checkpoint",
+        &ck,
+        &"--image",
+        &image,
+        &"--out",
+        &out,
+    ])
+}
+
+#[test]
+fn a_compact_network_with_zero_weights_gives_the_nearest_upsampled_image() {
+    // Every convolution zero: the network adds nothing to its nearest-neighbour base, so the
+    // output is exactly the input, each pixel repeated s × s.
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("tiny-x2.safetensors");
+    let prelu = |k: &str| ["body.1.weight", "body.3.weight", "body.5.weight"].contains(&k);
+    write_checkpoint(&ck, &compact_tensors(4, 2, 2), &|k, _| {
+        if prelu(k) {
+            0.25
+        } else {
+            0.0
+        }
+    });
+    let crops = write_crops(dir.path());
+    let (name, w, h) = &crops[1]; // odd sides
+    let out = dir.path().join("out.png");
+    let o = enhance(&ck, &dir.path().join(format!("{name}.png")), &out);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let input = image::open(dir.path().join(format!("{name}.png")))
+        .unwrap()
+        .to_rgb8();
+    let got = image::open(&out).unwrap().to_rgb8();
+    assert_eq!((got.width(), got.height()), (w * 2, h * 2));
+    for (x, y, px) in got.enumerate_pixels() {
+        assert_eq!(px, input.get_pixel(x / 2, y / 2), "pixel ({x}, {y})");
+    }
+}
+
+#[test]
+fn files_that_are_not_a_complete_enhancer_are_refused_with_exit_2_and_a_clear_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let crops = write_crops(dir.path());
+    let image = dir.path().join(format!("{}.png", crops[1].0));
+    let out = dir.path().join("out.png");
+    let refused = |ck: &Path, needle: &str| {
+        let o = enhance(ck, &image, &out);
+        let err = text(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{}: {err}", ck.display());
+        assert!(
+            err.contains(needle),
+            "{}: {err:?} lacks {needle:?}",
+            ck.display()
+        );
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(!out.exists(), "nothing is written for a refused file");
+    };
+    let small = |_: &str, i: usize| 0.01 * ((i % 7) as f32 - 3.0);
+    let good = compact_tensors(4, 2, 2);
+    let path = |name: &str| dir.path().join(name);
+
+    refused(&path("absent.pth"), "cannot read");
+    // Not an enhancer: the Wav2Lip test checkpoint.
+    refused(
+        &common::checkpoint("zip_bare.pt"),
+        "no enhancer is recognised",
+    );
+    // A tensor missing, one of the wrong shape, one too many.
+    let mut missing = good.clone();
+    missing.retain(|(k, _)| k != "body.2.bias");
+    write_checkpoint(&path("missing.safetensors"), &missing, &small);
+    refused(
+        &path("missing.safetensors"),
+        "not a complete SRVGGNetCompact checkpoint: the tensor body.2.bias is missing",
+    );
+    let mut wrong = good.clone();
+    wrong[3].1 = vec![4, 4, 1, 1];
+    write_checkpoint(&path("wrong.safetensors"), &wrong, &small);
+    refused(
+        &path("wrong.safetensors"),
+        "body.2.weight has shape [4, 4, 1, 1], not [4, 4, 3, 3]",
+    );
+    let mut extra = good.clone();
+    extra.push(("head.weight".into(), vec![2]));
+    write_checkpoint(&path("extra.safetensors"), &extra, &small);
+    refused(
+        &path("extra.safetensors"),
+        "a tensor it does not use: head.weight",
+    );
+    // Cut short, like a partial download.
+    write_checkpoint(&path("whole.safetensors"), &good, &small);
+    let bytes = std::fs::read(path("whole.safetensors")).unwrap();
+    std::fs::write(path("cut.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
+    refused(&path("cut.safetensors"), "truncated");
+    // An RRDBNet x2 takes only even sides; the image is 37x29.
+    let (f, g) = (4, 2);
+    let mut rrdb = vec![
+        ("conv_first.weight".to_string(), vec![f, 12, 3, 3]),
+        ("conv_first.bias".into(), vec![f]),
+    ];
+    for r in 1..=3 {
+        for c in 1..=5 {
+            let (i, o) = (f + (c - 1) * g, if c == 5 { f } else { g });
+            rrdb.push((format!("body.0.rdb{r}.conv{c}.weight"), vec![o, i, 3, 3]));
+            rrdb.push((format!("body.0.rdb{r}.conv{c}.bias"), vec![o]));
+        }
+    }
+    for name in ["conv_body", "conv_up1", "conv_up2", "conv_hr"] {
+        rrdb.push((format!("{name}.weight"), vec![f, f, 3, 3]));
+        rrdb.push((format!("{name}.bias"), vec![f]));
+    }
+    rrdb.push(("conv_last.weight".into(), vec![3, f, 3, 3]));
+    rrdb.push(("conv_last.bias".into(), vec![3]));
+    write_checkpoint(&path("rrdb-x2.safetensors"), &rrdb, &small);
+    refused(&path("rrdb-x2.safetensors"), "multiples of 2, not 37x29");
+    // The same file on an even image works.
+    let o = enhance(&path("rrdb-x2.safetensors"), &path("face.png"), &out);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(image::image_dimensions(&out).unwrap(), (192, 192));
+}
