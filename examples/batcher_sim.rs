@@ -114,6 +114,7 @@ fn admit(s: &Scheduler, n: usize) -> Result<(RequestId, Receiver<FrameResult>), 
             shown: index,
             mel: Vec::new(),
             face: face.clone(),
+            enhance: None,
         })
         .collect();
     s.admit(frames)

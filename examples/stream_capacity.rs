@@ -176,6 +176,7 @@ fn run(args: &Args, sessions: usize) -> String {
             shown: 0,
             mel: Vec::new(),
             face: face.clone(),
+            enhance: None,
         };
         // Register the deadline before the frame can be taken.
         let mut d = deadlines.lock().unwrap();

@@ -4,11 +4,13 @@
 //! ([`crate::server::ServeArgs`]), `render` its input and output flags.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::engine::backend::Wav2LipLoader;
 use crate::engine::batcher::Limits;
 use crate::engine::clip::ClipOptions;
+use crate::engine::enhance::Enhancers;
 use crate::engine::pool::PoolConfig;
 use crate::engine::Engine;
 use crate::media::audio::DEFAULT_MAX_SECONDS;
@@ -79,6 +81,19 @@ pub struct EngineArgs {
     /// holds back its own work instead of piling up frames [default: twice the largest batch].
     #[arg(long, env = "LIPSYNC_MAX_AHEAD_FRAMES")]
     pub max_ahead_frames: Option<usize>,
+    /// An enhancer's checkpoint as published (Real-ESRGAN's realesr-general-x4v3.pth,
+    /// realesr-animevideov3.pth, RealESRGAN_x4plus.pth or RealESRGAN_x2plus.pth; the kind is
+    /// recognised from its keys). Repeatable (the variable: comma-separated). Requests pick one
+    /// with `enhance` (a kind when one of that kind is loaded, or the file's stem). A missing,
+    /// damaged or unrecognised file stops start-up. Enhancers run in f32 on the CPU (on cpu and
+    /// echo; not yet with --device cuda).
+    #[arg(
+        long = "enhancer-checkpoint",
+        value_name = "FILE",
+        env = "LIPSYNC_ENHANCER_CHECKPOINT",
+        value_delimiter = ','
+    )]
+    pub enhancer_checkpoint: Vec<PathBuf>,
 }
 
 /// The convolution-path flags of `serve`, `render` and `bench`.
@@ -300,6 +315,23 @@ impl EngineArgs {
         }
     }
 
+    /// Reads the `--enhancer-checkpoint` files and measures each one's cost (see
+    /// [`Enhancers::load`]). Refused on CUDA, where the enhancers' own path is not built yet
+    /// (their CPU pass would stall the GPU instances).
+    pub fn load_enhancers(&self, r: &Resolved) -> Result<Arc<Enhancers>, model::Error> {
+        if self.enhancer_checkpoint.is_empty() {
+            return Ok(Arc::default());
+        }
+        if r.device == DeviceKind::Cuda {
+            return Err(model::Error::Settings(
+                "--enhancer-checkpoint: enhancers run on the CPU only for now (--device cpu or \
+                 echo); their CUDA path is not built yet"
+                    .into(),
+            ));
+        }
+        Ok(Arc::new(Enhancers::load(&self.enhancer_checkpoint)?))
+    }
+
     /// Checks that the device exists, reads the checkpoint and starts the engine's instances
     /// (they load and warm up in the background). Logs a warning for random test weights.
     /// On echo it reads no checkpoint (a given one is checked and ignored) and the summary
@@ -308,6 +340,7 @@ impl EngineArgs {
         &self,
         r: &Resolved,
         warm_up: bool,
+        enhancers: Arc<Enhancers>,
     ) -> Result<(Engine, Option<model::weights::Summary>), model::Error> {
         r.device.check(r.cuda_device)?;
         let checkpoint = self.checkpoint_for(r.device)?;
@@ -323,7 +356,10 @@ impl EngineArgs {
             let mut cfg = self.pool_config(r);
             cfg.warm_up = warm_up;
             let loader = crate::engine::echo::EchoLoader;
-            return Ok((Engine::start(std::sync::Arc::new(loader), cfg), None));
+            return Ok((
+                Engine::start(Arc::new(loader), cfg).with_enhancers(enhancers),
+                None,
+            ));
         }
         self.conv.apply()?;
         let checkpoint = checkpoint.expect("checked above: only echo runs without one");
@@ -346,7 +382,7 @@ impl EngineArgs {
         let mut cfg = self.pool_config(r);
         cfg.warm_up = warm_up;
         Ok((
-            Engine::start(std::sync::Arc::new(loader), cfg),
+            Engine::start(Arc::new(loader), cfg).with_enhancers(enhancers),
             Some(summary),
         ))
     }

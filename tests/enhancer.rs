@@ -7,7 +7,10 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{lipsync, media, text, torch_python};
+use common::server::Server;
+use common::{
+    compact_tensors, lipsync, media, text, tiny_enhancer, torch_python, write_checkpoint,
+};
 
 /// An RGB crop of the astronaut photo: (name, x, y, width, height).
 const CROPS: [(&str, u32, u32, u32, u32); 3] = [
@@ -157,38 +160,6 @@ fn every_published_layout_matches_the_upstream_network() {
     }
 }
 
-/// The keys and shapes of a small SRVGGNetCompact (F features, K body convolutions, upscale s).
-fn compact_tensors(f: usize, k: usize, s: usize) -> Vec<(String, Vec<usize>)> {
-    let mut t = Vec::new();
-    for i in 0..=k {
-        let cin = if i == 0 { 3 } else { f };
-        t.push((format!("body.{}.weight", 2 * i), vec![f, cin, 3, 3]));
-        t.push((format!("body.{}.bias", 2 * i), vec![f]));
-        t.push((format!("body.{}.weight", 2 * i + 1), vec![f]));
-    }
-    t.push((
-        format!("body.{}.weight", 2 * k + 2),
-        vec![3 * s * s, f, 3, 3],
-    ));
-    t.push((format!("body.{}.bias", 2 * k + 2), vec![3 * s * s]));
-    t
-}
-
-/// Writes `keys` as a safetensors checkpoint, values from `fill(key, index)`.
-fn write_checkpoint(path: &Path, keys: &[(String, Vec<usize>)], fill: &dyn Fn(&str, usize) -> f32) {
-    let tensors: Vec<(String, candle_core::Tensor)> = keys
-        .iter()
-        .map(|(k, shape)| {
-            let n: usize = shape.iter().product();
-            let v: Vec<f32> = (0..n).map(|i| fill(k, i)).collect();
-            let t = candle_core::Tensor::from_vec(v, shape.as_slice(), &candle_core::Device::Cpu)
-                .unwrap();
-            (k.clone(), t)
-        })
-        .collect();
-    lipsync::model::checkpoint::write_safetensors(path, &tensors, &Default::default()).unwrap();
-}
-
 fn enhance(ck: &Path, image: &Path, out: &Path) -> std::process::Output {
     lipsync(&[
         &"enhance",
@@ -207,14 +178,7 @@ fn a_compact_network_with_zero_weights_gives_the_nearest_upsampled_image() {
     // output is exactly the input, each pixel repeated s × s.
     let dir = tempfile::tempdir().unwrap();
     let ck = dir.path().join("tiny-x2.safetensors");
-    let prelu = |k: &str| ["body.1.weight", "body.3.weight", "body.5.weight"].contains(&k);
-    write_checkpoint(&ck, &compact_tensors(4, 2, 2), &|k, _| {
-        if prelu(k) {
-            0.25
-        } else {
-            0.0
-        }
-    });
+    tiny_enhancer(&ck, 0.0);
     let crops = write_crops(dir.path());
     let (name, w, h) = &crops[1]; // odd sides
     let out = dir.path().join("out.png");
@@ -310,4 +274,274 @@ fn files_that_are_not_a_complete_enhancer_are_refused_with_exit_2_and_a_clear_me
     let o = enhance(&path("rrdb-x2.safetensors"), &path("face.png"), &out);
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(image::image_dimensions(&out).unwrap(), (192, 192));
+}
+
+/// Runs `lipsync` with `args`, killed after `limit` (a server that should have refused to
+/// start must not hang the test).
+fn lipsync_bounded(
+    args: &[&dyn AsRef<std::ffi::OsStr>],
+    limit: std::time::Duration,
+) -> std::process::Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lipsync"))
+        .args(args.iter().map(|a| a.as_ref()))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let until = std::time::Instant::now() + limit;
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > until {
+            let _ = child.kill();
+            panic!(
+                "lipsync {:?} still running after {limit:?}",
+                args.iter().map(|a| a.as_ref()).collect::<Vec<_>>()
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn serve_and_render_stop_at_start_up_on_a_bad_enhancer_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let absent = dir.path().join("absent.pth");
+    let limit = std::time::Duration::from_secs(60);
+    let data = dir.path().join("data");
+    let o = lipsync_bounded(
+        &[
+            &"serve",
+            &"--device",
+            &"echo",
+            &"--port",
+            &"0",
+            &"--data-dir",
+            &data,
+            &"--enhancer-checkpoint",
+            &absent,
+        ],
+        limit,
+    );
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("absent.pth"), "{err}");
+    // Two files with one name: requests could not tell them apart.
+    std::fs::create_dir(dir.path().join("a")).unwrap();
+    std::fs::create_dir(dir.path().join("b")).unwrap();
+    tiny_enhancer(&dir.path().join("a/same.safetensors"), 0.0);
+    tiny_enhancer(&dir.path().join("b/same.safetensors"), 0.0);
+    let o = lipsync_bounded(
+        &[
+            &"serve",
+            &"--device",
+            &"echo",
+            &"--port",
+            &"0",
+            &"--data-dir",
+            &data,
+            &"--enhancer-checkpoint",
+            &dir.path().join("a/same.safetensors"),
+            &"--enhancer-checkpoint",
+            &dir.path().join("b/same.safetensors"),
+        ],
+        limit,
+    );
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("two enhancers named \"same\""), "{err}");
+    // Not an enhancer (the Wav2Lip test checkpoint), on render.
+    let o = lipsync_bounded(
+        &[
+            &"render",
+            &"--device",
+            &"echo",
+            &"--audio",
+            &common::media_path("arctic_a0007_1s.wav"),
+            &"--image",
+            &common::media_path("astronaut.png"),
+            &"--out",
+            &dir.path().join("x.mp4"),
+            &"--enhancer-checkpoint",
+            &common::checkpoint("zip_bare.pt"),
+        ],
+        limit,
+    );
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("no enhancer is recognised"), "{err}");
+    // A render asking for an enhancer that is not loaded stops before it starts.
+    let o = lipsync_bounded(
+        &[
+            &"render",
+            &"--device",
+            &"echo",
+            &"--audio",
+            &common::media_path("arctic_a0007_1s.wav"),
+            &"--image",
+            &common::media_path("astronaut.png"),
+            &"--out",
+            &dir.path().join("y.mp4"),
+            &"--enhance",
+            &"esrgan",
+        ],
+        limit,
+    );
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("no esrgan enhancer is loaded"), "{err}");
+    assert!(!dir.path().join("y.mp4").exists());
+}
+
+/// The faces `render --faces-dir` kept, as RGB images in frame order.
+fn faces(dir: &Path) -> Vec<image::RgbImage> {
+    let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    names.sort();
+    names
+        .iter()
+        .map(|p| image::open(p).unwrap().to_rgb8())
+        .collect()
+}
+
+#[test]
+fn render_enhances_every_predicted_face_before_it_is_pasted() {
+    // On the echo device (its faces are the reference crop with the mouth moved), once plain
+    // and once with a x2 enhancer that repeats each pixel 2 x 2 and raises red by 0.2: each
+    // kept face must be the plain one so transformed (within a level: the plain face is
+    // truncated to 8 bits, the enhanced one rounded), in RGB order.
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("tiny-x2.safetensors");
+    tiny_enhancer(&ck, 0.2);
+    let run = |name: &str, extra: &[&str]| {
+        let faces_dir = dir.path().join(name);
+        let out = dir.path().join(format!("{name}.mp4"));
+        let mut args: Vec<std::ffi::OsString> =
+            vec!["render".into(), "--device".into(), "echo".into()];
+        args.extend([
+            "--audio".into(),
+            common::media_path("arctic_a0007_1s.wav").into(),
+        ]);
+        args.extend(["--image".into(), common::media_path("astronaut.png").into()]);
+        args.extend(["--out".into(), out.clone().into_os_string()]);
+        args.extend(["--faces-dir".into(), faces_dir.clone().into_os_string()]);
+        args.extend(extra.iter().map(Into::into));
+        let refs: Vec<&dyn AsRef<std::ffi::OsStr>> = args.iter().map(|a| a as _).collect();
+        let o = lipsync_bounded(&refs, std::time::Duration::from_secs(300));
+        assert!(o.status.success(), "{name}: {}", text(&o.stderr));
+        assert_eq!(
+            common::probe(&out)["streams"].as_array().unwrap().len(),
+            2,
+            "{name}"
+        );
+        faces(&faces_dir)
+    };
+    let plain = run("plain", &[]);
+    let ck_arg = ck.display().to_string();
+    let enhanced = run(
+        "enhanced",
+        &["--enhancer-checkpoint", &ck_arg, "--enhance", "tiny-x2"],
+    );
+    assert_eq!(plain.len(), enhanced.len());
+    assert!(!plain.is_empty());
+    for (k, (p, e)) in plain.iter().zip(&enhanced).enumerate() {
+        assert_eq!(p.dimensions(), (96, 96));
+        assert_eq!(e.dimensions(), (192, 192), "face {k}");
+        for (x, y, px) in e.enumerate_pixels() {
+            let src = p.get_pixel(x / 2, y / 2);
+            let want = [
+                (f32::from(src[0]) + 0.2 * 255.0).min(255.0),
+                f32::from(src[1]),
+                f32::from(src[2]),
+            ];
+            for c in 0..3 {
+                let d = (f32::from(px[c]) - want[c]).abs();
+                assert!(
+                    d <= 1.5,
+                    "face {k} ({x}, {y}) channel {c}: {} vs {}",
+                    px[c],
+                    want[c]
+                );
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_name_a_loaded_enhancer_or_are_refused_with_400() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("tiny-x2.safetensors");
+    tiny_enhancer(&ck, 0.2);
+    let post = |s: &Server, enhance: &str| {
+        let form = common::server::lipsync_form("arctic_a0007_1s.wav", "astronaut.png")
+            .text("enhance", enhance.to_string());
+        reqwest::Client::new()
+            .post(s.url("/v1/lipsync"))
+            .multipart(form)
+            .send()
+    };
+    {
+        let s = Server::start_echo(&["--enhancer-checkpoint", &ck.display().to_string()]);
+        s.wait_ready().await;
+        let info = s.info().await;
+        let e = &info["enhancers"][0];
+        assert_eq!(e["name"], "tiny-x2", "{info}");
+        assert_eq!(e["kind"], "esrgan");
+        assert_eq!(e["scale"], 2);
+        assert!(e["ms_per_face"].as_f64().unwrap() > 0.0, "{e}");
+        for ask in ["esrgan", "tiny-x2", "none"] {
+            let r = post(&s, ask).await.unwrap();
+            assert_eq!(r.status(), 200, "enhance={ask}");
+            let body = r.bytes().await.unwrap();
+            assert_eq!(common::server::codecs(&body), "h264,aac", "enhance={ask}");
+        }
+        let r = post(&s, "realesr-general-x4v3").await.unwrap();
+        assert_eq!(r.status(), 400);
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(v["error_type"], "enhancer_not_loaded", "{v}");
+        assert!(
+            v["error"].as_str().unwrap().contains("tiny-x2 (esrgan)"),
+            "{v}"
+        );
+    }
+    {
+        // Two of a kind: the kind alone is ambiguous, names pick.
+        let other = dir.path().join("tiny-b.safetensors");
+        tiny_enhancer(&other, 0.0);
+        let both = format!("{},{}", ck.display(), other.display());
+        let s = Server::start_with(
+            common::server::ECHO,
+            &[],
+            &[("LIPSYNC_ENHANCER_CHECKPOINT", both.as_str())],
+        );
+        s.wait_ready().await;
+        assert_eq!(s.info().await["enhancers"].as_array().unwrap().len(), 2);
+        let r = post(&s, "esrgan").await.unwrap();
+        assert_eq!(r.status(), 400);
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(v["error_type"], "enhancer_not_loaded", "{v}");
+        assert!(
+            v["error"]
+                .as_str()
+                .unwrap()
+                .contains("name one (tiny-x2, tiny-b)"),
+            "{v}"
+        );
+        assert_eq!(post(&s, "tiny-b").await.unwrap().status(), 200);
+    }
+    let s = Server::start_echo(&[]);
+    s.wait_ready().await;
+    assert_eq!(s.info().await["enhancers"], serde_json::json!([]));
+    let r = post(&s, "esrgan").await.unwrap();
+    assert_eq!(r.status(), 400);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["error_type"], "enhancer_not_loaded", "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("--enhancer-checkpoint"),
+        "{v}"
+    );
 }

@@ -264,6 +264,16 @@ async fn bad_openings_get_an_error_and_a_close_code() {
             1008,
             "bad_min_draw_fps",
         ),
+        (
+            // No enhancer is loaded on this server.
+            Message::Text(
+                serde_json::json!({"avatar_id": avatar, "enhance": "esrgan"})
+                    .to_string()
+                    .into(),
+            ),
+            1008,
+            "enhancer_not_loaded",
+        ),
         (opening("0123456789abcdef", "jpeg"), 4404, "avatar_not_found"),
     ];
     for (first, code, kind) in cases {
@@ -279,6 +289,41 @@ async fn bad_openings_get_an_error_and_a_close_code() {
     }
     // The server is fine afterwards.
     assert_eq!(reqwest::get(s.url("/health")).await.unwrap().status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_with_an_enhancer_draws_its_frames_through_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("tiny-x2.safetensors");
+    common::tiny_enhancer(&ck, 0.2);
+    let s = Server::start_echo(&[
+        "--utterance-gap-ms",
+        "2000",
+        "--enhancer-checkpoint",
+        &ck.display().to_string(),
+    ]);
+    s.wait_ready().await;
+    let avatar = s.upload_avatar().await;
+    let mut ws = connect_with(&s, "", &[]).await.unwrap();
+    let open = serde_json::json!({
+        "avatar_id": avatar, "output": "jpeg", "min_draw_fps": 0, "enhance": "tiny-x2",
+    });
+    ws.send(Message::Text(open.to_string().into()))
+        .await
+        .unwrap();
+    let mut got = Received::default();
+    read_until(&mut ws, &mut got, |g| g.frames.len() >= 5).await;
+    assert_eq!(got.texts[0]["type"], "ready", "{:?}", got.texts);
+    let (_, pcm) = speech_pcm();
+    send_paced(&mut ws, &pcm).await;
+    ws.send(Message::Text(r#"{"type":"end"}"#.into()))
+        .await
+        .unwrap();
+    read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
+    let end = got.texts.iter().find(|t| t["type"] == "end").expect("end");
+    assert_eq!(end["stats"]["speaking_frames"], 25, "{end}");
+    assert!(end["stats"]["drawn_frames"].as_u64().unwrap() > 0, "{end}");
+    assert_eq!(got.close.as_ref().map(|c| c.0), Some(1000));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -471,7 +516,10 @@ fn test_engine() -> (lipsync::engine::Engine, lipsync::config::MediaArgs) {
         "2",
     ]);
     let cfg = args.engine.resolve(&args.media);
-    let (engine, _) = args.engine.start_engine(&cfg, false).unwrap();
+    let (engine, _) = args
+        .engine
+        .start_engine(&cfg, false, Default::default())
+        .unwrap();
     engine.wait_ready().unwrap();
     (engine, args.media)
 }
@@ -495,6 +543,7 @@ fn session_config(
         loop_mode,
         draw_fps: None,
         fair_share: None,
+        enhance: None,
     }
 }
 
@@ -574,7 +623,7 @@ fn a_session_draws_the_file_paths_frames() {
             Ok(())
         }
     }
-    let face = session::idle_face(&engine, &avatar, Duration::from_secs(60)).unwrap();
+    let face = session::idle_face(&engine, &avatar, None, Duration::from_secs(60)).unwrap();
     let scfg = session_config(fps, Default::default());
     let (tx, rx) = std::sync::mpsc::channel();
     for piece in pcm.chunks(333) {

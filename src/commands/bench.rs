@@ -55,9 +55,10 @@ pub struct BenchArgs {
     /// process: each upsampling form timed per layer, frames/s, per-layer times, peak memory
     /// and accuracy; CUDA), media (the real service on the echo device as a child process:
     /// requests on a photo, a 720p photo and a 720p clip with their CPU against one ffmpeg's
-    /// encode of the same video, one core against two, live sessions; no checkpoint needed)
-    /// [default: all but memory, compare and media; encoder only with --encode-frames above
-    /// 0, layers only on CUDA; with --device echo: media].
+    /// encode of the same video, one core against two, live sessions; no checkpoint needed),
+    /// enhancers (each --enhancer-checkpoint's faces/s at batches 1 and 16; no Wav2Lip
+    /// checkpoint needed) [default: all but memory, compare, media and enhancers; encoder
+    /// only with --encode-frames above 0, layers only on CUDA; with --device echo: media].
     #[arg(long, value_delimiter = ',', value_parser = choice::<Section>(Section::NAMES))]
     pub sections: Vec<Section>,
     /// Precisions of the model and accuracy runs, comma-separated [default: f32,f16,bf16 on
@@ -116,6 +117,10 @@ pub struct BenchArgs {
     /// Also write the results as JSON here (rewritten after each part).
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// An enhancer's checkpoint (repeatable), for the enhancers section: faces/s of each at
+    /// batches 1 and 16 on 96x96 faces, in f32 on the CPU (as `serve` runs them).
+    #[arg(long = "enhancer-checkpoint", value_name = "FILE")]
+    pub enhancer_checkpoint: Vec<PathBuf>,
     /// The ffmpeg executable.
     #[arg(long, env = "LIPSYNC_FFMPEG", default_value = "ffmpeg")]
     pub ffmpeg: PathBuf,
@@ -148,6 +153,7 @@ pub enum Section {
     Memory,
     Compare,
     Media,
+    Enhancers,
 }
 
 impl Section {
@@ -163,8 +169,9 @@ impl Section {
         "memory",
         "compare",
         "media",
+        "enhancers",
     ];
-    const ALL: [Section; 10] = [
+    const ALL: [Section; 11] = [
         Section::Model,
         Section::Instances,
         Section::Accuracy,
@@ -175,6 +182,7 @@ impl Section {
         Section::Memory,
         Section::Compare,
         Section::Media,
+        Section::Enhancers,
     ];
 
     fn name(self) -> &'static str {
@@ -240,7 +248,12 @@ impl Plan {
                 .into_iter()
                 .filter(|&s| s != Section::Encoder || a.encode_frames > 0)
                 .filter(|&s| s != Section::Layers || cuda)
-                .filter(|&s| !matches!(s, Section::Memory | Section::Compare | Section::Media))
+                .filter(|&s| {
+                    !matches!(
+                        s,
+                        Section::Memory | Section::Compare | Section::Media | Section::Enhancers
+                    )
+                })
                 .collect()
         } else {
             if a.sections.contains(&Section::Encoder) && a.encode_frames == 0 {
@@ -248,12 +261,20 @@ impl Plan {
                     "--sections encoder needs --encode-frames above 0".into(),
                 ));
             }
+            if a.sections.contains(&Section::Enhancers) && a.enhancer_checkpoint.is_empty() {
+                return Err(CliError::Jobs(
+                    "--sections enhancers needs --enhancer-checkpoint FILE".into(),
+                ));
+            }
             a.sections.clone()
         };
         sections.sort();
         sections.dedup();
         if device == DeviceKind::Echo {
-            if let Some(s) = sections.iter().find(|&&s| s != Section::Media) {
+            if let Some(s) = sections
+                .iter()
+                .find(|&&s| !matches!(s, Section::Media | Section::Enhancers))
+            {
                 return Err(CliError::Jobs(format!(
                     "--device echo runs only --sections media (the {} section measures a model)",
                     s.name()
@@ -431,7 +452,11 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
     let device = a.device.unwrap_or_else(DeviceKind::default_for_host);
     let plan = Plan::new(&a, device)?;
     // The media section runs the service on echo: no model, no checkpoint.
-    let model_sections = a.autotune_probe || plan.sections.iter().any(|&s| s != Section::Media);
+    let model_sections = a.autotune_probe
+        || plan
+            .sections
+            .iter()
+            .any(|&s| !matches!(s, Section::Media | Section::Enhancers));
     let (checkpoint, weights) = if model_sections {
         let checkpoint = a.checkpoint.clone().ok_or_else(|| {
             CliError::Jobs(
@@ -470,7 +495,14 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
             plan.service_text()
         );
     } else {
-        println!("Sections: media (the service on the echo device).");
+        println!(
+            "Sections: {} (no Wav2Lip model).",
+            plan.sections
+                .iter()
+                .map(|s| s.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
     }
     let mut prepared = None;
     let mut avatar = || -> Result<Avatar, CliError> {
@@ -507,10 +539,59 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
             Section::Memory => results["planned_memory"] = model_runs::memory(&a, &plan)?,
             Section::Compare => results["compare"] = model_runs::compare(&a, &plan, weights())?,
             Section::Media => results["media"] = media::media(&a)?,
+            Section::Enhancers => results["enhancers"] = enhancers(&a)?,
         }
         save(&results)?;
     }
     Ok(())
+}
+
+/// Each enhancer's faces/s on 96x96 faces at batches 1 and 16, in f32 on the CPU (what
+/// `serve` runs): one untimed run, then the median of three.
+fn enhancers(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
+    use lipsync::model::enhancer;
+    println!("## Enhancers (96x96 faces, f32 on the CPU, median of 3)\n");
+    println!(
+        "| enhancer | architecture | multiply-adds per face | batch 1 faces/s | batch 16 faces/s |"
+    );
+    println!("|---|---|---|---|---|");
+    let mut rows = Vec::new();
+    for path in &a.enhancer_checkpoint {
+        let e = enhancer::load(path)?;
+        let mut rates = Vec::new();
+        for n in [1usize, 16] {
+            // A smooth face-like ramp: the cost does not depend on the values.
+            let faces: Vec<f32> = (0..n * 3 * FACE_SIZE * FACE_SIZE)
+                .map(|i| (i % 251) as f32 / 250.0)
+                .collect();
+            e.net.forward_cpu(n, FACE_SIZE, FACE_SIZE, &faces)?;
+            let mut times: Vec<f64> = (0..3)
+                .map(|_| {
+                    let t = Instant::now();
+                    e.net
+                        .forward_cpu(n, FACE_SIZE, FACE_SIZE, &faces)
+                        .map(|_| t.elapsed().as_secs_f64())
+                })
+                .collect::<Result<_, _>>()?;
+            times.sort_by(f64::total_cmp);
+            rates.push(n as f64 / times[1]);
+        }
+        let macs = e.net.multiply_adds(FACE_SIZE, FACE_SIZE);
+        println!(
+            "| {} | {} | {:.2} G | {:.2} | {:.2} |",
+            e.name,
+            e.net.describe(),
+            macs / 1e9,
+            rates[0],
+            rates[1]
+        );
+        rows.push(serde_json::json!({
+            "name": e.name, "kind": e.kind(), "architecture": e.net.describe(),
+            "multiply_adds_per_face": macs, "faces_per_second": {"1": rates[0], "16": rates[1]},
+        }));
+    }
+    println!();
+    Ok(rows.into())
 }
 
 /// x264 alone on frames of the avatar, by encoder worker count (and serve's count).

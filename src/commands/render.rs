@@ -51,12 +51,17 @@ pub struct RenderArgs {
     /// Output MP4.
     #[arg(long, default_value = "out.mp4")]
     pub out: PathBuf,
-    /// Also write every predicted 96x96 face as a PNG (00000.png, 00001.png, ...).
+    /// Also write every predicted 96x96 face as a PNG (00000.png, 00001.png, ...; larger
+    /// when an enhancer ran on it).
     #[arg(long)]
     pub faces_dir: Option<PathBuf>,
+    /// Run an enhancer loaded with --enhancer-checkpoint on every predicted face: its kind
+    /// (esrgan) when one of that kind is loaded, or its name (the file's stem); none for none.
+    #[arg(long, default_value = "none")]
+    pub enhance: String,
     /// Run many renders with the model loaded once: a JSON Lines file, one object per line with
     /// the keys audio, out and image or video (required) and box, pads, fps, loop, smooth,
-    /// blend, crf, preset, faces_dir.
+    /// blend, crf, preset, faces_dir, enhance.
     #[arg(long, conflicts_with_all = ["audio", "image", "video", "face_box", "faces_dir"])]
     pub jobs: Option<PathBuf>,
     /// The model, its instances and the batcher: the same engine as `lipsync serve`.
@@ -85,6 +90,7 @@ struct Job {
     crf: Option<u8>,
     preset: Option<String>,
     faces_dir: Option<PathBuf>,
+    enhance: Option<String>,
 }
 
 /// The avatar of a job: a photo or a clip.
@@ -107,6 +113,8 @@ struct Resolved {
     crf: u8,
     preset: String,
     faces_dir: Option<PathBuf>,
+    /// The enhancer asked for (resolved against the loaded ones when the job runs).
+    enhance: String,
 }
 
 impl Job {
@@ -163,6 +171,7 @@ impl Job {
             crf,
             preset,
             faces_dir: self.faces_dir,
+            enhance: self.enhance.unwrap_or_else(|| a.enhance.clone()),
         })
     }
 }
@@ -173,7 +182,10 @@ pub fn render(a: RenderArgs) -> Result<(), CliError> {
     let t = Instant::now();
     // Warm-up measures batch costs for a server's batcher; one render on the CPU skips it.
     let warm_up = cfg.device == lipsync::model::DeviceKind::Cuda;
-    let (engine, summary) = a.engine.start_engine(&cfg, warm_up)?;
+    let enhancers = a.engine.load_enhancers(&cfg)?;
+    // Checked before the model loads: a render that asks for a missing enhancer stops now.
+    enhancers.resolve(Some(&a.enhance))?;
+    let (engine, summary) = a.engine.start_engine(&cfg, warm_up, enhancers)?;
     engine
         .wait_ready()
         .map_err(|e| CliError::Model(lipsync::model::Error::Device(e)))?;
@@ -204,6 +216,7 @@ pub fn render(a: RenderArgs) -> Result<(), CliError> {
                 crf: None,
                 preset: None,
                 faces_dir: a.faces_dir.clone(),
+                enhance: None,
             };
             let mut job = job.resolve(&a).map_err(CliError::Jobs)?;
             job.face_box = a.face_box;
@@ -309,6 +322,7 @@ fn render_one(
             blend: job.blend,
             crf: Some(job.crf),
             preset: Some(job.preset.clone()),
+            enhance: engine.enhancers().resolve(Some(&job.enhance))?,
         },
         class: Class::Interactive,
         faces_dir: job.faces_dir.clone(),

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use super::avatar::BlendMasks;
 use super::clip::{Clip, Loop};
 use super::{Avatar, Error};
-use crate::media::face::{self, FACE_SIZE};
+use crate::media::face;
 use crate::media::image::Frame;
 use crate::media::video::VideoEncoder;
 use crate::media::yuv::{self, Yuv420};
@@ -66,7 +66,7 @@ impl<'a> Compositor<'a> {
         })
     }
 
-    /// The next frame's predicted face, 96×96 BGR.
+    /// The next frame's predicted face, 96×96 BGR (or larger and square, enhanced).
     pub fn push(&mut self, face_bgr: &[u8]) -> Result<(), Error> {
         let t = Instant::now();
         if let Some(dir) = &self.faces_dir {
@@ -136,7 +136,8 @@ fn save_face(dir: &Path, index: usize, bgr: &[u8]) -> Result<(), Error> {
     let mut rgb = bgr.to_vec();
     face::swap_red_blue(&mut rgb);
     let path = dir.join(format!("{index:05}.png"));
-    Frame::new(FACE_SIZE as u32, FACE_SIZE as u32, rgb)
+    let side = face::face_side(bgr) as u32;
+    Frame::new(side, side, rgb)
         .save_png(&path)
         .map_err(|source| Error::Output { path, source })
 }

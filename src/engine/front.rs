@@ -12,15 +12,17 @@ use std::time::{Duration, Instant};
 
 use super::backend::Loader;
 use super::batcher::{Overloaded, RequestId};
+use super::enhance::Enhancers;
 use super::pool::{Pool, PoolConfig, PoolStatus};
 use super::render::video_frames;
 use super::scheduler::{FrameResult, FrameWork, Scheduler};
 use super::Error;
 use crate::media::audio::{Fps, FramePlan, Speech, WINDOW};
 
-/// The model instances and their batcher.
+/// The model instances and their batcher, and the enhancers requests may ask for.
 pub struct Engine {
     pool: Pool,
+    enhancers: Arc<Enhancers>,
 }
 
 impl Engine {
@@ -28,7 +30,19 @@ impl Engine {
     pub fn start(loader: Arc<dyn Loader>, cfg: PoolConfig) -> Engine {
         Engine {
             pool: Pool::start(loader, cfg),
+            enhancers: Arc::default(),
         }
+    }
+
+    /// The engine with these enhancers loaded (run on the instances' threads after the
+    /// generator, see [`super::enhance`]).
+    pub fn with_enhancers(mut self, enhancers: Arc<Enhancers>) -> Engine {
+        self.enhancers = enhancers;
+        self
+    }
+
+    pub fn enhancers(&self) -> &Arc<Enhancers> {
+        &self.enhancers
     }
 
     pub fn status(&self) -> &Arc<PoolStatus> {
@@ -102,6 +116,7 @@ pub fn plan(
             shown: index,
             mel: mel.window(plan.start(index), WINDOW),
             face: face_for(index),
+            enhance: None,
         })
         .collect();
     Ok(Planned {

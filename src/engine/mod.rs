@@ -14,6 +14,7 @@ pub mod cache;
 pub mod clip;
 pub mod compositor;
 pub mod echo;
+pub mod enhance;
 pub mod faults;
 pub mod front;
 pub mod job;
@@ -52,6 +53,9 @@ pub enum Error {
     /// A live session's client sent something it cannot use.
     #[error("{0}")]
     Stream(String),
+    /// A request asked for an enhancer that is not loaded (or named a kind several share).
+    #[error("{0}")]
+    EnhancerNotLoaded(String),
 }
 
 impl Error {
@@ -65,6 +69,7 @@ impl Error {
             Error::OutOfMemory(_) => "out_of_memory",
             Error::Cancelled => "cancelled",
             Error::Stream(_) => "bad_stream",
+            Error::EnhancerNotLoaded(_) => "enhancer_not_loaded",
         }
     }
 }

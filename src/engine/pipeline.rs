@@ -93,6 +93,8 @@ pub struct Options {
     pub crf: Option<u8>,
     /// x264 preset (`None`: [`Settings::encoder`]'s).
     pub preset: Option<String>,
+    /// The enhancer run on every predicted face ([`super::enhance`]), if any.
+    pub enhance: Option<super::enhance::EnhanceWith>,
 }
 
 /// Who waits for a render.
@@ -203,7 +205,12 @@ pub fn start(
     let decoded = audio::load(&speech.bytes, settings.max_audio_seconds)?;
     m::stage("decode", t.elapsed());
     let t = Instant::now();
-    let planned = super::plan(&decoded, fps, &avatar.crops(options.loop_mode))?;
+    let mut planned = super::plan(&decoded, fps, &avatar.crops(options.loop_mode))?;
+    if let Some(with) = &options.enhance {
+        for f in &mut planned.frames {
+            f.enhance = Some(with.clone());
+        }
+    }
     m::stage("mel", t.elapsed());
     let video_frames = planned.video_frames;
     let submission = match class {

@@ -981,11 +981,27 @@ impl Instance<'_> {
                 requests.sort();
                 requests.dedup();
                 m::batch(n, requests.len());
-                for (item, p) in items.into_iter().zip(pred.chunks_exact(PRED_LEN)) {
+                // The enhancers the batch's frames asked for, one sub-batch each.
+                let asks: Vec<_> = items.iter().map(|i| i.work.enhance.as_ref()).collect();
+                let mut enhanced = if asks.iter().any(Option::is_some) {
+                    let t = Instant::now();
+                    let out = super::enhance::run(&asks, &pred);
+                    m::stage("enhance", t.elapsed());
+                    out
+                } else {
+                    Vec::new()
+                };
+                for (k, (item, p)) in items
+                    .into_iter()
+                    .zip(pred.chunks_exact(PRED_LEN))
+                    .enumerate()
+                {
+                    let face = match enhanced.get_mut(k).and_then(Option::take) {
+                        Some(result) => result,
+                        None => Ok(face::prediction_to_bgr(p)),
+                    };
                     // A closed receiver means the request was cancelled meanwhile.
-                    let _ = item
-                        .reply
-                        .send(Ok((item.work.index, face::prediction_to_bgr(p))));
+                    let _ = item.reply.send(face.map(|f| (item.work.index, f)));
                 }
                 self.spare = pred;
                 Ok(())
@@ -1216,6 +1232,7 @@ mod tests {
                 shown: index,
                 mel: vec![index as f32; MEL_LEN],
                 face: face.clone(),
+                enhance: None,
             })
             .collect()
     }

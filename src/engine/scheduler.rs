@@ -31,9 +31,12 @@ pub struct FrameWork {
     /// makes the `(6, 96, 96)` model input from it when it builds the batch, so queued frames
     /// hold 27 KB each at most instead of 221 KB).
     pub face: Arc<Vec<u8>>,
+    /// The enhancer to run on the predicted face, if the request asked for one.
+    pub enhance: Option<super::enhance::EnhanceWith>,
 }
 
-/// One predicted face, 96×96×3 BGR, or why the model failed.
+/// One predicted face, 96×96×3 BGR (96·s × 96·s when an enhancer of scale s ran on it), or
+/// why the model failed.
 pub type FrameResult = Result<(usize, Vec<u8>), String>;
 
 /// A frame taken for a batch, with what the instance needs to run and answer it.
@@ -438,6 +441,7 @@ mod tests {
                 shown: index,
                 mel: vec![0.0; 4],
                 face: face.clone(),
+                enhance: None,
             })
             .collect()
     }
@@ -538,6 +542,7 @@ mod tests {
             shown: index,
             mel: vec![],
             face: face.clone(),
+            enhance: None,
         };
         let due = Instant::now() + Duration::from_millis(400);
         let (_a, _ra) = s.admit_realtime(vec![(frame(0), due)]);

@@ -144,6 +144,8 @@ pub struct SessionConfig {
     /// its drawing rate stays within [`FairShare::HEADROOM`] of it, so a session that opened
     /// alone gives way when others join (`None`: no bound).
     pub fair_share: Option<Arc<FairShare>>,
+    /// The enhancer run on every face drawn for the session (its idle face included).
+    pub enhance: Option<super::enhance::EnhanceWith>,
 }
 
 /// A drawing rate (faces per second) one side sets and a session reads, as it changes.
@@ -279,14 +281,21 @@ impl SessionStats {
     }
 }
 
-/// The face the model draws for silence on `avatar`, 96×96 BGR (waits for the engine).
-pub fn idle_face(engine: &Engine, avatar: &Avatar, wait: Duration) -> Result<Vec<u8>, Error> {
+/// The face the model draws for silence on `avatar`, 96×96 BGR (waits for the engine),
+/// enhanced by `enhance` if given.
+pub fn idle_face(
+    engine: &Engine,
+    avatar: &Avatar,
+    enhance: Option<super::enhance::EnhanceWith>,
+    wait: Duration,
+) -> Result<Vec<u8>, Error> {
     let silence = mel_spectrogram(&vec![0.0; MIN_SAMPLES]);
     let work = FrameWork {
         index: 0,
         shown: 0,
         mel: silence.window(0, WINDOW),
         face: avatar.crop(0),
+        enhance,
     };
     let mut sub = engine.submit_realtime(vec![(work, Instant::now())]);
     let until = Instant::now() + wait;
@@ -943,6 +952,7 @@ impl<'a> Session<'a> {
                     shown: (first + j as u64) as usize,
                     mel,
                     face,
+                    enhance: self.cfg.enhance.clone(),
                 };
                 draws.push((j, self.engine.submit_realtime(vec![(work, due)])));
             }

@@ -464,7 +464,8 @@ fn render(
     let avatar = avatar_store::decode(&avatar_bytes).map_err(|e| failed("the avatar", &e))?;
     let speech =
         Speech::file(dir.join(&job.spec.speech_file)).map_err(|e| failed("the speech", &e))?;
-    let options = options(&job.spec.fields).map_err(|e| failed("the options", &e))?;
+    let options =
+        options(&job.spec.fields, engine.enhancers()).map_err(|e| failed("the options", &e))?;
     let settings = host.render_settings();
     let ffmpeg = settings.encoder.ffmpeg.clone();
 
@@ -518,8 +519,12 @@ fn render(
     Ok(dir_bytes(dir))
 }
 
-/// A job's render options from the form fields it was submitted with (checked then).
-pub fn options(fields: &std::collections::BTreeMap<String, String>) -> Result<Options, String> {
+/// A job's render options from the form fields it was submitted with (checked then; the
+/// enhancer it asked for must still be loaded).
+pub fn options(
+    fields: &std::collections::BTreeMap<String, String>,
+    enhancers: &crate::engine::enhance::Enhancers,
+) -> Result<Options, String> {
     fn field<T: std::str::FromStr>(
         fields: &std::collections::BTreeMap<String, String>,
         name: &str,
@@ -538,6 +543,9 @@ pub fn options(fields: &std::collections::BTreeMap<String, String>) -> Result<Op
         blend: field(fields, "blend")?.unwrap_or_default(),
         crf: field(fields, "crf")?,
         preset: None,
+        enhance: enhancers
+            .resolve(fields.get("enhance").map(String::as_str))
+            .map_err(|e| format!("field `enhance`: {e}"))?,
     })
 }
 

@@ -87,6 +87,9 @@ impl From<engine::Error> for ApiError {
     fn from(e: engine::Error) -> Self {
         match e {
             engine::Error::Media(m) => m.into(),
+            e @ engine::Error::EnhancerNotLoaded(_) => {
+                ApiError::bad_request(e.kind(), e.to_string())
+            }
             other => ApiError::internal(other),
         }
     }

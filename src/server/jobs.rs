@@ -38,7 +38,7 @@ const JOB_RAW: &[&str] = &["metadata"];
 
 /// Fields of `/v1/lipsync` kept with a job to shape its render (the avatar's own `box`,
 /// `pads` and `smooth` are already applied to the prepared avatar it keeps).
-const RENDER_FIELDS: &[&str] = &["fps", "loop", "blend"];
+const RENDER_FIELDS: &[&str] = &["fps", "loop", "blend", "enhance"];
 
 /// Largest page of `GET /v1/jobs`.
 const MAX_LIMIT: usize = 100;

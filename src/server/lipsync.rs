@@ -23,6 +23,7 @@ use super::avatars::{self, Upload};
 use super::conn::ConnInfo;
 use super::error::ApiError;
 use super::{form, App};
+use crate::engine::enhance::EnhanceWith;
 use crate::engine::metrics as m;
 use crate::engine::pipeline::{self, Class, Speech, StartError};
 use crate::engine::pool::panic_message;
@@ -43,6 +44,7 @@ pub(super) const TEXTS: &[&str] = &[
     "fps",
     "blend",
     "crf",
+    "enhance",
 ];
 
 /// Encoded chunks buffered between ffmpeg and the client (the rest waits in ffmpeg's pipe:
@@ -70,6 +72,8 @@ pub(super) struct Request {
     pub loop_mode: Loop,
     pub blend: Blend,
     pub crf: u8,
+    /// The enhancer run on every predicted face (`enhance`; default none).
+    pub enhance: Option<EnhanceWith>,
 }
 
 pub(super) enum AvatarSource {
@@ -111,6 +115,7 @@ pub(super) fn parse_form(f: &mut form::Form, app: &App) -> Result<Request, ApiEr
         .map(video::check_crf)
         .transpose()
         .map_err(|e| ApiError::bad_request("bad_field", format!("field `crf`: {e}")))?;
+    let enhance = app.enhancers.resolve(f.text("enhance").as_deref())?;
     Ok(Request {
         audio,
         avatar,
@@ -118,6 +123,7 @@ pub(super) fn parse_form(f: &mut form::Form, app: &App) -> Result<Request, ApiEr
         loop_mode: f.parse("loop")?.unwrap_or_default(),
         blend: f.parse("blend")?.unwrap_or_default(),
         crf: crf.unwrap_or(app.args.media.crf),
+        enhance,
     })
 }
 
@@ -304,6 +310,7 @@ fn start(
             blend: req.blend,
             crf: Some(req.crf),
             preset: None,
+            enhance: req.enhance,
         },
         class: Class::Interactive,
         faces_dir: None,

@@ -84,6 +84,8 @@ pub struct App {
     started: Instant,
     /// Batch jobs (`/v1/jobs`): the store, the data directory and the workers.
     jobs: Arc<crate::jobs::worker::Jobs>,
+    /// The enhancers loaded at start-up (`--enhancer-checkpoint`), also the engine's.
+    enhancers: Arc<crate::engine::enhance::Enhancers>,
 }
 
 impl App {
@@ -266,6 +268,7 @@ async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
         "batch_wait_ms": e.batch_wait_ms,
         "pad_batches": c.pad_batches,
         "gpu_memory_limit": e.gpu_memory_limit,
+        "enhancers": app.enhancers.info(),
         "limits": {
             "max_queue_frames": c.max_queue_frames,
             "max_ahead_frames": c.max_ahead_frames,
@@ -608,6 +611,7 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
     let cfg = args.resolve();
     // A server that could never load a model stops before it listens.
     args.engine.checkpoint_for(cfg.device)?;
+    let enhancers = args.engine.load_enhancers(&cfg)?;
     // Opened before listening: a directory that cannot be used ends the server at once.
     let avatar_store = match &args.avatar_dir {
         Some(dir) => {
@@ -654,6 +658,7 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
         shutting_down: AtomicBool::new(false),
         started: Instant::now(),
         jobs,
+        enhancers,
     });
     app.jobs.start(app.clone());
     // The live offer's CPU figure follows the frames that go out (one sample a second); the
@@ -678,13 +683,19 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
     std::thread::Builder::new()
         .name("lipsync-loader".into())
         .spawn(move || {
-            let (engine, summary) = match loader.args.engine.start_engine(&loader.cfg, true) {
-                Ok(x) => x,
-                Err(e) => {
-                    let _ = failed_tx.send(e);
-                    return;
-                }
-            };
+            let enhancers = loader.enhancers.clone();
+            let (engine, summary) =
+                match loader
+                    .args
+                    .engine
+                    .start_engine(&loader.cfg, true, enhancers)
+                {
+                    Ok(x) => x,
+                    Err(e) => {
+                        let _ = failed_tx.send(e);
+                        return;
+                    }
+                };
             let status = engine.status().clone();
             if let Some(summary) = summary {
                 let _ = loader.summary.set(summary);

@@ -495,6 +495,9 @@ struct Opening {
     /// The least drawing rate (faces/s) the client accepts; refused (`over_capacity`) below.
     #[serde(default)]
     min_draw_fps: Option<f64>,
+    /// The enhancer run on every drawn face: a kind or a loaded enhancer's name (default none).
+    #[serde(default)]
+    enhance: Option<String>,
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -522,6 +525,7 @@ struct Opened {
     blend: Option<crate::media::face::Blend>,
     loop_mode: crate::engine::Loop,
     min_draw_fps: f64,
+    enhance: Option<String>,
 }
 
 /// `min_draw_fps` when the opening does not say.
@@ -615,6 +619,7 @@ fn parse_opening(text: &str) -> Result<Opened, (&'static str, String)> {
         blend,
         loop_mode,
         min_draw_fps,
+        enhance: o.enhance,
     })
 }
 
@@ -668,6 +673,10 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
     let opened = match parse_opening(&first) {
         Ok(o) => o,
         Err((kind, msg)) => return fail(&mut socket, POLICY, kind, &msg).await,
+    };
+    let enhance = match app.enhancers.resolve(opened.enhance.as_deref()) {
+        Ok(e) => e,
+        Err(e) => return fail(&mut socket, POLICY, e.kind(), &e.to_string()).await,
     };
     let avatar = match avatars::lookup(&app, &opened.avatar_id).await {
         Ok(a) => a,
@@ -727,6 +736,7 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
         loop_mode: opened.loop_mode,
         draw_fps: Some(draw_fps),
         fair_share: Some(fair_share),
+        enhance,
     };
     let thread_app = app.clone();
     let span = tracing::Span::current();
@@ -871,7 +881,12 @@ fn session_thread(
     let face = if avatar.clip.is_some() {
         Vec::new()
     } else {
-        match session::idle_face(engine, &avatar, Duration::from_secs(120)) {
+        match session::idle_face(
+            engine,
+            &avatar,
+            cfg.enhance.clone(),
+            Duration::from_secs(120),
+        ) {
             Ok(f) => f,
             Err(e) => return send_error(&e),
         }

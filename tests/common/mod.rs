@@ -232,3 +232,59 @@ pub fn overflowing_checkpoint(dir: &std::path::Path) -> std::path::PathBuf {
     lipsync::model::checkpoint::write_safetensors(&path, &tensors, &Default::default()).unwrap();
     path
 }
+
+/// The keys and shapes of a small SRVGGNetCompact (F features, K body convolutions, upscale s).
+pub fn compact_tensors(f: usize, k: usize, s: usize) -> Vec<(String, Vec<usize>)> {
+    let mut t = Vec::new();
+    for i in 0..=k {
+        let cin = if i == 0 { 3 } else { f };
+        t.push((format!("body.{}.weight", 2 * i), vec![f, cin, 3, 3]));
+        t.push((format!("body.{}.bias", 2 * i), vec![f]));
+        t.push((format!("body.{}.weight", 2 * i + 1), vec![f]));
+    }
+    t.push((
+        format!("body.{}.weight", 2 * k + 2),
+        vec![3 * s * s, f, 3, 3],
+    ));
+    t.push((format!("body.{}.bias", 2 * k + 2), vec![3 * s * s]));
+    t
+}
+
+/// Writes `keys` as a safetensors checkpoint, values from `fill(key, index)`.
+pub fn write_checkpoint(
+    path: &std::path::Path,
+    keys: &[(String, Vec<usize>)],
+    fill: &dyn Fn(&str, usize) -> f32,
+) {
+    let tensors: Vec<(String, candle_core::Tensor)> = keys
+        .iter()
+        .map(|(k, shape)| {
+            let n: usize = shape.iter().product();
+            let v: Vec<f32> = (0..n).map(|i| fill(k, i)).collect();
+            let t = candle_core::Tensor::from_vec(v, shape.as_slice(), &candle_core::Device::Cpu)
+                .unwrap();
+            (k.clone(), t)
+        })
+        .collect();
+    lipsync::model::checkpoint::write_safetensors(path, &tensors, &Default::default()).unwrap();
+}
+
+/// A small Real-ESRGAN SRVGGNetCompact (x2, 4 features, 2 body convolutions) saved as
+/// `path`: every convolution zero, so it adds nothing to its nearest-neighbour base, except the
+/// last one's bias on the red output channels, `red` (then clamped): the enhanced face is the
+/// input repeated 2 x 2 with its red raised by `red`.
+pub fn tiny_enhancer(path: &std::path::Path, red: f32) {
+    let keys = compact_tensors(4, 2, 2);
+    let last_bias = keys[keys.len() - 1].0.clone();
+    let prelu = ["body.1.weight", "body.3.weight", "body.5.weight"];
+    write_checkpoint(path, &keys, &|k, i| {
+        if prelu.contains(&k) {
+            0.25
+        } else if k == last_bias && i < 4 {
+            // Output channels 0..4 are red's four sub-pixels (`c·s² + i·s + j`).
+            red
+        } else {
+            0.0
+        }
+    });
+}

@@ -279,6 +279,13 @@ pub fn model_input_into(crop_bgr: &[u8], batch: &mut Vec<f32>) {
 
 /// One predicted face `(3, 96, 96)` channel-major BGR in (0, 1) to 8-bit BGR pixels: ×255 and
 /// truncated, as the original's `astype(np.uint8)`.
+/// The side of a square BGR face: 96 for the generator's, 96·s after an enhancer of scale s.
+pub fn face_side(face_bgr: &[u8]) -> usize {
+    let side = ((face_bgr.len() / 3) as f64).sqrt().round() as usize;
+    debug_assert_eq!(side * side * 3, face_bgr.len(), "a square BGR face");
+    side
+}
+
 pub fn prediction_to_bgr(pred: &[f32]) -> Vec<u8> {
     let n = FACE_SIZE * FACE_SIZE;
     let mut out = Vec::with_capacity(3 * n);
@@ -372,12 +379,14 @@ impl BlendMask {
     }
 }
 
-/// Resizes a predicted 96×96 BGR face to the box (`cv2.resize`, INTER_LINEAR) and blends it
+/// Resizes a predicted BGR face (96×96, or square and larger after an enhancer) to the box
+/// (`cv2.resize`, INTER_LINEAR) and blends it
 /// into `frame` with `mask` (sized to the box). Pixels outside the box are never touched.
 pub fn paste(frame: &mut Frame, b: &FaceBox, face_bgr: &[u8], mask: &BlendMask) {
     let (w, h) = (b.width() as usize, b.height() as usize);
     debug_assert_eq!(mask.size(), (w, h));
-    let resized = resize_linear(face_bgr, FACE_SIZE, FACE_SIZE, 3, w, h);
+    let side = face_side(face_bgr);
+    let resized = resize_linear(face_bgr, side, side, 3, w, h);
     let stride = frame.width as usize * 3;
     for y in 0..h {
         let row = (b.y1 as usize + y) * stride + b.x1 as usize * 3;

@@ -67,6 +67,15 @@ async function loadInfo() {
     const parts = [`lipsync ${info.version}`, `${info.device} ${info.dtype}`];
     if (info.random_weights) parts.push("random weights: the mouth will be noise");
     $("server-info").textContent = parts.join(" · ");
+    // The enhancers the server loaded: offered beside the face, and only those.
+    const enhancers = Array.isArray(info.enhancers) ? info.enhancers : [];
+    for (const e of enhancers) {
+      const opt = document.createElement("option");
+      opt.value = e.name;
+      opt.textContent = `${e.name} (${e.kind}, x${e.scale})`;
+      $("enhance").append(opt);
+    }
+    $("enhance-row").hidden = enhancers.length === 0;
     if (info.auth) {
       $("key-row").hidden = false;
       $("api-key").value = sessionStorage.getItem(KEY_KEY) || "";
@@ -743,6 +752,7 @@ function requestForm() {
     form.append(face.kind, face.file, face.file.name);
     if (box) form.append("box", box.join(","));
   }
+  if ($("enhance").value !== "none") form.append("enhance", $("enhance").value);
   return form;
 }
 
@@ -1171,6 +1181,7 @@ async function startLive() {
       avatar_id: avatarId, fps,
       audio: { format: "s16le", sample_rate: L.ctx.sampleRate, channels: 1 },
       output: "fmp4", min_draw_fps: minDrawFps,
+      ...($("enhance").value !== "none" ? { enhance: $("enhance").value } : {}),
     }));
     L.node.port.onmessage = (ev) => {
       if (ws.readyState === WebSocket.OPEN && !L.stopping) liveChunk(L, ev.data.pcm, ev.data.rms);

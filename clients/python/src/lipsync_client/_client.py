@@ -84,7 +84,8 @@ class Client:
         **options: Any,
     ) -> bytes:
         """`POST /v1/lipsync`: the whole MP4 (H.264 + AAC). `options`: `fps`, `box`, `pads`,
-        `smooth`, `loop`, `blend`, `crf` (a box or pads as a 4-tuple)."""
+        `smooth`, `loop`, `blend`, `crf`, `enhance` (an enhancer loaded on the server: `"esrgan"`
+        or its name; a box or pads as a 4-tuple)."""
         return b"".join(
             self.render_stream(audio, image=image, video=video, avatar_id=avatar_id, **options)
         )
@@ -396,6 +397,7 @@ class AsyncClient:
         channels: int = 1,
         loop: str | None = None,
         blend: str | None = None,
+        enhance: str | None = None,
         open_timeout: float | None = None,
     ) -> LiveSession:
         """A live session (`GET /v1/stream`, JPEG output), as an async context manager:
@@ -405,7 +407,8 @@ class AsyncClient:
                 async for item in live.paced():   # or `async for item in live` (as received)
                     ...                           # LiveFrame or LiveEvent
 
-        `min_draw_fps` is sent only when given. Entering it waits for `ready` (at most
+        `min_draw_fps` and `enhance` (an enhancer loaded on the server, run on every drawn
+        face) are sent only when given. Entering it waits for `ready` (at most
         `open_timeout` seconds, by default the client's timeout) and raises the session's
         refusal as a `LipsyncError` (`over_capacity` or 429: `Overloaded`).
         """
@@ -419,6 +422,7 @@ class AsyncClient:
             min_draw_fps=min_draw_fps,
             loop=loop,
             blend=blend,
+            enhance=enhance,
             open_timeout=self.timeout if open_timeout is None else open_timeout,
         )
 

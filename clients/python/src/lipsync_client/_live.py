@@ -99,6 +99,7 @@ class LiveSession:
         min_draw_fps: float | None = None,
         loop: str | None = None,
         blend: str | None = None,
+        enhance: str | None = None,
         open_timeout: float = 60.0,
     ) -> None:
         self.url = url
@@ -115,6 +116,8 @@ class LiveSession:
             self.opening["loop"] = loop
         if blend is not None:
             self.opening["blend"] = blend
+        if enhance is not None:
+            self.opening["enhance"] = enhance
         self.sample_rate = sample_rate
         self.channels = channels
         self._open_timeout = open_timeout
