@@ -1,6 +1,7 @@
 //! `--avatar-dir`: prepared avatars on disk, found again after a restart, shared by replicas on
 //! one directory, damaged files skipped and removed, the byte budget kept by removing the least
-//! recently used. `lipsync serve` as a process, driven over HTTP (needs ffmpeg and ffprobe).
+//! recently used. `lipsync serve` as a process on the echo device (the avatars are under test,
+//! not the model), driven over HTTP (needs ffmpeg and ffprobe).
 
 mod common;
 
@@ -122,7 +123,7 @@ async fn avatars_outlive_a_restart_and_so_does_their_deletion() {
     let d = dir.path().join("avatars");
     let flags = ["--avatar-dir", d.to_str().unwrap()];
     let (a, c) = {
-        let s = Server::start(&flags);
+        let s = Server::start_echo(&flags);
         let (status, a) = create(&s, photo("astronaut.png", &[])).await;
         assert_eq!(status, 201, "{a}");
         let (status, c) = create(&s, clip()).await;
@@ -140,7 +141,7 @@ async fn avatars_outlive_a_restart_and_so_does_their_deletion() {
     let (pid, cid) = (id_of(&a), id_of(&c));
 
     // A new process on the same directory: nothing in memory, everything on disk.
-    let s = Server::start(&flags);
+    let s = Server::start_echo(&flags);
     s.wait_ready().await;
     assert_eq!(get(&s, &pid).await, (200, a.clone()));
     assert_eq!(get(&s, &cid).await, (200, c.clone()));
@@ -161,7 +162,7 @@ async fn avatars_outlive_a_restart_and_so_does_their_deletion() {
     assert_eq!(delete(&s, &pid).await, 404);
     drop(s);
 
-    let s = Server::start(&flags);
+    let s = Server::start_echo(&flags);
     let (status, e) = get(&s, &pid).await;
     assert_eq!(
         (status, e["error_type"].as_str()),
@@ -175,7 +176,7 @@ async fn replicas_on_one_directory_serve_and_delete_each_others_avatars() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let flags = ["--avatar-dir", d.to_str().unwrap()];
-    let one = Server::start(&flags);
+    let one = Server::start_echo(&flags);
     let two = one.start_beside(&flags);
     let (status, a) = create(&one, photo("astronaut.png", &[])).await;
     assert_eq!(status, 201);
@@ -219,7 +220,7 @@ async fn damaged_files_are_404_and_removed_and_the_others_still_served() {
     let d = dir.path();
     let flags = ["--avatar-dir", d.to_str().unwrap()];
     let ids: Vec<String> = {
-        let s = Server::start(&flags);
+        let s = Server::start_echo(&flags);
         let mut ids = Vec::new();
         for form in [
             photo("astronaut.png", &[]),
@@ -240,7 +241,7 @@ async fn damaged_files_are_404_and_removed_and_the_others_still_served() {
     bytes[mid] ^= 0x01;
     std::fs::write(file(d, flipped), &bytes).unwrap();
 
-    let s = Server::start(&flags);
+    let s = Server::start_echo(&flags);
     s.wait_ready().await;
     let (status, e) = get(&s, cut).await;
     assert_eq!(
@@ -280,7 +281,7 @@ async fn the_byte_budget_removes_the_least_recently_used_first() {
         "--avatar-dir-bytes",
         "2000000",
     ];
-    let s = Server::start(&flags);
+    let s = Server::start_echo(&flags);
     let mut ids = Vec::new();
     for pads in ["0,10,0,0", "0,20,0,0", "0,30,0,0"] {
         let (status, v) = create(&s, photo("astronaut.png", &[("pads", pads)])).await;
@@ -312,7 +313,7 @@ async fn the_byte_budget_removes_the_least_recently_used_first() {
         "--avatar-dir-bytes",
         "900K",
     ];
-    let s = Server::start(&small);
+    let s = Server::start_echo(&small);
     let before = entries(d);
     assert_eq!(
         before.len(),

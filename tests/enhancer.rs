@@ -302,6 +302,21 @@ fn lipsync_bounded(
     child.wait_with_output().unwrap()
 }
 
+/// `lipsync render` on the echo device with one second of speech on the astronaut photo,
+/// writing `out`, then `extra`.
+fn echo_render(out: &Path, extra: &[std::ffi::OsString]) -> std::process::Output {
+    let mut args: Vec<std::ffi::OsString> = vec!["render".into(), "--device".into(), "echo".into()];
+    args.extend([
+        "--audio".into(),
+        common::media_path("arctic_a0007_1s.wav").into(),
+    ]);
+    args.extend(["--image".into(), common::media_path("astronaut.png").into()]);
+    args.extend(["--out".into(), out.as_os_str().to_owned()]);
+    args.extend(extra.iter().cloned());
+    let refs: Vec<&dyn AsRef<std::ffi::OsStr>> = args.iter().map(|a| a as _).collect();
+    lipsync_bounded(&refs, std::time::Duration::from_secs(300))
+}
+
 #[test]
 fn serve_and_render_stop_at_start_up_on_a_bad_enhancer_file() {
     let dir = tempfile::tempdir().unwrap();
@@ -350,41 +365,20 @@ fn serve_and_render_stop_at_start_up_on_a_bad_enhancer_file() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("two enhancers named \"same\""), "{err}");
     // Not an enhancer (the Wav2Lip test checkpoint), on render.
-    let o = lipsync_bounded(
+    let o = echo_render(
+        &dir.path().join("x.mp4"),
         &[
-            &"render",
-            &"--device",
-            &"echo",
-            &"--audio",
-            &common::media_path("arctic_a0007_1s.wav"),
-            &"--image",
-            &common::media_path("astronaut.png"),
-            &"--out",
-            &dir.path().join("x.mp4"),
-            &"--enhancer-checkpoint",
-            &common::checkpoint("zip_bare.pt"),
+            "--enhancer-checkpoint".into(),
+            common::checkpoint("zip_bare.pt").into(),
         ],
-        limit,
     );
     let err = text(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("no enhancer is recognised"), "{err}");
     // A render asking for an enhancer that is not loaded stops before it starts.
-    let o = lipsync_bounded(
-        &[
-            &"render",
-            &"--device",
-            &"echo",
-            &"--audio",
-            &common::media_path("arctic_a0007_1s.wav"),
-            &"--image",
-            &common::media_path("astronaut.png"),
-            &"--out",
-            &dir.path().join("y.mp4"),
-            &"--enhance",
-            &"esrgan",
-        ],
-        limit,
+    let o = echo_render(
+        &dir.path().join("y.mp4"),
+        &["--enhance".into(), "esrgan".into()],
     );
     let err = text(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
@@ -417,18 +411,10 @@ fn render_enhances_every_predicted_face_before_it_is_pasted() {
     let run = |name: &str, extra: &[&str]| {
         let faces_dir = dir.path().join(name);
         let out = dir.path().join(format!("{name}.mp4"));
-        let mut args: Vec<std::ffi::OsString> =
-            vec!["render".into(), "--device".into(), "echo".into()];
-        args.extend([
-            "--audio".into(),
-            common::media_path("arctic_a0007_1s.wav").into(),
-        ]);
-        args.extend(["--image".into(), common::media_path("astronaut.png").into()]);
-        args.extend(["--out".into(), out.clone().into_os_string()]);
-        args.extend(["--faces-dir".into(), faces_dir.clone().into_os_string()]);
-        args.extend(extra.iter().map(Into::into));
-        let refs: Vec<&dyn AsRef<std::ffi::OsStr>> = args.iter().map(|a| a as _).collect();
-        let o = lipsync_bounded(&refs, std::time::Duration::from_secs(300));
+        let mut more: Vec<std::ffi::OsString> =
+            vec!["--faces-dir".into(), faces_dir.clone().into()];
+        more.extend(extra.iter().map(Into::into));
+        let o = echo_render(&out, &more);
         assert!(o.status.success(), "{name}: {}", text(&o.stderr));
         assert_eq!(
             common::probe(&out)["streams"].as_array().unwrap().len(),
@@ -504,6 +490,44 @@ async fn requests_name_a_loaded_enhancer_or_are_refused_with_400() {
             v["error"].as_str().unwrap().contains("tiny-x2 (esrgan)"),
             "{v}"
         );
+        // A batch job asks the same way, and renders with it.
+        let form = common::server::lipsync_form("arctic_a0007_1s.wav", "astronaut.png")
+            .text("enhance", "esrgan");
+        let r = reqwest::Client::new()
+            .post(s.url("/v1/jobs"))
+            .multipart(form)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 202);
+        let id = r.json::<serde_json::Value>().await.unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        let job = loop {
+            let j: serde_json::Value = reqwest::get(s.url(&format!("/v1/jobs/{id}")))
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            if j["status"] == "succeeded" {
+                break j;
+            }
+            assert!(
+                j["status"] != "failed" && std::time::Instant::now() < deadline,
+                "{j}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        };
+        let video = reqwest::get(s.url(job["video_url"].as_str().unwrap()))
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
+        assert_eq!(common::server::codecs(&video), "h264,aac");
     }
     {
         // Two of a kind: the kind alone is ambiguous, names pick.

@@ -1,6 +1,8 @@
 //! What a careless or hostile client can send, over a real loopback socket: `lipsync serve`
-//! started as a process with test weights (tests/common/server.rs), driven with HTTP. Needs
-//! ffmpeg (scripts/test.sh).
+//! started as a process (tests/common/server.rs), driven with HTTP. Needs ffmpeg
+//! (scripts/test.sh). The refusals happen before the model: those servers run on the echo
+//! device (no model load or warm-up); the one whose stream must hold its request slot for a
+//! while runs the CPU model with test weights.
 
 mod common;
 
@@ -43,7 +45,7 @@ async fn refused(res: reqwest::Response) -> (u16, serde_json::Value) {
 async fn cors_star_means_any_origin() {
     // `*` alone, and `*` inside a list: both used to panic the server at start-up.
     for origins in ["*", "https://app.example,*"] {
-        let s = Server::start(&["--cors-origins", origins]);
+        let s = Server::start_echo(&["--cors-origins", origins]);
         let client = reqwest::Client::new();
         let res = client
             .get(s.url("/health"))
@@ -74,7 +76,7 @@ async fn cors_star_means_any_origin() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn cors_lists_allow_only_their_origins() {
-    let s = Server::start(&["--cors-origins", "https://a.example, https://b.example"]);
+    let s = Server::start_echo(&["--cors-origins", "https://a.example, https://b.example"]);
     let client = reqwest::Client::new();
     for (origin, allowed) in [
         ("https://a.example", true),
@@ -99,7 +101,7 @@ async fn cors_lists_allow_only_their_origins() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn images_cut_short_are_refused_with_400_damaged() {
-    let s = Server::start(&[]);
+    let s = Server::start_echo(&[]);
     s.wait_ready().await;
     let client = reqwest::Client::new();
     for (name, cut) in [
@@ -148,7 +150,7 @@ async fn images_cut_short_are_refused_with_400_damaged() {
 async fn an_avatar_larger_than_the_cache_is_413_and_no_id_is_given() {
     // 600 kB: less than one prepared 512x512 avatar (its frame alone is 786 kB), more than
     // the avatar of a 64x32 photo (about 250 kB, mostly the model's 96x96 input).
-    let s = Server::start(&["--avatar-cache-bytes", "600000"]);
+    let s = Server::start_echo(&["--avatar-cache-bytes", "600000"]);
     s.wait_ready().await;
     let client = reqwest::Client::new();
     let res = client
@@ -194,7 +196,7 @@ async fn an_avatar_larger_than_the_cache_is_413_and_no_id_is_given() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_avatar_cache_of_no_entries_refuses_instead_of_giving_dead_ids() {
-    let s = Server::start(&["--avatar-cache-entries", "0"]);
+    let s = Server::start_echo(&["--avatar-cache-entries", "0"]);
     let res = reqwest::Client::new()
         .post(s.url("/v1/avatars"))
         .multipart(avatar_form("small.webp", media("small.webp")).text("box", "0,0,64,32"))

@@ -1053,6 +1053,10 @@ fn bad_forms() -> Vec<(&'static str, MakeForm)> {
         ("a bad crf", Box::new(|| speech(SHORT).text("crf", "99"))),
         ("a bad box", Box::new(|| speech(SHORT).text("box", "1,2,3"))),
         (
+            "an enhancer that is not loaded",
+            Box::new(|| speech(SHORT).text("enhance", "esrgan")),
+        ),
+        (
             "an unknown field",
             Box::new(|| speech(SHORT).text("color", "red")),
         ),

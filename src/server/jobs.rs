@@ -98,6 +98,12 @@ pub async fn submit(
     }
     let req = lipsync::parse_form(&mut f, &app)?;
     fields.insert("crf".into(), req.crf.to_string());
+    // The enhancer by its name, not a kind: the job renders with this one even if more of
+    // its kind are loaded by the time it runs.
+    match &req.enhance {
+        Some(e) => fields.insert("enhance".into(), e.name.to_string()),
+        None => fields.remove("enhance"),
+    };
 
     if let Some(url) = &webhook_url {
         crate::jobs::webhook::check_target(url, &jobs.cfg.webhook_allow)

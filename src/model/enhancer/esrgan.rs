@@ -22,7 +22,7 @@ use rayon::prelude::*;
 
 use super::{dims, strict_tensors, EnhancerNet, Kind};
 use crate::model::checkpoint::Checkpoint;
-use crate::model::cpu::{concat_all, nchw_to_nhwc, Act, Activation, Conv};
+use crate::model::cpu::{concat_all, nchw_to_nhwc, nhwc_to_nchw, Act, Activation, Conv};
 use crate::model::{Error, Result};
 
 /// LeakyReLU's slope in RRDBNet.
@@ -475,15 +475,7 @@ fn nearest2(x: &Act) -> Act {
 
 /// NHWC → NCHW, clamped to [0, 1].
 fn to_nchw_clamped(x: &Act) -> Vec<f32> {
-    let (h, w, c) = (x.h, x.w, x.c);
-    let mut out = vec![0f32; x.n * c * h * w];
-    out.par_chunks_mut(h * w)
-        .enumerate()
-        .for_each(|(plane, dst)| {
-            let (b, ch) = (plane / c, plane % c);
-            for (i, v) in dst.iter_mut().enumerate() {
-                *v = x.data[(b * h * w + i) * c + ch].clamp(0.0, 1.0);
-            }
-        });
+    let mut out = nhwc_to_nchw(x);
+    out.par_iter_mut().for_each(|v| *v = v.clamp(0.0, 1.0));
     out
 }
