@@ -327,6 +327,55 @@ async fn a_session_with_an_enhancer_draws_its_frames_through_it() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn an_enhancers_cost_counts_in_a_sessions_drawing_rate() {
+    // A full-size compact x4 network (realesr-general-x4v3's shapes, small random weights):
+    // a third of a second or more per face on these cores, where the echo stand-in draws
+    // thousands of faces a second. A session asking to draw every frame is admitted without
+    // it and refused with it.
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("heavy-x4.safetensors");
+    let keys = common::compact_tensors(64, 32, 4);
+    common::write_checkpoint(&ck, &keys, &|_, i| 0.01 * ((i % 13) as f32 - 6.0));
+    let s = Server::start_echo(&["--enhancer-checkpoint", &ck.display().to_string()]);
+    s.wait_ready().await;
+    let avatar = s.upload_avatar().await;
+    // Let the instances' recent batches be measured.
+    let info = s.info().await;
+    let plain = info["sessions"]["draw_fps"].as_f64().unwrap();
+    let heavy = info["enhancers"][0]["live_draw_fps"].as_f64().unwrap();
+    assert!(plain >= 25.0, "{info}");
+    assert!(heavy < 25.0 && heavy > 0.0, "{info}");
+    let open = |enhance: Option<&str>| {
+        let mut o = serde_json::json!({
+            "avatar_id": avatar, "output": "jpeg", "min_draw_fps": 25,
+        });
+        if let Some(e) = enhance {
+            o["enhance"] = e.into();
+        }
+        Message::Text(o.to_string().into())
+    };
+    let mut ws = connect_with(&s, "", &[]).await.unwrap();
+    ws.send(open(Some("heavy-x4"))).await.unwrap();
+    let mut got = Received::default();
+    read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
+    assert_eq!(
+        got.texts[0]["error_type"], "over_capacity",
+        "{:?}",
+        got.texts
+    );
+    assert!(
+        got.texts[0]["draw_fps"].as_f64().unwrap() < 25.0,
+        "{:?}",
+        got.texts
+    );
+    let mut ws = connect_with(&s, "", &[]).await.unwrap();
+    ws.send(open(None)).await.unwrap();
+    let mut got = Received::default();
+    read_until(&mut ws, &mut got, |g| !g.texts.is_empty()).await;
+    assert_eq!(got.texts[0]["type"], "ready", "{:?}", got.texts);
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_session_idles_speaks_the_file_plan_and_ends() {
     let s = Server::start_echo(&["--utterance-gap-ms", "2000"]);
     s.wait_ready().await;

@@ -21,6 +21,8 @@ use crate::model::enhancer::{self, Enhancer, EnhancerNet, Kind};
 pub struct EnhanceWith {
     pub name: Arc<str>,
     pub net: Arc<dyn EnhancerNet>,
+    /// One 96×96 face, measured at start-up (what live admission weighs its faces by).
+    pub seconds_per_face: f64,
 }
 
 impl std::fmt::Debug for EnhanceWith {
@@ -38,8 +40,6 @@ impl PartialEq for EnhanceWith {
 struct Loaded {
     enhancer: Enhancer,
     with: EnhanceWith,
-    /// One 96×96 face, measured at start-up.
-    seconds_per_face: f64,
 }
 
 /// The enhancers loaded at start-up.
@@ -97,12 +97,9 @@ impl Enhancers {
             let with = EnhanceWith {
                 name: enhancer.name.as_str().into(),
                 net: enhancer.net.clone(),
-            };
-            list.push(Loaded {
-                enhancer,
-                with,
                 seconds_per_face,
-            });
+            };
+            list.push(Loaded { enhancer, with });
         }
         Ok(Enhancers { list })
     }
@@ -164,12 +161,18 @@ impl Enhancers {
         )))
     }
 
+    /// The enhancers as requests name them.
+    pub fn all(&self) -> impl Iterator<Item = &EnhanceWith> {
+        self.list.iter().map(|l| &l.with)
+    }
+
     /// For `/info`: each enhancer's name, kind, architecture, scale, file and measured cost.
     pub fn info(&self) -> serde_json::Value {
         self.list
             .iter()
             .map(|l| {
                 let e = &l.enhancer;
+                let seconds_per_face = l.with.seconds_per_face;
                 serde_json::json!({
                     "name": e.name,
                     "kind": e.kind(),
@@ -178,8 +181,8 @@ impl Enhancers {
                     "checkpoint": e.path,
                     "device": "cpu",
                     "dtype": "f32",
-                    "ms_per_face": l.seconds_per_face * 1e3,
-                    "faces_per_second": 1.0 / l.seconds_per_face.max(1e-9),
+                    "ms_per_face": seconds_per_face * 1e3,
+                    "faces_per_second": 1.0 / seconds_per_face.max(1e-9),
                     "multiply_adds_per_face": e.net.multiply_adds(FACE_SIZE, FACE_SIZE),
                 })
             })

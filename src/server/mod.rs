@@ -237,6 +237,21 @@ async fn ready(State(app): State<Arc<App>>) -> Result<Json<serde_json::Value>, A
     })))
 }
 
+/// `/info`'s `enhancers`, each with the drawing rate one more live session using it would get
+/// (its faces weighed by the enhancer's cost; null until the engine has measured its batches).
+fn enhancer_info(app: &App) -> serde_json::Value {
+    let mut list = app.enhancers.info();
+    let engine = app.engine.get();
+    if let Some(items) = list.as_array_mut() {
+        for (item, with) in items.iter_mut().zip(app.enhancers.all()) {
+            item["live_draw_fps"] = engine
+                .and_then(|e| stream::next_draw_fps_with(app, e, with.seconds_per_face))
+                .into();
+        }
+    }
+    list
+}
+
 async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
     let a = &app.args;
     let e = &a.engine;
@@ -268,7 +283,7 @@ async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
         "batch_wait_ms": e.batch_wait_ms,
         "pad_batches": c.pad_batches,
         "gpu_memory_limit": e.gpu_memory_limit,
-        "enhancers": app.enhancers.info(),
+        "enhancers": enhancer_info(&app),
         "limits": {
             "max_queue_frames": c.max_queue_frames,
             "max_ahead_frames": c.max_ahead_frames,

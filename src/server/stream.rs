@@ -44,12 +44,14 @@ const OUT_QUEUE: usize = 64;
 /// JPEG quality of `jpeg` output.
 const JPEG_QUALITY: u8 = 85;
 
-/// An open session's frame rate (0 until its opening is accepted), its frames' pixels and
-/// its fair share.
+/// An open session's frame rate (0 until its opening is accepted), its frames' pixels, its
+/// fair share, and what each face it draws costs the engine in generator faces (1, or more
+/// with an enhancer: see [`LiveCapacity::weight`]).
 struct Open {
     fps: f64,
     pixels: u64,
     share: Arc<FairShare>,
+    weight: f64,
 }
 
 /// The open sessions, their frame rates and fair shares, and what their frames cost the CPU.
@@ -101,11 +103,12 @@ impl Sessions {
         (left / (pixels.max(1) as f64 / 1e6)).max(0.0)
     }
 
-    /// Frame rates of the sessions whose openings were accepted, but `except`.
-    fn demands(open: &HashMap<u64, Open>, except: Option<u64>) -> Vec<f64> {
+    /// Frame rates and face weights of the sessions whose openings were accepted, but
+    /// `except`.
+    fn demands(open: &HashMap<u64, Open>, except: Option<u64>) -> Vec<(f64, f64)> {
         open.iter()
             .filter(|(id, o)| Some(**id) != except && o.fps > 0.0)
-            .map(|(_, o)| o.fps)
+            .map(|(_, o)| (o.fps, o.weight))
             .collect()
     }
 
@@ -133,6 +136,7 @@ impl Sessions {
                 fps: 0.0,
                 pixels: 0,
                 share: Arc::new(FairShare::new(0.0)),
+                weight: 1.0,
             },
         );
         metrics::gauge!(m::STREAM_SESSIONS).set(open.len() as f64);
@@ -154,7 +158,8 @@ impl Slot {
     /// max-min fair share of the engine's live capacity beside the open sessions (whose
     /// shares shrink to make room). Refused (nothing claimed) when the cores cannot take its
     /// frames beside the open sessions' (every frame is composited and encoded, drawn or
-    /// held), or when the share is below `min_draw_fps`.
+    /// held), or when the share is below `min_draw_fps`. `enhancer_seconds`: what the
+    /// session's enhancer costs per face (0 without one), which weighs its faces.
     fn claim(
         &self,
         app: &App,
@@ -162,6 +167,7 @@ impl Slot {
         fps: f64,
         pixels: u64,
         min_draw_fps: f64,
+        enhancer_seconds: f64,
     ) -> Result<(f64, Arc<FairShare>), Refusal> {
         let capacity = LiveCapacity::of(app, engine);
         let mut open = self.sessions.lock();
@@ -170,7 +176,8 @@ impl Slot {
             return Err(Refusal::Cpu(room));
         }
         let mut demands = Sessions::demands(&open, Some(self.id));
-        demands.push(fps);
+        let weight = capacity.map_or(1.0, |c| c.weight(demands.len() + 1, enhancer_seconds));
+        demands.push((fps, weight));
         let level = fair_level(
             capacity.map_or(f64::INFINITY, |c| c.fps(demands.len())),
             &demands,
@@ -182,6 +189,7 @@ impl Slot {
         let mine = open.get_mut(&self.id).expect("a slot's session is open");
         mine.fps = fps;
         mine.pixels = pixels;
+        mine.weight = weight;
         let handle = mine.share.clone();
         *self
             .sessions
@@ -298,20 +306,40 @@ impl LiveCapacity {
         }
         self.instances * b / t * self.utilisation
     }
+
+    /// What one face costs in generator faces when an enhancer taking `enhancer_seconds` per
+    /// face runs after it on the same instance: `1 + e / (t(b) / b)` at the batch `sessions`
+    /// make together (the instances run the enhancer as they run the generator, so their
+    /// count cancels out).
+    fn weight(&self, sessions: usize, enhancer_seconds: f64) -> f64 {
+        let b = sessions.clamp(1, self.max_batch) as f64;
+        let per_face = (self.cost.fixed + self.cost.per_frame * b) / b;
+        if enhancer_seconds <= 0.0 {
+            1.0
+        } else if per_face <= 0.0 {
+            f64::INFINITY
+        } else {
+            1.0 + enhancer_seconds / per_face
+        }
+    }
 }
 
-/// The max-min fair level of `capacity` among `demands`: each gets `min(demand, level)` and
-/// together they use all of it (infinite when every demand fits).
-fn fair_level(capacity: f64, demands: &[f64]) -> f64 {
-    let mut d: Vec<f64> = demands.to_vec();
-    d.sort_by(f64::total_cmp);
+/// The max-min fair level of `capacity` (in generator faces per second) among `demands`,
+/// `(faces per second, weight)`: each gets `min(demand, level)` faces per second, costing
+/// `weight` generator faces each, and together they use all of it (infinite when every demand
+/// fits).
+fn fair_level(capacity: f64, demands: &[(f64, f64)]) -> f64 {
+    let mut d: Vec<(f64, f64)> = demands.to_vec();
+    d.sort_by(|a, b| a.0.total_cmp(&b.0));
     let mut left = capacity;
-    for (i, x) in d.iter().enumerate() {
-        let even = left / (d.len() - i) as f64;
-        if *x > even {
+    let mut weights: f64 = d.iter().map(|x| x.1).sum();
+    for (fps, weight) in d {
+        let even = left / weights;
+        if fps > even {
             return even;
         }
-        left -= x;
+        left -= fps * weight;
+        weights -= weight;
     }
     f64::INFINITY
 }
@@ -321,10 +349,16 @@ fn fair_level(capacity: f64, demands: &[f64]) -> f64 {
 /// model's fair share and the frames the cores have left. `None` before the engine has
 /// measured its batch cost.
 pub fn next_draw_fps(app: &App, engine: &Engine) -> Option<f64> {
+    next_draw_fps_with(app, engine, 0.0)
+}
+
+/// [`next_draw_fps`] for a session whose enhancer costs `enhancer_seconds` per face.
+pub fn next_draw_fps_with(app: &App, engine: &Engine, enhancer_seconds: f64) -> Option<f64> {
     let capacity = LiveCapacity::of(app, engine)?;
     let open = app.sessions.lock();
     let mut demands = Sessions::demands(&open, None);
-    demands.push(f64::INFINITY);
+    let weight = capacity.weight(demands.len() + 1, enhancer_seconds);
+    demands.push((f64::INFINITY, weight));
     let level = fair_level(capacity.fps(demands.len()), &demands);
     let room = app.sessions.cpu_room(&open, None, REFERENCE_PIXELS);
     Some((level.min(room) * 10.0).round() / 10.0)
@@ -692,7 +726,16 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
     };
     let pixels = u64::from(avatar.frame.width) * u64::from(avatar.frame.height);
     let fps = opened.fps.value();
-    let (draw_fps, fair_share) = match slot.claim(&app, engine, fps, pixels, opened.min_draw_fps) {
+    let enhancer_seconds = enhance.as_ref().map_or(0.0, |e| e.seconds_per_face);
+    let claimed = slot.claim(
+        &app,
+        engine,
+        fps,
+        pixels,
+        opened.min_draw_fps,
+        enhancer_seconds,
+    );
+    let (draw_fps, fair_share) = match claimed {
         Ok(d) => d,
         Err(refusal) => {
             let round = |x: f64| (x * 10.0).round() / 10.0;
@@ -1237,6 +1280,33 @@ impl Sink for Metered<'_> {
 mod tests {
     use super::*;
     use crate::media::image::Frame;
+
+    #[test]
+    fn fair_levels_weigh_each_sessions_faces_by_their_cost() {
+        // Unweighted: 100 faces/s among 25, 25, 100 → 25, 25 and the rest (50).
+        assert_eq!(
+            fair_level(100.0, &[(25.0, 1.0), (25.0, 1.0), (100.0, 1.0)]),
+            50.0
+        );
+        // Everything fits: no level.
+        assert!(fair_level(100.0, &[(25.0, 1.0), (25.0, 1.0)]).is_infinite());
+        // A session whose faces cost 4 each (an enhancer): at level L the two use L + 4L = 100.
+        assert_eq!(fair_level(100.0, &[(25.0, 1.0), (25.0, 4.0)]), 20.0);
+        // A small demand is served whole, its cost taken first: 10·3 = 30, then 70 / 1.
+        assert_eq!(fair_level(100.0, &[(10.0, 3.0), (100.0, 1.0)]), 70.0);
+        // The weight of a face: the enhancer's seconds over the generator's per face.
+        let c = LiveCapacity {
+            cost: crate::engine::pool::BatchCost {
+                fixed: 0.0,
+                per_frame: 0.01,
+            },
+            instances: 1.0,
+            max_batch: 16,
+            utilisation: 1.0,
+        };
+        assert_eq!(c.weight(4, 0.0), 1.0);
+        assert!((c.weight(4, 0.03) - 4.0).abs() < 1e-9);
+    }
 
     /// The JPEG of each binary message `sink` sent.
     fn sent_jpegs(rx: &mut mpsc::Receiver<Out>) -> Vec<Vec<u8>> {
