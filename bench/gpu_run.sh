@@ -148,7 +148,10 @@ start_server() {
   SRV_PID=$!
   echo "$SRV_PID" >> "$STAGE_DIR/server.pids"
   say "server pid $SRV_PID on $URL: serve $*"
-  if ! READY_S=$(python3 "$HELPER" wait-ready "$URL" "$(left)" "$SRV_PID"); then
+  # Waits past the stage's budget: a server still loading when the budget is spent is the
+  # time guard's to stop (a stage stopped by its guard, with its files), not a failure that
+  # races the guard at the same second. A server that exits fails the wait at once.
+  if ! READY_S=$(python3 "$HELPER" wait-ready "$URL" "$(( $(left) + 5 ))" "$SRV_PID"); then
     fail_line "the server (serve $*) did not become ready; its log is in $STAGE.log.gz"
     return 1
   fi
