@@ -323,8 +323,9 @@ fn serve_and_render_stop_at_start_up_on_a_bad_enhancer_file() {
     let absent = dir.path().join("absent.pth");
     let limit = std::time::Duration::from_secs(60);
     let data = dir.path().join("data");
-    let o = lipsync_bounded(
-        &[
+    // `serve` on the echo device with these enhancer files: it must stop before listening.
+    let serve = |files: &[&Path]| {
+        let mut args: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![
             &"serve",
             &"--device",
             &"echo",
@@ -332,11 +333,14 @@ fn serve_and_render_stop_at_start_up_on_a_bad_enhancer_file() {
             &"0",
             &"--data-dir",
             &data,
-            &"--enhancer-checkpoint",
-            &absent,
-        ],
-        limit,
-    );
+        ];
+        for f in files {
+            args.push(&"--enhancer-checkpoint");
+            args.push(f);
+        }
+        lipsync_bounded(&args, limit)
+    };
+    let o = serve(&[&absent]);
     let err = text(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("absent.pth"), "{err}");
@@ -345,22 +349,10 @@ fn serve_and_render_stop_at_start_up_on_a_bad_enhancer_file() {
     std::fs::create_dir(dir.path().join("b")).unwrap();
     tiny_enhancer(&dir.path().join("a/same.safetensors"), 0.0);
     tiny_enhancer(&dir.path().join("b/same.safetensors"), 0.0);
-    let o = lipsync_bounded(
-        &[
-            &"serve",
-            &"--device",
-            &"echo",
-            &"--port",
-            &"0",
-            &"--data-dir",
-            &data,
-            &"--enhancer-checkpoint",
-            &dir.path().join("a/same.safetensors"),
-            &"--enhancer-checkpoint",
-            &dir.path().join("b/same.safetensors"),
-        ],
-        limit,
-    );
+    let o = serve(&[
+        &dir.path().join("a/same.safetensors"),
+        &dir.path().join("b/same.safetensors"),
+    ]);
     let err = text(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("two enhancers named \"same\""), "{err}");
