@@ -446,6 +446,14 @@ fn render_enhances_every_predicted_face_before_it_is_pasted() {
     }
 }
 
+/// A 400 `enhancer_not_loaded` whose message says `needle`.
+async fn not_loaded(r: reqwest::Response, needle: &str) {
+    assert_eq!(r.status(), 400);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["error_type"], "enhancer_not_loaded", "{v}");
+    assert!(v["error"].as_str().unwrap().contains(needle), "{v}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn requests_name_a_loaded_enhancer_or_are_refused_with_400() {
     let dir = tempfile::tempdir().unwrap();
@@ -474,14 +482,11 @@ async fn requests_name_a_loaded_enhancer_or_are_refused_with_400() {
             let body = r.bytes().await.unwrap();
             assert_eq!(common::server::codecs(&body), "h264,aac", "enhance={ask}");
         }
-        let r = post(&s, "realesr-general-x4v3").await.unwrap();
-        assert_eq!(r.status(), 400);
-        let v: serde_json::Value = r.json().await.unwrap();
-        assert_eq!(v["error_type"], "enhancer_not_loaded", "{v}");
-        assert!(
-            v["error"].as_str().unwrap().contains("tiny-x2 (esrgan)"),
-            "{v}"
-        );
+        not_loaded(
+            post(&s, "realesr-general-x4v3").await.unwrap(),
+            "tiny-x2 (esrgan)",
+        )
+        .await;
         // A batch job asks the same way, and renders with it.
         let form = common::server::lipsync_form("arctic_a0007_1s.wav", "astronaut.png")
             .text("enhance", "esrgan");
@@ -533,31 +538,15 @@ async fn requests_name_a_loaded_enhancer_or_are_refused_with_400() {
         );
         s.wait_ready().await;
         assert_eq!(s.info().await["enhancers"].as_array().unwrap().len(), 2);
-        let r = post(&s, "esrgan").await.unwrap();
-        assert_eq!(r.status(), 400);
-        let v: serde_json::Value = r.json().await.unwrap();
-        assert_eq!(v["error_type"], "enhancer_not_loaded", "{v}");
-        assert!(
-            v["error"]
-                .as_str()
-                .unwrap()
-                .contains("name one (tiny-x2, tiny-b)"),
-            "{v}"
-        );
+        not_loaded(
+            post(&s, "esrgan").await.unwrap(),
+            "name one (tiny-x2, tiny-b)",
+        )
+        .await;
         assert_eq!(post(&s, "tiny-b").await.unwrap().status(), 200);
     }
     let s = Server::start_echo(&[]);
     s.wait_ready().await;
     assert_eq!(s.info().await["enhancers"], serde_json::json!([]));
-    let r = post(&s, "esrgan").await.unwrap();
-    assert_eq!(r.status(), 400);
-    let v: serde_json::Value = r.json().await.unwrap();
-    assert_eq!(v["error_type"], "enhancer_not_loaded", "{v}");
-    assert!(
-        v["error"]
-            .as_str()
-            .unwrap()
-            .contains("--enhancer-checkpoint"),
-        "{v}"
-    );
+    not_loaded(post(&s, "esrgan").await.unwrap(), "--enhancer-checkpoint").await;
 }

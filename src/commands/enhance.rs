@@ -47,7 +47,11 @@ fn run(a: &EnhanceArgs) -> Result<serde_json::Value, CliError> {
     let out = e.net.forward_cpu(1, h, w, &to_planes(&frame))?;
     let seconds = started.elapsed().as_secs_f64();
     let s = e.net.scale();
-    let enhanced = from_planes(&out, w * s, h * s);
+    let enhanced = Frame::new(
+        (w * s) as u32,
+        (h * s) as u32,
+        enhancer::planar_to_rgb8(&out),
+    );
     enhanced
         .save_png(&a.out)
         .map_err(|source| CliError::Write {
@@ -87,16 +91,4 @@ fn to_planes(f: &Frame) -> Vec<f32> {
         }
     }
     out
-}
-
-/// `(1, 3, h, w)` in [0, 1] → 8-bit RGB, `round(x · 255)`.
-fn from_planes(v: &[f32], w: usize, h: usize) -> Frame {
-    let n = w * h;
-    let mut rgb = vec![0u8; 3 * n];
-    for (i, px) in rgb.chunks_exact_mut(3).enumerate() {
-        for c in 0..3 {
-            px[c] = (v[c * n + i].clamp(0.0, 1.0) * 255.0).round() as u8;
-        }
-    }
-    Frame::new(w as u32, h as u32, rgb)
 }

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::Error;
+use crate::media::face;
 use crate::model::arch::FACE_SIZE;
 use crate::model::enhancer::{self, Enhancer, EnhancerNet, Kind};
 
@@ -197,12 +198,11 @@ impl Enhancers {
 pub fn run(asks: &[Option<&EnhanceWith>], preds: &[f32]) -> Vec<Option<Result<Vec<u8>, String>>> {
     const PLANE: usize = FACE_SIZE * FACE_SIZE;
     let mut out: Vec<Option<Result<Vec<u8>, String>>> = vec![None; asks.len()];
-    let mut done = vec![false; asks.len()];
     for i in 0..asks.len() {
-        let Some(with) = asks[i] else { continue };
-        if done[i] {
+        // Frames of an enhancer already run have their answer.
+        let Some(with) = asks[i].filter(|_| out[i].is_none()) else {
             continue;
-        }
+        };
         let group: Vec<usize> = (i..asks.len())
             .filter(|&j| asks[j].is_some_and(|w| w == with))
             .collect();
@@ -220,26 +220,15 @@ pub fn run(asks: &[Option<&EnhanceWith>], preds: &[f32]) -> Vec<Option<Result<Ve
         let s = with.net.scale();
         let side = FACE_SIZE * s;
         for (k, &j) in group.iter().enumerate() {
-            done[j] = true;
             out[j] = Some(match &result {
-                Ok(v) => Ok(planar_rgb_to_bgr(
-                    &v[k * 3 * side * side..(k + 1) * 3 * side * side],
-                    side,
-                )),
+                Ok(v) => {
+                    let face_len = 3 * side * side;
+                    let mut bgr = enhancer::planar_to_rgb8(&v[k * face_len..][..face_len]);
+                    face::swap_red_blue(&mut bgr);
+                    Ok(bgr)
+                }
                 Err(e) => Err(format!("enhancer {}: {e}", with.name)),
             });
-        }
-    }
-    out
-}
-
-/// `(3, side, side)` planar RGB in [0, 1] → interleaved BGR bytes, `round(x · 255)`.
-fn planar_rgb_to_bgr(v: &[f32], side: usize) -> Vec<u8> {
-    let plane = side * side;
-    let mut out = vec![0u8; 3 * plane];
-    for (i, px) in out.chunks_exact_mut(3).enumerate() {
-        for (c, o) in px.iter_mut().enumerate() {
-            *o = (v[(2 - c) * plane + i].clamp(0.0, 1.0) * 255.0).round() as u8;
         }
     }
     out

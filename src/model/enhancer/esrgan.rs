@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::{dims, strict_tensors, EnhancerNet, Kind};
+use super::{dims, mismatch, strict_tensors, EnhancerNet, Kind};
 use crate::model::checkpoint::Checkpoint;
 use crate::model::cpu::{concat_all, nchw_to_nhwc, nhwc_to_nchw, Act, Activation, Conv};
 use crate::model::{Error, Result};
@@ -82,10 +82,7 @@ impl Compact {
     const MODEL: &'static str = "SRVGGNetCompact";
 
     fn load(ck: &Checkpoint) -> Result<Self> {
-        let mismatch = |detail: String| Error::Mismatch {
-            model: Self::MODEL.into(),
-            detail,
-        };
+        let mismatch = |detail: String| mismatch(Self::MODEL, detail);
         let first = dims(ck, "body.0.weight").unwrap_or(&[]);
         let feat = first[0];
         if first[1] != 3 {
@@ -246,10 +243,7 @@ impl Rrdb {
     const MODEL: &'static str = "RRDBNet";
 
     fn load(ck: &Checkpoint) -> Result<Self> {
-        let mismatch = |detail: String| Error::Mismatch {
-            model: Self::MODEL.into(),
-            detail,
-        };
+        let mismatch = |detail: String| mismatch(Self::MODEL, detail);
         let first = dims(ck, "conv_first.weight").unwrap_or(&[]);
         let grow_dims = dims(ck, "body.0.rdb1.conv1.weight").unwrap_or(&[]);
         if first.len() != 4 || grow_dims.len() != 4 {

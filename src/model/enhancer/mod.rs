@@ -127,16 +127,13 @@ pub(crate) fn strict_tensors(
     let mut out = Vec::with_capacity(expected.len());
     for (key, shape) in expected {
         let Some(t) = ck.get(key) else {
-            return Err(Error::Mismatch {
-                model: model.into(),
-                detail: format!("the tensor {key} is missing"),
-            });
+            return Err(mismatch(model, format!("the tensor {key} is missing")));
         };
         if &t.shape != shape {
-            return Err(Error::Mismatch {
-                model: model.into(),
-                detail: format!("the tensor {key} has shape {:?}, not {shape:?}", t.shape),
-            });
+            return Err(mismatch(
+                model,
+                format!("the tensor {key} has shape {:?}, not {shape:?}", t.shape),
+            ));
         }
         let v: Vec<f32> = t
             .to_tensor()?
@@ -153,12 +150,34 @@ pub(crate) fn strict_tensors(
         .iter()
         .find(|(k, _)| !expected.iter().any(|(e, _)| e == k))
     {
-        return Err(Error::Mismatch {
-            model: model.into(),
-            detail: format!("the checkpoint has a tensor it does not use: {extra}"),
-        });
+        return Err(mismatch(
+            model,
+            format!("the checkpoint has a tensor it does not use: {extra}"),
+        ));
     }
     Ok(out)
+}
+
+/// An enhancer's output as 8-bit pixels: `(3, h, w)` planar RGB in [0, 1] (one image of
+/// `v.len() / 3` pixels) to interleaved RGB, `round(x · 255)` as Real-ESRGAN's wrapper writes
+/// it.
+pub fn planar_to_rgb8(v: &[f32]) -> Vec<u8> {
+    let plane = v.len() / 3;
+    let mut out = vec![0u8; 3 * plane];
+    for (i, px) in out.chunks_exact_mut(3).enumerate() {
+        for (c, o) in px.iter_mut().enumerate() {
+            *o = (v[c * plane + i].clamp(0.0, 1.0) * 255.0).round() as u8;
+        }
+    }
+    out
+}
+
+/// A model whose checkpoint does not hold exactly its tensors.
+pub(crate) fn mismatch(model: &str, detail: String) -> Error {
+    Error::Mismatch {
+        model: model.into(),
+        detail,
+    }
 }
 
 /// The dimensions of a checkpoint's tensor, if it has that key.
