@@ -326,6 +326,87 @@ async fn a_session_with_an_enhancer_draws_its_frames_through_it() {
     assert_eq!(got.close.as_ref().map(|c| c.0), Some(1000));
 }
 
+/// An echo server with a full-size compact x4 enhancer, `heavy-x4` (realesr-general-x4v3's
+/// shapes, small random weights): a third of a second or more per face on these cores, where
+/// the echo stand-in draws thousands of faces a second.
+fn heavy_enhancer_server(dir: &std::path::Path) -> Server {
+    let ck = dir.join("heavy-x4.safetensors");
+    let keys = common::compact_tensors(64, 32, 4);
+    common::write_checkpoint(&ck, &keys, &|_, i| 0.01 * ((i % 13) as f32 - 6.0));
+    Server::start_echo(&["--enhancer-checkpoint", &ck.display().to_string()])
+}
+
+/// An opening on `avatar` for JPEG frames, with `min_draw_fps` and maybe an enhancer.
+fn enhanced_opening(avatar: &str, min_draw_fps: f64, enhance: Option<&str>) -> Message {
+    let mut o = serde_json::json!({
+        "avatar_id": avatar, "output": "jpeg", "min_draw_fps": min_draw_fps,
+    });
+    if let Some(e) = enhance {
+        o["enhance"] = e.into();
+    }
+    Message::Text(o.to_string().into())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_enhanced_session_takes_the_session_slots_its_faces_weigh() {
+    // One heavy-x4 face costs more than the engine's whole budget of generator faces for a
+    // 25 fps session, so /info offers one such session beside many plain ones. While one is
+    // open (it accepts any drawing rate), the slots are taken: a second enhanced session and
+    // a plain one are refused with over_capacity; once it has closed, a plain one opens.
+    let dir = tempfile::tempdir().unwrap();
+    let s = heavy_enhancer_server(dir.path());
+    s.wait_ready().await;
+    let avatar = s.upload_avatar().await;
+    let info = s.info().await;
+    let plain_max = info["sessions"]["max_sessions"].as_u64().unwrap();
+    assert!(plain_max >= 2, "{info}");
+    assert_eq!(info["enhancers"][0]["live_max_sessions"], 1, "{info}");
+    let mut first = connect_with(&s, "", &[]).await.unwrap();
+    first
+        .send(enhanced_opening(&avatar, 0.0, Some("heavy-x4")))
+        .await
+        .unwrap();
+    let mut got = Received::default();
+    read_until(&mut first, &mut got, |g| !g.texts.is_empty()).await;
+    assert_eq!(got.texts[0]["type"], "ready", "{:?}", got.texts);
+    for enhance in [Some("heavy-x4"), None] {
+        let mut ws = connect_with(&s, "", &[]).await.unwrap();
+        ws.send(enhanced_opening(&avatar, 0.0, enhance))
+            .await
+            .unwrap();
+        let mut got = Received::default();
+        read_until(&mut ws, &mut got, |g| g.close.is_some()).await;
+        let refusal = &got.texts[0];
+        assert_eq!(
+            refusal["error_type"], "over_capacity",
+            "{enhance:?}: {refusal}"
+        );
+        assert!(
+            refusal["error"]
+                .as_str()
+                .unwrap()
+                .contains("live sessions at 25 fps"),
+            "{refusal}"
+        );
+    }
+    first
+        .send(Message::Text(r#"{"type":"end"}"#.into()))
+        .await
+        .unwrap();
+    read_until(&mut first, &mut got, |g| g.close.is_some()).await;
+    // The slot is freed when the session's thread has ended.
+    let deadline = Instant::now() + LIMIT;
+    while s.metric("lipsync_stream_sessions").await != 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the enhanced session never closed"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let (_ws, got) = open_session(&s, &avatar).await;
+    assert_eq!(got.texts[0]["type"], "ready");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_enhancers_cost_counts_in_a_sessions_drawing_rate() {
     // A full-size compact x4 network (realesr-general-x4v3's shapes, small random weights):
@@ -333,10 +414,7 @@ async fn an_enhancers_cost_counts_in_a_sessions_drawing_rate() {
     // thousands of faces a second. A session asking to draw every frame is admitted without
     // it and refused with it.
     let dir = tempfile::tempdir().unwrap();
-    let ck = dir.path().join("heavy-x4.safetensors");
-    let keys = common::compact_tensors(64, 32, 4);
-    common::write_checkpoint(&ck, &keys, &|_, i| 0.01 * ((i % 13) as f32 - 6.0));
-    let s = Server::start_echo(&["--enhancer-checkpoint", &ck.display().to_string()]);
+    let s = heavy_enhancer_server(dir.path());
     s.wait_ready().await;
     let avatar = s.upload_avatar().await;
     // Let the instances' recent batches be measured.
@@ -345,15 +423,7 @@ async fn an_enhancers_cost_counts_in_a_sessions_drawing_rate() {
     let heavy = info["enhancers"][0]["live_draw_fps"].as_f64().unwrap();
     assert!(plain >= 25.0, "{info}");
     assert!(heavy < 25.0 && heavy > 0.0, "{info}");
-    let open = |enhance: Option<&str>| {
-        let mut o = serde_json::json!({
-            "avatar_id": avatar, "output": "jpeg", "min_draw_fps": 25,
-        });
-        if let Some(e) = enhance {
-            o["enhance"] = e.into();
-        }
-        Message::Text(o.to_string().into())
-    };
+    let open = |enhance: Option<&str>| enhanced_opening(&avatar, 25.0, enhance);
     let mut ws = connect_with(&s, "", &[]).await.unwrap();
     ws.send(open(Some("heavy-x4"))).await.unwrap();
     let mut got = Received::default();

@@ -247,6 +247,9 @@ fn enhancer_info(app: &App) -> serde_json::Value {
             item["live_draw_fps"] = engine
                 .and_then(|e| stream::next_draw_fps_with(app, e, with.seconds_per_face))
                 .into();
+            item["live_max_sessions"] = engine
+                .map(|e| stream::max_sessions_with(app, e, with.seconds_per_face))
+                .into();
         }
     }
     list

@@ -76,6 +76,9 @@ enum Refusal {
     /// The cores cannot composite and encode its frames beside the open sessions': the
     /// frames per second of its size they have left.
     Cpu(f64),
+    /// Its faces, weighed by its enhancer, do not fit in the session slots the engine
+    /// sustains beside the open sessions' (weighed the same way): `(taken, slots, weight)`.
+    Slots(f64, usize, f64),
 }
 
 impl Sessions {
@@ -158,8 +161,10 @@ impl Slot {
     /// max-min fair share of the engine's live capacity beside the open sessions (whose
     /// shares shrink to make room). Refused (nothing claimed) when the cores cannot take its
     /// frames beside the open sessions' (every frame is composited and encoded, drawn or
-    /// held), or when the share is below `min_draw_fps`. `enhancer_seconds`: what the
-    /// session's enhancer costs per face (0 without one), which weighs its faces.
+    /// held), when its faces, weighed, do not fit in the session slots beside the open
+    /// sessions' (unless it is the only one), or when the share is below `min_draw_fps`.
+    /// `enhancer_seconds`: what the session's enhancer costs per face (0 without one),
+    /// which weighs its faces.
     fn claim(
         &self,
         app: &App,
@@ -177,6 +182,16 @@ impl Slot {
         }
         let mut demands = Sessions::demands(&open, Some(self.id));
         let weight = capacity.map_or(1.0, |c| c.weight(demands.len() + 1, enhancer_seconds));
+        // The slots the engine sustains (not an operator's --max-sessions, which counts
+        // sessions): an enhanced session takes as many as its faces weigh. The first session
+        // always fits (its min_draw_fps decides), as at least one slot is always offered.
+        if app.args.max_sessions.is_none() && !demands.is_empty() {
+            let slots = session_slots(app, engine);
+            let taken: f64 = demands.iter().map(|d| d.1).sum();
+            if taken + weight > slots as f64 + 1e-9 {
+                return Err(Refusal::Slots(taken, slots, weight));
+            }
+        }
         demands.push((fps, weight));
         let level = fair_level(
             capacity.map_or(f64::INFINITY, |c| c.fps(demands.len())),
@@ -376,8 +391,26 @@ fn session_slots(app: &App, engine: &Engine) -> usize {
 /// `/info`'s `sessions.max_sessions`: the smaller of [`session_slots`] and the 25 fps
 /// sessions of a 512×512 avatar the cores take (at least 1).
 pub fn max_sessions(app: &App, engine: &Engine) -> usize {
+    max_sessions_with(app, engine, 0.0)
+}
+
+/// [`max_sessions`] when every session runs an enhancer costing `enhancer_seconds` per face:
+/// each then takes [`LiveCapacity::weight`] slots (with `--max-sessions`, which counts
+/// sessions, the same as without).
+pub fn max_sessions_with(app: &App, engine: &Engine, enhancer_seconds: f64) -> usize {
     let cpu = (app.sessions.cpu.frames_per_second(REFERENCE_PIXELS) / 25.0).floor() as usize;
-    session_slots(app, engine).min(cpu.max(1))
+    let slots = session_slots(app, engine);
+    let fit = match LiveCapacity::of(app, engine) {
+        Some(c) if app.args.max_sessions.is_none() && enhancer_seconds > 0.0 => {
+            // The most sessions n whose weight at n sessions fits in the slots.
+            (1..=slots)
+                .rev()
+                .find(|&n| n as f64 * c.weight(n, enhancer_seconds) <= slots as f64 + 1e-9)
+                .unwrap_or(1)
+        }
+        _ => slots,
+    };
+    fit.min(cpu.max(1))
 }
 
 /// With `--api-key`: `Authorization: Bearer <key>` or `?api_key=<key>`.
@@ -748,6 +781,16 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
                         opened.min_draw_fps
                     ),
                     round(could),
+                ),
+                Refusal::Slots(taken, slots, weight) => (
+                    format!(
+                        "the engine sustains {slots} live sessions at 25 fps and the open \
+                         sessions take {} of them; this session's faces, with its enhancer, \
+                         weigh {} sessions",
+                        round(taken),
+                        round(weight)
+                    ),
+                    0.0,
                 ),
                 Refusal::Cpu(room) => (
                     format!(
