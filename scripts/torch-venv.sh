@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Makes (once) a venv under target/torch-venv with PyTorch and numpy, for the tests that run the
-# PyTorch yardstick (tests/bench.rs), the enhancers' reference (tests/enhancer.rs) and the
+# Makes (once) a venv under target/torch-venv with PyTorch, numpy and OpenCV, for the tests that run
+# the PyTorch yardstick (tests/bench.rs), the enhancers' references (tests/enhancer.rs) and the
 # rehearsal of the GPU run's torch stage (bench/gpu_run.sh --rehearse). Prints the venv's python
 # on stdout; progress goes to stderr.
 # Beside it, in target/torch-venv/upstream, the upstream Real-ESRGAN architecture files that
@@ -21,6 +21,12 @@ if ! "$venv/bin/python" -c 'import torch, numpy' 2>/dev/null; then
   "${pip[@]}" --index-url https://download.pytorch.org/whl/cpu --timeout 20 torch numpy >&2 2>/dev/null \
     || "${pip[@]}" torch numpy >&2
   "$venv/bin/python" -c 'import torch, numpy' >&2
+fi
+# OpenCV (headless) for the whole-frame reference (tests/reference/enhanced_frame_reference.py):
+# cv2.resize and cv2.imread as the original pipeline uses them.
+if ! "$venv/bin/python" -c 'import cv2' 2>/dev/null; then
+  echo "torch-venv: installing opencv-python-headless into $venv" >&2
+  "$venv/bin/pip" install -q --disable-pip-version-check opencv-python-headless >&2
 fi
 upstream=$venv/upstream
 if [ ! -f "$upstream/basicsr/archs/rrdbnet_arch.py" ] || [ ! -f "$upstream/realesrgan/archs/srvgg_arch.py" ]; then

@@ -48,10 +48,7 @@ fn write_crops(dir: &Path) -> Vec<(String, u32, u32)> {
 
 /// The reference's checkpoints and outputs in `dir`, for `runs`.
 fn reference(python: &str, dir: &Path, crops: &[(String, u32, u32)], runs: &[(&str, &[&str])]) {
-    let venv = Path::new(python).parent().and_then(Path::parent).unwrap();
-    let upstream = std::env::var_os("LIPSYNC_ESRGAN_UPSTREAM")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| venv.join("upstream"));
+    let upstream = upstream(python);
     let mut cmd = Command::new(python);
     cmd.arg(concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -71,6 +68,19 @@ fn reference(python: &str, dir: &Path, crops: &[(String, u32, u32)], runs: &[(&s
     for (stem, inputs) in runs {
         cmd.arg(format!("{stem}:{}", inputs.join(",")));
     }
+    run_reference(cmd, &upstream);
+}
+
+/// The upstream Real-ESRGAN files: `LIPSYNC_ESRGAN_UPSTREAM`, or where scripts/torch-venv.sh
+/// puts them beside `python`'s venv.
+fn upstream(python: &str) -> PathBuf {
+    let venv = Path::new(python).parent().and_then(Path::parent).unwrap();
+    std::env::var_os("LIPSYNC_ESRGAN_UPSTREAM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| venv.join("upstream"))
+}
+
+fn run_reference(mut cmd: Command, upstream: &Path) {
     let o = cmd.output().unwrap();
     assert!(
         o.status.success(),
@@ -378,8 +388,8 @@ fn serve_and_render_stop_at_start_up_on_a_bad_enhancer_file() {
     assert!(!dir.path().join("y.mp4").exists());
 }
 
-/// The faces `render --faces-dir` kept, as RGB images in frame order.
-fn faces(dir: &Path) -> Vec<image::RgbImage> {
+/// The images `render --faces-dir` or `--frames-dir` kept, as RGB in frame order.
+fn images(dir: &Path) -> Vec<image::RgbImage> {
     let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -413,7 +423,7 @@ fn render_enhances_every_predicted_face_before_it_is_pasted() {
             2,
             "{name}"
         );
-        faces(&faces_dir)
+        images(&faces_dir)
     };
     let plain = run("plain", &[]);
     let ck_arg = ck.display().to_string();
@@ -444,6 +454,91 @@ fn render_enhances_every_predicted_face_before_it_is_pasted() {
             }
         }
     }
+}
+
+#[test]
+fn every_enhanced_frame_matches_the_pytorch_opencv_reference() {
+    // The whole frame: `render --device echo --box B --enhance` on the astronaut photo with a
+    // random realesr-animevideov3 checkpoint, each composited frame (`--frames-dir`) against
+    // tests/reference/enhanced_frame_reference.py, which does the same steps with cv2.resize,
+    // the upstream network and the feathered blend. The 96x96 crop itself may differ from
+    // cv2.resize by a level in under 1 % of values (tests/image.rs), hence 2 levels here
+    // (measured: 0 on every frame).
+    let Some(python) = torch_python() else {
+        eprintln!("SKIPPED: no PyTorch (set LIPSYNC_TORCH_PYTHON to a Python that has it)");
+        return;
+    };
+    const BOX: &str = "180,90,270,187";
+    const MODEL: &str = "realesr-animevideov3";
+    let dir = tempfile::tempdir().unwrap();
+    let reference = dir.path().join("reference");
+    // The reference makes the checkpoint and more frames than one second of speech needs.
+    const REFERENCE_FRAMES: usize = 30;
+    let photo = common::media_path("astronaut.png");
+    let upstream = upstream(&python);
+    let mut cmd = Command::new(&python);
+    cmd.arg(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/reference/enhanced_frame_reference.py"
+    ))
+    .arg("--upstream")
+    .arg(&upstream)
+    .arg("--out")
+    .arg(&reference)
+    .arg("--photo")
+    .arg(&photo)
+    .args(["--box", BOX, "--model", MODEL, "--frames"])
+    .arg(REFERENCE_FRAMES.to_string());
+    run_reference(cmd, &upstream);
+    let ours = dir.path().join("frames");
+    let o = echo_render(
+        &dir.path().join("out.mp4"),
+        &[
+            "--box".into(),
+            BOX.into(),
+            "--enhancer-checkpoint".into(),
+            reference.join(format!("{MODEL}.pth")).into(),
+            "--enhance".into(),
+            MODEL.into(),
+            "--frames-dir".into(),
+            ours.clone().into(),
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let ours = images(&ours);
+    // One second of speech at 25 fps: the original's mel windows give 22 model frames.
+    assert!(
+        (20..=REFERENCE_FRAMES).contains(&ours.len()),
+        "{} frames",
+        ours.len()
+    );
+    let theirs = images(&reference.join("frames"));
+    let photo = image::open(&photo).unwrap().to_rgb8();
+    let mut worst = 0u8;
+    for (k, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+        assert_eq!(a.dimensions(), photo.dimensions(), "frame {k}");
+        let d = a
+            .as_raw()
+            .iter()
+            .zip(b.as_raw())
+            .map(|(x, y)| x.abs_diff(*y))
+            .max()
+            .unwrap();
+        worst = worst.max(d);
+        // The enhanced mouth is there: the frame is not the photo.
+        let changed = a
+            .as_raw()
+            .iter()
+            .zip(photo.as_raw())
+            .filter(|(x, y)| x != y)
+            .count();
+        assert!(changed > 1000, "frame {k}: only {changed} values changed");
+    }
+    eprintln!(
+        "{} whole enhanced frames: max difference from the PyTorch + OpenCV reference {worst}/255",
+        ours.len()
+    );
+    assert!(worst <= 2, "frames differ by {worst}/255");
 }
 
 /// A 400 `enhancer_not_loaded` whose message says `needle`.
@@ -549,4 +644,55 @@ async fn requests_name_a_loaded_enhancer_or_are_refused_with_400() {
     s.wait_ready().await;
     assert_eq!(s.info().await["enhancers"], serde_json::json!([]));
     not_loaded(post(&s, "esrgan").await.unwrap(), "--enhancer-checkpoint").await;
+}
+
+#[test]
+fn bench_reports_each_enhancers_speed_and_what_it_adds_to_a_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("tiny-x2.safetensors");
+    tiny_enhancer(&ck, 0.0);
+    let json = dir.path().join("bench.json");
+    let o = lipsync_bounded(
+        &[
+            &"bench",
+            &"--device",
+            &"echo",
+            &"--sections",
+            &"enhancers",
+            &"--enhancer-checkpoint",
+            &ck,
+            &"--enhance-seconds",
+            &"1",
+            &"--audio",
+            &common::media_path("arctic_a0007.wav"),
+            &"--image",
+            &common::media_path("astronaut.png"),
+            &"--json",
+            &json,
+        ],
+        std::time::Duration::from_secs(300),
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let stdout = text(&o.stdout);
+    assert!(stdout.contains("| tiny-x2 |"), "{stdout}");
+    assert!(
+        stdout.contains("What an enhancer adds to a request"),
+        "{stdout}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let e = &v["enhancers"][0];
+    assert_eq!(e["name"], "tiny-x2", "{v}");
+    for b in ["1", "16"] {
+        assert!(e["faces_per_second"][b].as_f64().unwrap() > 0.0, "{v}");
+    }
+    let r = &e["request"];
+    // One second of speech at 25 fps: 22 model frames.
+    assert!(r["model_frames"].as_u64().unwrap() >= 20, "{v}");
+    assert_eq!(r["speech_seconds"], 1.0);
+    let (plain, with) = (
+        r["plain_seconds"].as_f64().unwrap(),
+        r["seconds"].as_f64().unwrap(),
+    );
+    assert!(plain > 0.0 && with > 0.0, "{v}");
+    assert!((r["added_seconds"].as_f64().unwrap() - (with - plain)).abs() < 1e-9);
 }

@@ -9,6 +9,7 @@
 //! instance, autotune and end-to-end parts run in the precision `serve` would run
 //! (`--service-dtype` to choose another); the model and accuracy parts in every `--dtypes`.
 
+mod enhancers;
 mod media;
 mod model_runs;
 
@@ -56,8 +57,9 @@ pub struct BenchArgs {
     /// and accuracy; CUDA), media (the real service on the echo device as a child process:
     /// requests on a photo, a 720p photo and a 720p clip with their CPU against one ffmpeg's
     /// encode of the same video, one core against two, live sessions; no checkpoint needed),
-    /// enhancers (each --enhancer-checkpoint's faces/s at batches 1 and 16; no Wav2Lip
-    /// checkpoint needed) [default: all but memory, compare, media and enhancers; encoder
+    /// enhancers (each --enhancer-checkpoint's faces/s at batches 1 and 16, and the seconds
+    /// it adds to a request of --enhance-seconds on the echo device; no Wav2Lip checkpoint
+    /// needed) [default: all but memory, compare, media and enhancers; encoder
     /// only with --encode-frames above 0, layers only on CUDA; with --device echo: media].
     #[arg(long, value_delimiter = ',', value_parser = choice::<Section>(Section::NAMES))]
     pub sections: Vec<Section>,
@@ -118,9 +120,14 @@ pub struct BenchArgs {
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// An enhancer's checkpoint (repeatable), for the enhancers section: faces/s of each at
-    /// batches 1 and 16 on 96x96 faces, in f32 on the CPU (as `serve` runs them).
+    /// batches 1 and 16 on 96x96 faces, in f32 on the CPU (as `serve` runs them), and what
+    /// it adds to a request.
     #[arg(long = "enhancer-checkpoint", value_name = "FILE")]
     pub enhancer_checkpoint: Vec<PathBuf>,
+    /// Seconds of speech of the enhancers section's request, run on the echo device once
+    /// plain and once with each enhancer (what `enhance` adds to a request); 0 skips it.
+    #[arg(long, default_value_t = 4.0)]
+    pub enhance_seconds: f64,
     /// The ffmpeg executable.
     #[arg(long, env = "LIPSYNC_FFMPEG", default_value = "ffmpeg")]
     pub ffmpeg: PathBuf,
@@ -539,59 +546,11 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
             Section::Memory => results["planned_memory"] = model_runs::memory(&a, &plan)?,
             Section::Compare => results["compare"] = model_runs::compare(&a, &plan, weights())?,
             Section::Media => results["media"] = media::media(&a)?,
-            Section::Enhancers => results["enhancers"] = enhancers(&a)?,
+            Section::Enhancers => results["enhancers"] = enhancers::enhancers(&a, &avatar()?)?,
         }
         save(&results)?;
     }
     Ok(())
-}
-
-/// Each enhancer's faces/s on 96x96 faces at batches 1 and 16, in f32 on the CPU (what
-/// `serve` runs): one untimed run, then the median of three.
-fn enhancers(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
-    use lipsync::model::enhancer;
-    println!("## Enhancers (96x96 faces, f32 on the CPU, median of 3)\n");
-    println!(
-        "| enhancer | architecture | multiply-adds per face | batch 1 faces/s | batch 16 faces/s |"
-    );
-    println!("|---|---|---|---|---|");
-    let mut rows = Vec::new();
-    for path in &a.enhancer_checkpoint {
-        let e = enhancer::load(path)?;
-        let mut rates = Vec::new();
-        for n in [1usize, 16] {
-            // A smooth face-like ramp: the cost does not depend on the values.
-            let faces: Vec<f32> = (0..n * 3 * FACE_SIZE * FACE_SIZE)
-                .map(|i| (i % 251) as f32 / 250.0)
-                .collect();
-            e.net.forward_cpu(n, FACE_SIZE, FACE_SIZE, &faces)?;
-            let mut times: Vec<f64> = (0..3)
-                .map(|_| {
-                    let t = Instant::now();
-                    e.net
-                        .forward_cpu(n, FACE_SIZE, FACE_SIZE, &faces)
-                        .map(|_| t.elapsed().as_secs_f64())
-                })
-                .collect::<Result<_, _>>()?;
-            times.sort_by(f64::total_cmp);
-            rates.push(n as f64 / times[1]);
-        }
-        let macs = e.net.multiply_adds(FACE_SIZE, FACE_SIZE);
-        println!(
-            "| {} | {} | {:.2} G | {:.2} | {:.2} |",
-            e.name,
-            e.net.describe(),
-            macs / 1e9,
-            rates[0],
-            rates[1]
-        );
-        rows.push(serde_json::json!({
-            "name": e.name, "kind": e.kind(), "architecture": e.net.describe(),
-            "multiply_adds_per_face": macs, "faces_per_second": {"1": rates[0], "16": rates[1]},
-        }));
-    }
-    println!();
-    Ok(rows.into())
 }
 
 /// x264 alone on frames of the avatar, by encoder worker count (and serve's count).
@@ -681,57 +640,97 @@ fn end_to_end(
     engine.wait_ready().map_err(CliError::Jobs)?;
     let conv_path = engine.status().conv_path().unwrap_or("unknown");
     let clip = audio::load(&read_file(&a.audio)?, 3600.0)?.samples;
-    let settings = pipeline::Settings::new(3600.0, |w, h, fps| {
-        let mut s = EncoderSettings::new(w, h, fps);
-        s.ffmpeg = a.ffmpeg.clone();
-        s.workers = r.encoder_workers;
-        s
-    });
+    let settings = request_settings(a, r.encoder_workers);
     let mut rows = Vec::new();
     for &seconds in &plan.e2e {
-        let n = (seconds * 16_000.0) as usize;
-        let samples: Vec<f32> = clip.iter().copied().cycle().take(n).collect();
-        let wav = tempfile::Builder::new()
-            .suffix(".wav")
-            .tempfile()
-            .map_err(|e| CliError::Jobs(e.to_string()))?;
-        write_wav(wav.path(), &samples)?;
-        let speech = Speech::file(wav.path()).map_err(|source| CliError::Read {
-            path: wav.path().to_path_buf(),
-            source,
-        })?;
-        let start = Instant::now();
-        let first = Arc::new(Mutex::new(None));
-        let sink = FirstByte {
-            start,
-            first: first.clone(),
-        };
-        let work = Work {
-            speech,
-            avatar: Arc::new(avatar.clone()),
-            options: Options::default(),
-            class: Class::Interactive,
-            faces_dir: None,
-        };
-        let started = pipeline::start(&engine, &settings, work, Box::new(sink))
-            .map_err(|e| CliError::Jobs(e.to_string()))?;
-        let model_frames = started.model_frames();
-        let summary = started.run(&|| false, &mut |_, _| {})?.summary;
-        let total = start.elapsed().as_secs_f64();
-        let ttfb = first.lock().unwrap().unwrap_or(f64::NAN);
+        let run = request(
+            &engine,
+            &settings,
+            avatar,
+            &clip,
+            seconds,
+            Options::default(),
+        )?;
         println!(
-            "| {seconds} s | {} | {} | {total:.2} s | {ttfb:.2} s |",
-            model_frames, summary.frames
+            "| {seconds} s | {} | {} | {:.2} s | {:.2} s |",
+            run.model_frames, run.video_frames, run.seconds, run.ttfb_seconds
         );
         rows.push(serde_json::json!({
             "dtype": plan.service, "instances": r.instances, "max_batch": r.max_batch,
             "conv_path": conv_path, "encoder_workers": r.encoder_workers,
-            "speech_seconds": seconds, "model_frames": model_frames,
-            "video_frames": summary.frames, "seconds": total, "ttfb_seconds": ttfb
+            "speech_seconds": seconds, "model_frames": run.model_frames,
+            "video_frames": run.video_frames, "seconds": run.seconds,
+            "ttfb_seconds": run.ttfb_seconds
         }));
     }
     engine.shutdown();
     Ok(serde_json::Value::Array(rows))
+}
+
+/// The renders' shared settings for [`request`]: `serve`'s encoder with `workers` workers.
+fn request_settings(a: &BenchArgs, workers: usize) -> pipeline::Settings {
+    pipeline::Settings::new(3600.0, |w, h, fps| {
+        let mut s = EncoderSettings::new(w, h, fps);
+        s.ffmpeg = a.ffmpeg.clone();
+        s.workers = workers;
+        s
+    })
+}
+
+/// One whole request through the pipeline, as the service runs it, without HTTP.
+struct RequestRun {
+    model_frames: usize,
+    video_frames: u64,
+    seconds: f64,
+    ttfb_seconds: f64,
+}
+
+/// Renders `seconds` of `clip` (16 kHz, looped to length) on `avatar` with `options`,
+/// discarding the video.
+fn request(
+    engine: &Engine,
+    settings: &pipeline::Settings,
+    avatar: &Avatar,
+    clip: &[f32],
+    seconds: f64,
+    options: Options,
+) -> Result<RequestRun, CliError> {
+    let n = (seconds * 16_000.0) as usize;
+    let samples: Vec<f32> = clip.iter().copied().cycle().take(n).collect();
+    let wav = tempfile::Builder::new()
+        .suffix(".wav")
+        .tempfile()
+        .map_err(|e| CliError::Jobs(e.to_string()))?;
+    write_wav(wav.path(), &samples)?;
+    let speech = Speech::file(wav.path()).map_err(|source| CliError::Read {
+        path: wav.path().to_path_buf(),
+        source,
+    })?;
+    let start = Instant::now();
+    let first = Arc::new(Mutex::new(None));
+    let sink = FirstByte {
+        start,
+        first: first.clone(),
+    };
+    let work = Work {
+        speech,
+        avatar: Arc::new(avatar.clone()),
+        options,
+        class: Class::Interactive,
+        keep: Default::default(),
+    };
+    let started = pipeline::start(engine, settings, work, Box::new(sink))
+        .map_err(|e| CliError::Jobs(e.to_string()))?;
+    let model_frames = started.model_frames();
+    let summary = started.run(&|| false, &mut |_, _| {})?.summary;
+    let seconds = start.elapsed().as_secs_f64();
+    let ttfb_seconds = first.lock().unwrap().unwrap_or(f64::NAN);
+    Ok(RequestRun {
+        model_frames,
+        video_frames: summary.frames,
+        seconds,
+        ttfb_seconds,
+    })
 }
 
 fn write_json(path: &std::path::Path, results: &serde_json::Value) -> Result<(), CliError> {

@@ -116,7 +116,8 @@ pub fn bench_clip(a: &BenchArgs, path: &std::path::Path) -> Result<serde_json::V
             let t = Instant::now();
             let mut enc = video::spawn(settings(), Box::new(std::io::sink()))?;
             {
-                let mut out = Compositor::new(avatar, Loop::PingPong, enc.as_mut(), None)?;
+                let mut out =
+                    Compositor::new(avatar, Loop::PingPong, enc.as_mut(), &Default::default())?;
                 for &i in &order {
                     out.push(avatar.crop_bgr(i.min(avatar.frame_count() - 1)))?;
                 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use lipsync::config::{choice, EngineArgs, MediaArgs, Resolved as EngineConfig};
-use lipsync::engine::pipeline::{self, Class, Options, Speech, StartError, Work};
+use lipsync::engine::pipeline::{self, Class, Keep, Options, Speech, StartError, Work};
 use lipsync::engine::{self, Avatar, Engine, Loop};
 use lipsync::media::audio::Fps;
 use lipsync::media::face::{self, Blend, FaceBox, Pads};
@@ -55,14 +55,21 @@ pub struct RenderArgs {
     /// when an enhancer ran on it).
     #[arg(long)]
     pub faces_dir: Option<PathBuf>,
+    /// Also write every composited frame, whole, as a PNG (00000.png, ...; before the
+    /// conversion for the encoder; the frames held after the speech are not repeated).
+    #[arg(long)]
+    pub frames_dir: Option<PathBuf>,
     /// Run an enhancer loaded with --enhancer-checkpoint on every predicted face: its kind
     /// (esrgan) when one of that kind is loaded, or its name (the file's stem); none for none.
     #[arg(long, default_value = "none")]
     pub enhance: String,
     /// Run many renders with the model loaded once: a JSON Lines file, one object per line with
     /// the keys audio, out and image or video (required) and box, pads, fps, loop, smooth,
-    /// blend, crf, preset, faces_dir, enhance.
-    #[arg(long, conflicts_with_all = ["audio", "image", "video", "face_box", "faces_dir"])]
+    /// blend, crf, preset, faces_dir, frames_dir, enhance.
+    #[arg(
+        long,
+        conflicts_with_all = ["audio", "image", "video", "face_box", "faces_dir", "frames_dir"]
+    )]
     pub jobs: Option<PathBuf>,
     /// The model, its instances and the batcher: the same engine as `lipsync serve`.
     #[command(flatten)]
@@ -90,6 +97,7 @@ struct Job {
     crf: Option<u8>,
     preset: Option<String>,
     faces_dir: Option<PathBuf>,
+    frames_dir: Option<PathBuf>,
     enhance: Option<String>,
 }
 
@@ -112,7 +120,7 @@ struct Resolved {
     blend: Blend,
     crf: u8,
     preset: String,
-    faces_dir: Option<PathBuf>,
+    keep: Keep,
     /// The enhancer asked for (resolved against the loaded ones when the job runs).
     enhance: String,
 }
@@ -170,7 +178,10 @@ impl Job {
             blend: self.blend.unwrap_or(a.blend),
             crf,
             preset,
-            faces_dir: self.faces_dir,
+            keep: Keep {
+                faces: self.faces_dir,
+                frames: self.frames_dir,
+            },
             enhance: self.enhance.unwrap_or_else(|| a.enhance.clone()),
         })
     }
@@ -216,6 +227,7 @@ pub fn render(a: RenderArgs) -> Result<(), CliError> {
                 crf: None,
                 preset: None,
                 faces_dir: a.faces_dir.clone(),
+                frames_dir: a.frames_dir.clone(),
                 enhance: None,
             };
             let mut job = job.resolve(&a).map_err(CliError::Jobs)?;
@@ -325,7 +337,7 @@ fn render_one(
             enhance: engine.enhancers().resolve(Some(&job.enhance))?,
         },
         class: Class::Interactive,
-        faces_dir: job.faces_dir.clone(),
+        keep: job.keep.clone(),
     };
     let settings = pipeline::Settings::new(a.media.max_audio_seconds, |w, h, fps| {
         a.media.encoder(w, h, fps, cfg.encoder_workers)

@@ -22,6 +22,18 @@ use crate::media::yuv::{self, Yuv420};
 /// Clip frames decoded ahead of the compositor.
 const PREFETCH: usize = 4;
 
+/// Images a render also writes, for checks and for comparing settings: every predicted face
+/// (`--faces-dir`) and every composited frame (`--frames-dir`), as `00000.png`, `00001.png`,
+/// … in frame order (RGB). The held frames at the end of the audio repeat the last one and
+/// are not written again.
+#[derive(Debug, Clone, Default)]
+pub struct Keep {
+    /// Each predicted face: 96×96, or 96·s × 96·s after an enhancer of scale s.
+    pub faces: Option<PathBuf>,
+    /// Each whole frame as it goes to the encoder (before the conversion to YUV).
+    pub frames: Option<PathBuf>,
+}
+
 pub struct Compositor<'a> {
     avatar: &'a Avatar,
     mode: Loop,
@@ -30,7 +42,7 @@ pub struct Compositor<'a> {
     /// Blend masks of clip boxes whose size differs from the first frame's.
     masks: BlendMasks,
     encoder: &'a mut dyn VideoEncoder,
-    faces_dir: Option<PathBuf>,
+    keep: Keep,
     /// The frame last written; for a photo, also the photo converted once, whose face
     /// region each frame overwrites.
     last: Option<Yuv420>,
@@ -44,9 +56,9 @@ impl<'a> Compositor<'a> {
         avatar: &'a Avatar,
         mode: Loop,
         encoder: &'a mut dyn VideoEncoder,
-        faces_dir: Option<&Path>,
+        keep: &Keep,
     ) -> Result<Self, Error> {
-        if let Some(dir) = faces_dir {
+        for dir in keep.faces.iter().chain(&keep.frames) {
             std::fs::create_dir_all(dir).map_err(|source| Error::Output {
                 path: dir.to_path_buf(),
                 source,
@@ -58,7 +70,7 @@ impl<'a> Compositor<'a> {
             prefetched: avatar.clip.clone().and_then(|clip| prefetch(clip, mode)),
             masks: BlendMasks::default(),
             encoder,
-            faces_dir: faces_dir.map(Path::to_path_buf),
+            keep: keep.clone(),
             last: None,
             frames: 0,
             composite_time: Duration::ZERO,
@@ -69,7 +81,7 @@ impl<'a> Compositor<'a> {
     /// The next frame's predicted face, 96×96 BGR (or larger and square, enhanced).
     pub fn push(&mut self, face_bgr: &[u8]) -> Result<(), Error> {
         let t = Instant::now();
-        if let Some(dir) = &self.faces_dir {
+        if let Some(dir) = &self.keep.faces {
             save_face(dir, self.frames, face_bgr)?;
         }
         let a = self.avatar;
@@ -80,12 +92,21 @@ impl<'a> Compositor<'a> {
                 _ => a.background(i)?.into_owned(),
             };
             a.paste_at(&mut frame, (0, 0), i, face_bgr, &mut self.masks);
+            if let Some(dir) = &self.keep.frames {
+                save_frame(dir, self.frames, &frame)?;
+            }
             yuv::convert_into(&mut self.last, &frame)
         } else {
             let region = a.face_region(i);
             let mut patch = region.crop(&a.frame);
             let origin = (region.x, region.y);
             a.paste_at(&mut patch, origin, i, face_bgr, &mut self.masks);
+            if let Some(dir) = &self.keep.frames {
+                // The photo with the same face pasted whole (the region is what changes).
+                let mut whole = a.frame.clone();
+                a.paste_at(&mut whole, (0, 0), i, face_bgr, &mut self.masks);
+                save_frame(dir, self.frames, &whole)?;
+            }
             let kept = self.last.get_or_insert_with(|| Yuv420::from_rgb(&a.frame));
             kept.write_rgb(region.x, region.y, &patch);
             kept
@@ -130,6 +151,13 @@ fn prefetch(
         })
         .ok()?;
     Some(rx)
+}
+
+fn save_frame(dir: &Path, index: usize, frame: &Frame) -> Result<(), Error> {
+    let path = dir.join(format!("{index:05}.png"));
+    frame
+        .save_png(&path)
+        .map_err(|source| Error::Output { path, source })
 }
 
 fn save_face(dir: &Path, index: usize, bgr: &[u8]) -> Result<(), Error> {

@@ -3,12 +3,11 @@
 //! avatar's frame and encoded, the last frame held to the end of the audio. Stops as soon as
 //! the client is gone.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::clip::Loop;
-use super::compositor::Compositor;
+use super::compositor::{Compositor, Keep};
 use super::front::Submission;
 use super::metrics as m;
 use super::{Avatar, Error};
@@ -25,8 +24,8 @@ pub struct Job {
     pub avatar: Arc<Avatar>,
     /// How a clip avatar's frames follow each other (ignored for a photo).
     pub loop_mode: Loop,
-    /// Where to write every predicted 96×96 face as `00000.png`, … (RGB).
-    pub faces_dir: Option<PathBuf>,
+    /// The faces and frames also written as images.
+    pub keep: Keep,
 }
 
 /// What a job did.
@@ -58,12 +57,7 @@ impl Job {
             ..Default::default()
         };
         let failed = |e: Error| if gone() { Error::Cancelled } else { e };
-        let mut out = Compositor::new(
-            &self.avatar,
-            self.loop_mode,
-            encoder.as_mut(),
-            self.faces_dir.as_deref(),
-        )?;
+        let mut out = Compositor::new(&self.avatar, self.loop_mode, encoder.as_mut(), &self.keep)?;
         while out.frames < model_frames {
             if gone() {
                 return Err(Error::Cancelled);

@@ -26,7 +26,7 @@
 //!     avatar,
 //!     options: Options::default(),
 //!     class: Class::Background,
-//!     faces_dir: None,
+//!     keep: Default::default(),
 //! };
 //! let out = std::fs::File::create("out.mp4")?;
 //! let started = pipeline::start(engine, settings, work, Box::new(std::io::BufWriter::new(out)))?;
@@ -43,6 +43,7 @@ use bytes::Bytes;
 
 use super::batcher::Overloaded;
 use super::clip::Loop;
+pub use super::compositor::Keep;
 use super::metrics as m;
 use super::{Avatar, Engine, Error, Job, JobStats};
 use crate::media::audio::{self, Fps};
@@ -118,8 +119,8 @@ pub struct Work {
     pub avatar: Arc<Avatar>,
     pub options: Options,
     pub class: Class,
-    /// Also write every predicted 96×96 face as `00000.png`, … (RGB) here.
-    pub faces_dir: Option<PathBuf>,
+    /// Faces and frames also written as images (`render --faces-dir`, `--frames-dir`).
+    pub keep: Keep,
 }
 
 /// What every render of a process shares (from the command line or the service's flags).
@@ -193,7 +194,7 @@ pub fn start(
         avatar,
         options,
         class,
-        faces_dir,
+        keep,
     } = work;
     let avatar = if avatar.blend == options.blend {
         avatar
@@ -238,7 +239,7 @@ pub fn start(
             video_frames,
             avatar,
             loop_mode: options.loop_mode,
-            faces_dir,
+            keep,
         },
         encoder,
         fps,
@@ -459,7 +460,7 @@ mod tests {
             avatar: Arc::new(Avatar::from_frame(frame, face, Blend::Feather)),
             options: Options::default(),
             class,
-            faces_dir: None,
+            keep: Default::default(),
         }
     }
 

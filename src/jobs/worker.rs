@@ -476,7 +476,7 @@ fn render(
         avatar: Arc::new(avatar),
         options,
         class: Class::Background,
-        faces_dir: None,
+        keep: Default::default(),
     };
     let started = pipeline::start(
         engine,

@@ -313,7 +313,7 @@ fn start(
             enhance: req.enhance,
         },
         class: Class::Interactive,
-        faces_dir: None,
+        keep: Default::default(),
     };
     pipeline::start(engine, &settings, work, sink).map_err(|e| match e {
         StartError::Overloaded(_) => overloaded(app, &e.to_string()),

@@ -110,6 +110,43 @@ def randomise(net: torch.nn.Module, seed: int, last: str, last_scale: float, cen
             conv.bias.mul_(k).add_(0.5 - float(y.mean()) * k)
 
 
+def published(SRVGGNetCompact, RRDBNet):
+    """The four published networks: stem -> (constructor, top-level key, seed, last
+    convolution, its scale, centre) for `randomise` and `save_checkpoint`."""
+    return {
+    "realesr-general-x4v3": (
+        lambda: SRVGGNetCompact(num_in_ch=3, num_out_ch=3, num_feat=64, num_conv=32,
+                                upscale=4, act_type="prelu"), "params", 1, "body.66", 0.1, False),
+    "realesr-animevideov3": (
+        lambda: SRVGGNetCompact(num_in_ch=3, num_out_ch=3, num_feat=64, num_conv=16,
+                                upscale=4, act_type="prelu"), "params", 2, "body.34", 0.1, False),
+    "RealESRGAN_x4plus": (
+        lambda: RRDBNet(num_in_ch=3, num_out_ch=3, num_feat=64, num_block=23, num_grow_ch=32,
+                        scale=4), "params_ema", 3, "conv_last", 0.15, True),
+    "RealESRGAN_x2plus": (
+        lambda: RRDBNet(num_in_ch=3, num_out_ch=3, num_feat=64, num_block=23, num_grow_ch=32,
+                        scale=2), "params_ema+params", 4, "conv_last", 0.15, True),
+}
+
+
+def save_checkpoint(models, stem: str, out: pathlib.Path) -> torch.nn.Module:
+    """Writes `out/<stem>.pth` in the published layout with deterministic random weights and
+    returns the network (in eval mode) holding them."""
+    make, key, seed, last, last_scale, centre = models[stem]
+    net = make().eval()
+    randomise(net, seed, last, last_scale, centre)
+    state = net.state_dict()
+    if key == "params_ema+params":
+        # Both copies, as training checkpoints hold them: params_ema is the one to use.
+        other = make().eval()
+        randomise(other, seed + 100, last, last_scale, centre)
+        saved = {"params_ema": state, "params": other.state_dict()}
+    else:
+        saved = {key: state}
+    torch.save(saved, out / f"{stem}.pth")
+    return net
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--upstream", required=True, type=pathlib.Path)
@@ -133,36 +170,13 @@ def main():
             stem, _, names = o.partition(":")
             only[stem] = names.split(",") if names else list(inputs)
 
-    models = {
-        "realesr-general-x4v3": (
-            lambda: SRVGGNetCompact(num_in_ch=3, num_out_ch=3, num_feat=64, num_conv=32,
-                                    upscale=4, act_type="prelu"), "params", 1, "body.66", 0.1, False),
-        "realesr-animevideov3": (
-            lambda: SRVGGNetCompact(num_in_ch=3, num_out_ch=3, num_feat=64, num_conv=16,
-                                    upscale=4, act_type="prelu"), "params", 2, "body.34", 0.1, False),
-        "RealESRGAN_x4plus": (
-            lambda: RRDBNet(num_in_ch=3, num_out_ch=3, num_feat=64, num_block=23, num_grow_ch=32,
-                            scale=4), "params_ema", 3, "conv_last", 0.15, True),
-        "RealESRGAN_x2plus": (
-            lambda: RRDBNet(num_in_ch=3, num_out_ch=3, num_feat=64, num_block=23, num_grow_ch=32,
-                            scale=2), "params_ema+params", 4, "conv_last", 0.15, True),
-    }
+    models = published(SRVGGNetCompact, RRDBNet)
     a.out.mkdir(parents=True, exist_ok=True)
     expected = {}
-    for stem, (make, key, seed, last, last_scale, centre) in models.items():
+    for stem in models:
         if only is not None and stem not in only:
             continue
-        net = make().eval()
-        randomise(net, seed, last, last_scale, centre)
-        state = net.state_dict()
-        if key == "params_ema+params":
-            # Both copies, as training checkpoints hold them: params_ema is the one to use.
-            other = make().eval()
-            randomise(other, seed + 100, last, last_scale, centre)
-            saved = {"params_ema": state, "params": other.state_dict()}
-        else:
-            saved = {key: state}
-        torch.save(saved, a.out / f"{stem}.pth")
+        net = save_checkpoint(models, stem, a.out)
         expected[stem] = {}
         for name, x in inputs.items():
             if only is not None and name not in only[stem]:
