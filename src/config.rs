@@ -85,8 +85,9 @@ pub struct EngineArgs {
     /// realesr-animevideov3.pth, RealESRGAN_x4plus.pth or RealESRGAN_x2plus.pth; the kind is
     /// recognised from its keys). Repeatable (the variable: comma-separated). Requests pick one
     /// with `enhance` (a kind when one of that kind is loaded, or the file's stem). A missing,
-    /// damaged or unrecognised file stops start-up. Enhancers run in f32 on the CPU (on cpu and
-    /// echo; not yet with --device cuda).
+    /// damaged or unrecognised file stops start-up. Enhancers run in f32: on the CPU with cpu
+    /// and echo, on the GPU with cuda (their weights and activations then come out of
+    /// --gpu-memory-limit).
     #[arg(
         long = "enhancer-checkpoint",
         value_name = "FILE",
@@ -316,20 +317,17 @@ impl EngineArgs {
     }
 
     /// Reads the `--enhancer-checkpoint` files and measures each one's cost (see
-    /// [`Enhancers::load`]). Refused on CUDA, where the enhancers' own path is not built yet
-    /// (their CPU pass would stall the GPU instances).
+    /// [`Enhancers::load`]): on CUDA their weights go to the GPU (`--cuda-device`) and they
+    /// run there, on the CPU (and echo) on the CPU.
     pub fn load_enhancers(&self, r: &Resolved) -> Result<Arc<Enhancers>, model::Error> {
         if self.enhancer_checkpoint.is_empty() {
             return Ok(Arc::default());
         }
-        if r.device == DeviceKind::Cuda {
-            return Err(model::Error::Settings(
-                "--enhancer-checkpoint: enhancers run on the CPU only for now (--device cpu or \
-                 echo); their CUDA path is not built yet"
-                    .into(),
-            ));
-        }
-        Ok(Arc::new(Enhancers::load(&self.enhancer_checkpoint)?))
+        let device = r.device.open(r.cuda_device)?;
+        Ok(Arc::new(Enhancers::load(
+            &self.enhancer_checkpoint,
+            &device,
+        )?))
     }
 
     /// Checks that the device exists, reads the checkpoint and starts the engine's instances
@@ -381,6 +379,19 @@ impl EngineArgs {
         );
         let mut cfg = self.pool_config(r);
         cfg.warm_up = warm_up;
+        // The enhancers' weights and activations on the GPU come out of each instance's
+        // --gpu-memory-limit (each instance may run them on its batch).
+        let enhancer_bytes = enhancers.device_bytes(r.max_batch);
+        if let (Some(limit), true) = (cfg.memory_limit, enhancer_bytes > 0) {
+            cfg.memory_limit = Some(limit.saturating_sub(enhancer_bytes));
+            tracing::info!(
+                "--gpu-memory-limit: {:.0} MB of each instance's {:.0} MB go to the enhancers \
+                 (weights, and activations at batch {})",
+                enhancer_bytes as f64 / 1e6,
+                limit as f64 / 1e6,
+                r.max_batch
+            );
+        }
         Ok((
             Engine::start(Arc::new(loader), cfg).with_enhancers(enhancers),
             Some(summary),

@@ -17,6 +17,9 @@
 //! own path is broken: NaN, below the dtype's floor, or (whole generator) more than
 //! `CONV_CHECK_MARGIN_DB` worse than candle's operations.
 //!
+//! Also the enhancers' tensor pass on the GPU against their CPU pass
+//! (`enhancers_on_the_gpu_match_their_cpu_pass`, with faces/s at batches 1, 16 and 64).
+//!
 //! Frames do not interact, so a batch of N repeats 4 distinct frames and only the first and
 //! last 4 frames are compared: the CPU reference stays at 4 frames however large N is.
 #![cfg(feature = "cuda")]
@@ -583,4 +586,130 @@ fn the_start_up_check_accepts_the_own_path_at_the_largest_batch() {
             "{dtype:?}: the check refused the own path"
         );
     }
+}
+
+/// A 3×3 convolution's keys and shapes.
+fn enhancer_conv(prefix: &str, cin: usize, cout: usize) -> [(String, Vec<usize>); 2] {
+    [
+        (format!("{prefix}.weight"), vec![cout, cin, 3, 3]),
+        (format!("{prefix}.bias"), vec![cout]),
+    ]
+}
+
+/// Writes an enhancer checkpoint (safetensors) of these keys with small deterministic
+/// weights (N(0, 1/fan_in)-like, PReLU slopes in [0, 0.25)) and loads it as `serve` does.
+fn enhancer_file(
+    dir: &std::path::Path,
+    name: &str,
+    keys: &[(String, Vec<usize>)],
+) -> lipsync::model::enhancer::Enhancer {
+    let mut state = 0x2545_f491_u32;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 17;
+        state ^= state << 5;
+        f32::from(state as u16) / 65536.0
+    };
+    let tensors: std::collections::HashMap<String, Tensor> = keys
+        .iter()
+        .map(|(k, shape)| {
+            let n: usize = shape.iter().product();
+            let fan_in = shape.iter().skip(1).product::<usize>().max(1) as f32;
+            let prelu = shape.len() == 1 && !k.ends_with(".bias");
+            let v: Vec<f32> = (0..n)
+                .map(|_| {
+                    if prelu {
+                        next() * 0.25
+                    } else {
+                        (next() - 0.5) * 1.5 / fan_in.sqrt()
+                    }
+                })
+                .collect();
+            (
+                k.clone(),
+                Tensor::from_vec(v, shape.as_slice(), &Device::Cpu).unwrap(),
+            )
+        })
+        .collect();
+    let path = dir.join(format!("{name}.safetensors"));
+    candle_core::safetensors::save(&tensors, &path).unwrap();
+    lipsync::model::enhancer::load(&path).unwrap()
+}
+
+/// The enhancers' tensor pass on `device` (what `serve --device cuda --enhancer-checkpoint`
+/// runs) against their CPU pass (which tests/enhancer.rs checks against the upstream
+/// networks), at batches 1 and 16 (every face compared), for a compact x4 network of
+/// realesr-general-x4v3's shapes and a 2-block x2 RRDBNet; prints faces/s at 1, 16 and 64.
+fn enhancers_on(device: &Device) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut compact = Vec::new();
+    for i in 0..=32 {
+        compact.extend(enhancer_conv(
+            &format!("body.{}", 2 * i),
+            if i == 0 { 3 } else { 64 },
+            64,
+        ));
+        compact.push((format!("body.{}.weight", 2 * i + 1), vec![64]));
+    }
+    compact.extend(enhancer_conv("body.66", 64, 48));
+    let mut rrdb = Vec::new();
+    rrdb.extend(enhancer_conv("conv_first", 12, 64));
+    for b in 0..2 {
+        for r in 1..=3 {
+            for c in 1..=5 {
+                let (i, o) = (64 + (c - 1) * 32, if c == 5 { 64 } else { 32 });
+                rrdb.extend(enhancer_conv(&format!("body.{b}.rdb{r}.conv{c}"), i, o));
+            }
+        }
+    }
+    for name in ["conv_body", "conv_up1", "conv_up2", "conv_hr"] {
+        rrdb.extend(enhancer_conv(name, 64, 64));
+    }
+    rrdb.extend(enhancer_conv("conv_last", 64, 3));
+    for (name, keys) in [("compact-x4", compact), ("rrdb-x2", rrdb)] {
+        let e = enhancer_file(dir.path(), name, &keys);
+        let on = e.net.on_device(device).unwrap();
+        let faces = |n: usize| -> Vec<f32> {
+            (0..n * 3 * FACE_SIZE * FACE_SIZE)
+                .map(|i| ((i * 7919) % 1009) as f32 / 1008.0)
+                .collect()
+        };
+        for n in [1usize, 16] {
+            let x = faces(n);
+            let want = e.net.forward_cpu(n, FACE_SIZE, FACE_SIZE, &x).unwrap();
+            let got = on.forward(n, FACE_SIZE, FACE_SIZE, &x).unwrap();
+            assert_eq!(want.len(), got.len(), "{name} batch {n}");
+            let worst = want
+                .iter()
+                .zip(&got)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            println!("enhancer {name} batch {n}: max |tensor pass - CPU pass| = {worst:.2e}");
+            // Within 1/255 of an 8-bit level (TF32 convolutions may round more than f32).
+            assert!(
+                worst.is_finite() && worst < 1.0 / 255.0,
+                "{name} batch {n}: {worst}"
+            );
+        }
+        for n in [1usize, 16, 64] {
+            let x = faces(n);
+            on.forward(n, FACE_SIZE, FACE_SIZE, &x).unwrap();
+            let t = std::time::Instant::now();
+            on.forward(n, FACE_SIZE, FACE_SIZE, &x).unwrap();
+            let rate = n as f64 / t.elapsed().as_secs_f64();
+            println!(
+                "enhancer {name} batch {n}: {rate:.1} faces/s, {:.0} MB estimated",
+                on.bytes(n, FACE_SIZE, FACE_SIZE) as f64 / 1e6
+            );
+        }
+    }
+}
+
+#[test]
+fn enhancers_on_the_gpu_match_their_cpu_pass() {
+    // The device `serve --device cuda` loads enhancers on (DeviceKind::open).
+    let device = DeviceKind::Cuda
+        .open(0)
+        .expect("these tests need a CUDA GPU");
+    enhancers_on(&device);
 }

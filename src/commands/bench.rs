@@ -57,7 +57,7 @@ pub struct BenchArgs {
     /// and accuracy; CUDA), media (the real service on the echo device as a child process:
     /// requests on a photo, a 720p photo and a 720p clip with their CPU against one ffmpeg's
     /// encode of the same video, one core against two, live sessions; no checkpoint needed),
-    /// enhancers (each --enhancer-checkpoint's faces/s at batches 1 and 16, and the seconds
+    /// enhancers (each --enhancer-checkpoint's faces/s by batch, and the seconds
     /// it adds to a request of --enhance-seconds on the echo device; no Wav2Lip checkpoint
     /// needed) [default: all but memory, compare, media and enhancers; encoder
     /// only with --encode-frames above 0, layers only on CUDA; with --device echo: media].
@@ -119,9 +119,9 @@ pub struct BenchArgs {
     /// Also write the results as JSON here (rewritten after each part).
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// An enhancer's checkpoint (repeatable), for the enhancers section: faces/s of each at
-    /// batches 1 and 16 on 96x96 faces, in f32 on the CPU (as `serve` runs them), and what
-    /// it adds to a request.
+    /// An enhancer's checkpoint (repeatable), for the enhancers section: faces/s of each on
+    /// 96x96 faces in f32 where `serve` runs them (batches 1 and 16 on the CPU, 1, 16 and 64
+    /// on CUDA), and what it adds to a request.
     #[arg(long = "enhancer-checkpoint", value_name = "FILE")]
     pub enhancer_checkpoint: Vec<PathBuf>,
     /// Seconds of speech of the enhancers section's request, run on the echo device once
@@ -546,7 +546,10 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
             Section::Memory => results["planned_memory"] = model_runs::memory(&a, &plan)?,
             Section::Compare => results["compare"] = model_runs::compare(&a, &plan, weights())?,
             Section::Media => results["media"] = media::media(&a)?,
-            Section::Enhancers => results["enhancers"] = enhancers::enhancers(&a, &avatar()?)?,
+            Section::Enhancers => {
+                results["enhancers"] =
+                    enhancers::enhancers(&a, &avatar()?, plan.device, plan.cuda_device)?
+            }
         }
         save(&results)?;
     }

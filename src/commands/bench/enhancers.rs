@@ -1,11 +1,15 @@
-//! `bench --sections enhancers`: each `--enhancer-checkpoint`'s faces/s on 96×96 faces at
-//! batches 1 and 16, in f32 on the CPU (what `serve` runs), and what asking for it adds to a
-//! whole request: `--enhance-seconds` of speech rendered on the echo device once plain and
-//! once with each enhancer, through the engine `serve` would start (its instances, batches
-//! and encoder workers), so the difference is the enhancer's alone.
+//! `bench --sections enhancers`: each `--enhancer-checkpoint`'s faces/s on 96×96 faces in
+//! f32 where `serve` runs it (batches 1 and 16 with the CPU pass; 1, 16 and 64 with the
+//! tensor pass on CUDA), and what asking for it adds to a whole request: `--enhance-seconds`
+//! of speech rendered on the echo device once plain and once with each enhancer (on the
+//! bench's device), through the engine `serve` would start (its instances, batches and
+//! encoder workers), so the difference is the enhancer's alone.
 
+use std::sync::Arc;
 use std::time::Instant;
 
+use candle_core::Device;
+use lipsync::engine::enhance::Enhancers;
 use lipsync::engine::pipeline::Options;
 use lipsync::engine::Avatar;
 use lipsync::media::audio;
@@ -14,10 +18,18 @@ use lipsync::model::DeviceKind;
 
 use super::{read_file, request, request_settings, serve_settings, BenchArgs, CliError};
 
-pub fn enhancers(a: &BenchArgs, avatar: &Avatar) -> Result<serde_json::Value, CliError> {
-    let mut rows = faces_per_second(a)?;
+/// `device`: the bench's (`cuda` runs the tensor pass on `cuda_device`; cpu and echo the
+/// CPU pass).
+pub fn enhancers(
+    a: &BenchArgs,
+    avatar: &Avatar,
+    device: DeviceKind,
+    cuda_device: usize,
+) -> Result<serde_json::Value, CliError> {
+    let device = device.open(cuda_device)?;
+    let mut rows = faces_per_second(a, &device)?;
     if a.enhance_seconds > 0.0 {
-        let added = added_to_a_request(a, avatar)?;
+        let added = added_to_a_request(a, avatar, &device)?;
         for (row, added) in rows.iter_mut().zip(added) {
             row["request"] = added;
         }
@@ -25,47 +37,65 @@ pub fn enhancers(a: &BenchArgs, avatar: &Avatar) -> Result<serde_json::Value, Cl
     Ok(rows.into())
 }
 
-/// Faces/s of each enhancer at batches 1 and 16: one untimed run, then the median of three.
-fn faces_per_second(a: &BenchArgs) -> Result<Vec<serde_json::Value>, CliError> {
+/// Faces/s of each enhancer by batch: one untimed run, then the median of three.
+fn faces_per_second(a: &BenchArgs, device: &Device) -> Result<Vec<serde_json::Value>, CliError> {
     use lipsync::model::enhancer;
-    println!("## Enhancers (96x96 faces, f32 on the CPU, median of 3)\n");
+    let (batches, pass): (&[usize], _) = match device {
+        Device::Cpu => (&[1, 16], "the CPU pass"),
+        _ => (&[1, 16, 64], "the tensor pass on the GPU"),
+    };
+    println!("## Enhancers (96x96 faces, f32, {pass}, median of 3)\n");
+    let columns: Vec<String> = batches
+        .iter()
+        .map(|b| format!("batch {b} faces/s"))
+        .collect();
     println!(
-        "| enhancer | architecture | multiply-adds per face | batch 1 faces/s | batch 16 faces/s |"
+        "| enhancer | architecture | multiply-adds per face | {} |",
+        columns.join(" | ")
     );
-    println!("|---|---|---|---|---|");
+    println!("|---|---|---|{}", "---|".repeat(batches.len()));
     let mut rows = Vec::new();
     for path in &a.enhancer_checkpoint {
         let e = enhancer::load(path)?;
-        let mut rates = Vec::new();
-        for n in [1usize, 16] {
+        let on_device = match device {
+            Device::Cpu => None,
+            gpu => Some(e.net.on_device(gpu)?),
+        };
+        let run = |n: usize, faces: &[f32]| match &on_device {
+            Some(d) => d.forward(n, FACE_SIZE, FACE_SIZE, faces),
+            None => e.net.forward_cpu(n, FACE_SIZE, FACE_SIZE, faces),
+        };
+        let mut rates = serde_json::Map::new();
+        let mut cells = Vec::new();
+        for &n in batches {
             // A smooth face-like ramp: the cost does not depend on the values.
             let faces: Vec<f32> = (0..n * 3 * FACE_SIZE * FACE_SIZE)
                 .map(|i| (i % 251) as f32 / 250.0)
                 .collect();
-            e.net.forward_cpu(n, FACE_SIZE, FACE_SIZE, &faces)?;
+            run(n, &faces)?;
             let mut times: Vec<f64> = (0..3)
                 .map(|_| {
                     let t = Instant::now();
-                    e.net
-                        .forward_cpu(n, FACE_SIZE, FACE_SIZE, &faces)
-                        .map(|_| t.elapsed().as_secs_f64())
+                    run(n, &faces).map(|_| t.elapsed().as_secs_f64())
                 })
                 .collect::<Result<_, _>>()?;
             times.sort_by(f64::total_cmp);
-            rates.push(n as f64 / times[1]);
+            let rate = n as f64 / times[1];
+            cells.push(format!("{rate:.2}"));
+            rates.insert(n.to_string(), rate.into());
         }
         let macs = e.net.multiply_adds(FACE_SIZE, FACE_SIZE);
         println!(
-            "| {} | {} | {:.2} G | {:.2} | {:.2} |",
+            "| {} | {} | {:.2} G | {} |",
             e.name,
             e.net.describe(),
             macs / 1e9,
-            rates[0],
-            rates[1]
+            cells.join(" | ")
         );
         rows.push(serde_json::json!({
             "name": e.name, "kind": e.kind(), "architecture": e.net.describe(),
-            "multiply_adds_per_face": macs, "faces_per_second": {"1": rates[0], "16": rates[1]},
+            "device": if on_device.is_some() { "cuda" } else { "cpu" },
+            "multiply_adds_per_face": macs, "faces_per_second": rates,
         }));
     }
     println!();
@@ -73,16 +103,15 @@ fn faces_per_second(a: &BenchArgs) -> Result<Vec<serde_json::Value>, CliError> {
 }
 
 /// For each enhancer (in the order given): the request's seconds plain and with it.
-fn added_to_a_request(a: &BenchArgs, avatar: &Avatar) -> Result<Vec<serde_json::Value>, CliError> {
-    let mut flags = Vec::new();
-    for path in &a.enhancer_checkpoint {
-        flags.push("--enhancer-checkpoint".to_string());
-        flags.push(path.display().to_string());
-    }
-    let (mut args, r) = serve_settings(DeviceKind::Echo, 0, &flags)?;
+fn added_to_a_request(
+    a: &BenchArgs,
+    avatar: &Avatar,
+    device: &Device,
+) -> Result<Vec<serde_json::Value>, CliError> {
+    let (mut args, r) = serve_settings(DeviceKind::Echo, 0, &[])?;
     // serve_settings names a placeholder checkpoint; echo reads none.
     args.checkpoint = None;
-    let enhancers = args.load_enhancers(&r)?;
+    let enhancers = Arc::new(Enhancers::load(&a.enhancer_checkpoint, device)?);
     let (engine, _) = args.start_engine(&r, true, enhancers.clone())?;
     engine.wait_ready().map_err(CliError::Jobs)?;
     let clip = audio::load(&read_file(&a.audio)?, 3600.0)?.samples;
@@ -90,8 +119,18 @@ fn added_to_a_request(a: &BenchArgs, avatar: &Avatar) -> Result<Vec<serde_json::
     let seconds = a.enhance_seconds;
     println!(
         "## What an enhancer adds to a request ({seconds} s of speech on a {}x{} photo, the \
-         echo device: {} instance(s), batches up to {}, {} encoder worker(s))\n",
-        avatar.frame.width, avatar.frame.height, r.instances, r.max_batch, r.encoder_workers
+         echo device: {} instance(s), batches up to {}, {} encoder worker(s); enhancers on \
+         the {})\n",
+        avatar.frame.width,
+        avatar.frame.height,
+        r.instances,
+        r.max_batch,
+        r.encoder_workers,
+        if matches!(device, Device::Cpu) {
+            "CPU"
+        } else {
+            "GPU"
+        }
     );
     println!("| enhance | model frames | total | added | added per second of speech |");
     println!("|---|---|---|---|---|");

@@ -15,12 +15,17 @@
 //!   `0.2 · conv5 + input`; three of them make an RRDB, which returns `0.2 · out + input`.
 //!
 //! The output is clamped to [0, 1], as Real-ESRGAN's own wrapper does before rounding.
+//!
+//! Two passes run the same weights: the CPU pass (the generator's NHWC gather + gemm
+//! convolutions, [`EnhancerNet::forward_cpu`]) and the tensor pass on any candle device
+//! ([`EnhancerNet::on_device`]: `conv2d`, cuDNN's on CUDA), in f32.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
+use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
-use super::{dims, mismatch, strict_tensors, EnhancerNet, Kind};
+use super::{dims, mismatch, strict_tensors, DeviceNet, EnhancerNet, Kind};
 use crate::model::checkpoint::Checkpoint;
 use crate::model::cpu::{concat_all, nchw_to_nhwc, nhwc_to_nchw, Act, Activation, Conv};
 use crate::model::{Error, Result};
@@ -50,7 +55,7 @@ pub fn recognise(ck: &Checkpoint) -> Option<Result<Arc<dyn EnhancerNet>>> {
 }
 
 /// A 3×3 convolution's tensors: `{prefix}.weight` `[cout, cin, 3, 3]` and `{prefix}.bias`.
-fn conv_keys(prefix: &str, cin: usize, cout: usize) -> [(String, Vec<usize>); 2] {
+pub(crate) fn conv_keys(prefix: &str, cin: usize, cout: usize) -> [(String, Vec<usize>); 2] {
     [
         (format!("{prefix}.weight"), vec![cout, cin, 3, 3]),
         (format!("{prefix}.bias"), vec![cout]),
@@ -58,13 +63,101 @@ fn conv_keys(prefix: &str, cin: usize, cout: usize) -> [(String, Vec<usize>); 2]
 }
 
 /// Takes a convolution's weight and bias (in [`conv_keys`] order) from the loaded tensors.
-fn take_conv(t: &mut impl Iterator<Item = Vec<f32>>, cin: usize, cout: usize, scale: f32) -> Conv {
+/// The next convolution's weight and bias, times `scale`: for the CPU pass and, as
+/// tensors on the CPU, for the tensor pass.
+fn take_conv(
+    t: &mut impl Iterator<Item = Vec<f32>>,
+    cin: usize,
+    cout: usize,
+    scale: f32,
+) -> Result<(Conv, Weights)> {
     let mut w = t.next().expect("a weight per convolution");
     let mut b = t.next().expect("a bias per convolution");
     if scale != 1.0 {
         w.iter_mut().chain(b.iter_mut()).for_each(|v| *v *= scale);
     }
-    Conv::new(&w, &b, cin, cout, 3)
+    let conv = Conv::new(&w, &b, cin, cout, 3);
+    let weights = Weights {
+        w: Tensor::from_vec(w, (cout, cin, 3, 3), &Device::Cpu)?,
+        b: Tensor::from_vec(b, (1, cout, 1, 1), &Device::Cpu)?,
+    };
+    Ok((conv, weights))
+}
+
+/// A 3×3 convolution (padding 1) for the tensor pass: PyTorch's `(cout, cin, 3, 3)` weight
+/// and the bias as `(1, cout, 1, 1)`.
+#[derive(Clone)]
+struct Weights {
+    w: Tensor,
+    b: Tensor,
+}
+
+impl Weights {
+    fn to(&self, device: &Device) -> Result<Weights> {
+        Ok(Weights {
+            w: self.w.to_device(device)?,
+            b: self.b.to_device(device)?,
+        })
+    }
+
+    fn conv(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.conv2d(&self.w, 1, 1, 1, 1)?.broadcast_add(&self.b)?)
+    }
+
+    fn elements(&self) -> usize {
+        self.w.elem_count() + self.b.elem_count()
+    }
+}
+
+fn prelu(x: &Tensor, slope: &Tensor) -> Result<Tensor> {
+    Ok((x.relu()? + x.minimum(0f32)?.broadcast_mul(slope)?)?)
+}
+
+fn leaky(x: &Tensor) -> Result<Tensor> {
+    Ok(candle_nn::ops::leaky_relu(x, f64::from(LEAKY))?)
+}
+
+/// What a tensor pass computes, on the device its weights are on.
+trait TensorPass: Send + Sync {
+    fn run(&self, x: &Tensor) -> Result<Tensor>;
+    fn elements(&self) -> usize;
+    /// Values alive at once at the pass's peak, for `n` images of `h × w`.
+    fn peak_values(&self, n: usize, h: usize, w: usize) -> usize;
+}
+
+/// An enhancer's weights on one device, run one batch at a time (callers on several
+/// instance threads share it; inputs and outputs go through host memory).
+struct OnDevice<N> {
+    net: N,
+    device: Device,
+    busy: Mutex<()>,
+}
+
+impl<N: TensorPass> DeviceNet for OnDevice<N> {
+    fn forward(&self, n: usize, height: usize, width: usize, rgb: &[f32]) -> Result<Vec<f32>> {
+        if rgb.len() != n * 3 * height * width {
+            return Err(Error::BadInput(format!(
+                "{} values for {n} RGB images of {width}x{height}",
+                rgb.len()
+            )));
+        }
+        let _one = self.busy.lock().unwrap_or_else(|p| p.into_inner());
+        let x = Tensor::from_slice(rgb, (n, 3, height, width), &self.device)?;
+        let y = self.net.run(&x)?.clamp(0f32, 1f32)?;
+        Ok(y.flatten_all()?.to_vec1()?)
+    }
+
+    fn bytes(&self, n: usize, height: usize, width: usize) -> u64 {
+        4 * (self.net.elements() + self.net.peak_values(n, height, width)) as u64
+    }
+}
+
+fn on_device<N: TensorPass + 'static>(net: N, device: &Device) -> Arc<dyn DeviceNet> {
+    Arc::new(OnDevice {
+        net,
+        device: device.clone(),
+        busy: Mutex::new(()),
+    })
 }
 
 /// SRVGGNetCompact.
@@ -76,6 +169,61 @@ pub struct Compact {
     /// The PReLU slopes after each of `convs`.
     slopes: Vec<Vec<f32>>,
     last: Conv,
+    /// The same weights for the tensor pass, on the CPU.
+    tensors: CompactTensors,
+}
+
+/// SRVGGNetCompact's tensor pass.
+#[derive(Clone)]
+struct CompactTensors {
+    upscale: usize,
+    /// Each body convolution with its PReLU slopes, `(1, F, 1, 1)`.
+    body: Vec<(Weights, Tensor)>,
+    last: Weights,
+}
+
+impl CompactTensors {
+    fn to(&self, device: &Device) -> Result<CompactTensors> {
+        Ok(CompactTensors {
+            upscale: self.upscale,
+            body: self
+                .body
+                .iter()
+                .map(|(c, s)| Ok((c.to(device)?, s.to_device(device)?)))
+                .collect::<Result<_>>()?,
+            last: self.last.to(device)?,
+        })
+    }
+}
+
+impl TensorPass for CompactTensors {
+    fn run(&self, x: &Tensor) -> Result<Tensor> {
+        let (_, _, h, w) = x.dims4()?;
+        let mut y = x.clone();
+        for (conv, slope) in &self.body {
+            y = prelu(&conv.conv(&y)?, slope)?;
+        }
+        let s = self.upscale;
+        let y = candle_nn::ops::pixel_shuffle(&self.last.conv(&y)?, s)?;
+        Ok((y + x.upsample_nearest2d(h * s, w * s)?)?)
+    }
+
+    fn elements(&self) -> usize {
+        let body: usize = self
+            .body
+            .iter()
+            .map(|(c, s)| c.elements() + s.elem_count())
+            .sum();
+        body + self.last.elements()
+    }
+
+    fn peak_values(&self, n: usize, h: usize, w: usize) -> usize {
+        let feat = self.body.first().map_or(0, |(_, s)| s.elem_count());
+        let s2 = self.upscale * self.upscale;
+        // A layer's input, output and the PReLU's two temporaries; at the end the shuffled
+        // output, the upsampled input and their sum.
+        (n * h * w * 4 * feat).max(n * h * w * 3 * s2 * 3)
+    }
 }
 
 impl Compact {
@@ -126,17 +274,29 @@ impl Compact {
         let mut t = strict_tensors(ck, Self::MODEL, &expected)?.into_iter();
         let mut convs = Vec::with_capacity(k + 1);
         let mut slopes = Vec::with_capacity(k + 1);
+        let mut body = Vec::with_capacity(k + 1);
         for i in 0..=k {
-            convs.push(take_conv(&mut t, if i == 0 { 3 } else { feat }, feat, 1.0));
-            slopes.push(t.next().expect("a PReLU per convolution"));
+            let (conv, weights) = take_conv(&mut t, if i == 0 { 3 } else { feat }, feat, 1.0)?;
+            let slope = t.next().expect("a PReLU per convolution");
+            body.push((
+                weights,
+                Tensor::from_slice(&slope, (1, feat, 1, 1), &Device::Cpu)?,
+            ));
+            convs.push(conv);
+            slopes.push(slope);
         }
-        let last = take_conv(&mut t, feat, out, 1.0);
+        let (last, last_weights) = take_conv(&mut t, feat, out, 1.0)?;
         Ok(Compact {
             feat,
             upscale,
             convs,
             slopes,
             last,
+            tensors: CompactTensors {
+                upscale,
+                body,
+                last: last_weights,
+            },
         })
     }
 }
@@ -201,6 +361,10 @@ impl EnhancerNet for Compact {
         });
         Ok(out)
     }
+
+    fn on_device(&self, device: &Device) -> Result<Arc<dyn DeviceNet>> {
+        Ok(on_device(self.tensors.to(device)?, device))
+    }
 }
 
 /// One residual dense block: five convolutions, the last scaled by [`RESIDUAL`].
@@ -237,6 +401,106 @@ pub struct Rrdb {
     up2: Conv,
     hr: Conv,
     last: Conv,
+    /// The same weights for the tensor pass, on the CPU.
+    tensors: RrdbTensors,
+}
+
+/// RRDBNet's tensor pass: `first`, the blocks' dense convolutions (the fifth of each
+/// already times 0.2), then `conv_body`, `conv_up1`, `conv_up2`, `conv_hr`, `conv_last`.
+#[derive(Clone)]
+struct RrdbTensors {
+    unshuffle: usize,
+    feat: usize,
+    grow: usize,
+    first: Weights,
+    blocks: Vec<[[Weights; 5]; 3]>,
+    tail: [Weights; 5],
+}
+
+fn five_to(d: &[Weights; 5], device: &Device) -> Result<[Weights; 5]> {
+    let v: Vec<Weights> = d.iter().map(|c| c.to(device)).collect::<Result<_>>()?;
+    Ok(v.try_into()
+        .unwrap_or_else(|_| unreachable!("five convolutions")))
+}
+
+impl RrdbTensors {
+    fn to(&self, device: &Device) -> Result<RrdbTensors> {
+        Ok(RrdbTensors {
+            unshuffle: self.unshuffle,
+            feat: self.feat,
+            grow: self.grow,
+            first: self.first.to(device)?,
+            blocks: self
+                .blocks
+                .iter()
+                .map(|b| {
+                    Ok([
+                        five_to(&b[0], device)?,
+                        five_to(&b[1], device)?,
+                        five_to(&b[2], device)?,
+                    ])
+                })
+                .collect::<Result<_>>()?,
+            tail: five_to(&self.tail, device)?,
+        })
+    }
+
+    /// One dense block: `conv5(cat(x, x1..x4)) + x` (conv5 already times 0.2).
+    fn dense(convs: &[Weights; 5], x: &Tensor) -> Result<Tensor> {
+        let mut parts = vec![x.clone()];
+        for conv in &convs[..4] {
+            let y = leaky(&conv.conv(&Tensor::cat(&parts, 1)?)?)?;
+            parts.push(y);
+        }
+        Ok((convs[4].conv(&Tensor::cat(&parts, 1)?)? + x)?)
+    }
+}
+
+impl TensorPass for RrdbTensors {
+    fn run(&self, x: &Tensor) -> Result<Tensor> {
+        let x = if self.unshuffle > 1 {
+            candle_nn::ops::pixel_unshuffle(x, self.unshuffle)?
+        } else {
+            x.clone()
+        };
+        let feat = self.first.conv(&x)?;
+        let mut y = feat.clone();
+        for rrdb in &self.blocks {
+            let mut out = y.clone();
+            for dense in rrdb {
+                out = Self::dense(dense, &out)?;
+            }
+            y = ((out * f64::from(RESIDUAL))? + y)?;
+        }
+        let [body, up1, up2, hr, last] = &self.tail;
+        let feat = (body.conv(&y)? + feat)?;
+        let (_, _, h, w) = feat.dims4()?;
+        let f = leaky(&up1.conv(&feat.upsample_nearest2d(2 * h, 2 * w)?)?)?;
+        let f = leaky(&up2.conv(&f.upsample_nearest2d(4 * h, 4 * w)?)?)?;
+        last.conv(&leaky(&hr.conv(&f)?)?)
+    }
+
+    fn elements(&self) -> usize {
+        let blocks: usize = self
+            .blocks
+            .iter()
+            .flatten()
+            .flatten()
+            .map(Weights::elements)
+            .sum();
+        let tail: usize = self.tail.iter().map(Weights::elements).sum();
+        self.first.elements() + blocks + tail
+    }
+
+    fn peak_values(&self, n: usize, h: usize, w: usize) -> usize {
+        let u = self.unshuffle;
+        let (bh, bw) = (h / u, w / u);
+        // In a dense block: the block's input, the concatenation and a layer's output.
+        let body = n * bh * bw * (3 * self.feat + 2 * (self.feat + 4 * self.grow));
+        // At 4x the body's size: a layer's input, output and activation.
+        let top = n * 16 * bh * bw * self.feat * 3;
+        body.max(top)
+    }
 }
 
 impl Rrdb {
@@ -281,30 +545,55 @@ impl Rrdb {
         }
         expected.extend(conv_keys("conv_last", feat, 3));
         let mut t = strict_tensors(ck, Self::MODEL, &expected)?.into_iter();
-        let first = take_conv(&mut t, cin, feat, 1.0);
-        let mut dense = || -> DenseBlock {
-            DenseBlock(std::array::from_fn(|c| {
-                let (i, o) = (feat + c * grow, if c == 4 { feat } else { grow });
-                take_conv(&mut t, i, o, if c == 4 { RESIDUAL } else { 1.0 })
-            }))
+        let (first, first_weights) = take_conv(&mut t, cin, feat, 1.0)?;
+        // Five convolutions in a row, each (input channels, output channels, scale).
+        let mut five = |shape: &dyn Fn(usize) -> (usize, usize, f32)| -> Result<_> {
+            let mut convs = Vec::with_capacity(5);
+            let mut weights = Vec::with_capacity(5);
+            for c in 0..5 {
+                let (i, o, scale) = shape(c);
+                let (conv, w) = take_conv(&mut t, i, o, scale)?;
+                convs.push(conv);
+                weights.push(w);
+            }
+            let convs: [Conv; 5] = convs.try_into().unwrap_or_else(|_| unreachable!());
+            let weights: [Weights; 5] = weights.try_into().unwrap_or_else(|_| unreachable!());
+            Ok((convs, weights))
         };
-        let blocks = (0..blocks).map(|_| [dense(), dense(), dense()]).collect();
-        let mut convs = std::array::from_fn::<Conv, 5, _>(|i| {
-            take_conv(&mut t, feat, if i == 4 { 3 } else { feat }, 1.0)
-        })
-        .into_iter();
-        let mut next = || convs.next().expect("five convolutions after the body");
+        let dense_shape = |c: usize| {
+            let (i, o) = (feat + c * grow, if c == 4 { feat } else { grow });
+            (i, o, if c == 4 { RESIDUAL } else { 1.0 })
+        };
+        let mut block_convs = Vec::with_capacity(blocks);
+        let mut block_weights = Vec::with_capacity(blocks);
+        for _ in 0..blocks {
+            let (c1, w1) = five(&dense_shape)?;
+            let (c2, w2) = five(&dense_shape)?;
+            let (c3, w3) = five(&dense_shape)?;
+            block_convs.push([DenseBlock(c1), DenseBlock(c2), DenseBlock(c3)]);
+            block_weights.push([w1, w2, w3]);
+        }
+        let (tail, tail_weights) = five(&|i| (feat, if i == 4 { 3 } else { feat }, 1.0))?;
+        let [body, up1, up2, hr, last] = tail;
         Ok(Rrdb {
             scale,
             feat,
             grow,
             first,
-            blocks,
-            body: next(),
-            up1: next(),
-            up2: next(),
-            hr: next(),
-            last: next(),
+            blocks: block_convs,
+            body,
+            up1,
+            up2,
+            hr,
+            last,
+            tensors: RrdbTensors {
+                unshuffle: 4 / scale,
+                feat,
+                grow,
+                first: first_weights,
+                blocks: block_weights,
+                tail: tail_weights,
+            },
         })
     }
 
@@ -395,6 +684,10 @@ impl EnhancerNet for Rrdb {
         let out = self.last.forward(&f, None, Activation::None);
         Ok(to_nchw_clamped(&out))
     }
+
+    fn on_device(&self, device: &Device) -> Result<Arc<dyn DeviceNet>> {
+        Ok(on_device(self.tensors.to(device)?, device))
+    }
 }
 
 fn check_nonempty(height: usize, width: usize) -> Result<()> {
@@ -472,4 +765,62 @@ fn to_nchw_clamped(x: &Act) -> Vec<f32> {
     let mut out = nhwc_to_nchw(x);
     out.par_iter_mut().for_each(|v| *v = v.clamp(0.0, 1.0));
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{checkpoint, compact_keys};
+    use super::*;
+
+    fn rrdb_keys(cin: usize, feat: usize, grow: usize, blocks: usize) -> Vec<(String, Vec<usize>)> {
+        let mut keys = Vec::new();
+        keys.extend(conv_keys("conv_first", cin, feat));
+        for b in 0..blocks {
+            for r in 1..=3 {
+                for c in 1..=5 {
+                    let (i, o) = (feat + (c - 1) * grow, if c == 5 { feat } else { grow });
+                    keys.extend(conv_keys(&format!("body.{b}.rdb{r}.conv{c}"), i, o));
+                }
+            }
+        }
+        for name in ["conv_body", "conv_up1", "conv_up2", "conv_hr"] {
+            keys.extend(conv_keys(name, feat, feat));
+        }
+        keys.extend(conv_keys("conv_last", feat, 3));
+        keys
+    }
+
+    #[test]
+    fn the_tensor_pass_computes_what_the_cpu_pass_does() {
+        // The CPU pass is checked against the upstream networks (tests/enhancer.rs); the
+        // tensor pass (what CUDA runs) is checked against it, here on candle's CPU device,
+        // for both architectures and the x2 RRDBNet's pixel-unshuffle.
+        let (n, h, w) = (2, 12, 8);
+        let rgb: Vec<f32> = (0..n * 3 * h * w)
+            .map(|i| ((i * 37) % 101) as f32 / 100.0)
+            .collect();
+        for (what, keys) in [
+            ("compact x4", compact_keys(4, 2, 4)),
+            ("compact x2", compact_keys(6, 1, 2)),
+            ("rrdb x4", rrdb_keys(3, 8, 4, 1)),
+            ("rrdb x2", rrdb_keys(12, 8, 4, 2)),
+        ] {
+            let net = super::super::recognise(&checkpoint(&keys)).unwrap();
+            let cpu = net.forward_cpu(n, h, w, &rgb).unwrap();
+            let on = net.on_device(&Device::Cpu).unwrap();
+            let tensors = on.forward(n, h, w, &rgb).unwrap();
+            assert_eq!(cpu.len(), tensors.len(), "{what}");
+            let s = net.scale();
+            assert_eq!(cpu.len(), n * 3 * h * s * w * s, "{what}");
+            let worst = cpu
+                .iter()
+                .zip(&tensors)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(worst < 1e-5, "{what}: the passes differ by {worst}");
+            // Not a trivial output: values inside (0, 1) as well as clamped ones.
+            assert!(cpu.iter().any(|v| *v > 0.01 && *v < 0.99), "{what}");
+            assert!(on.bytes(16, 96, 96) > on.bytes(1, 96, 96), "{what}");
+        }
+    }
 }

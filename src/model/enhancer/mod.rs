@@ -10,6 +10,8 @@
 //! | `esrgan` | [`esrgan`] | Real-ESRGAN's SRVGGNetCompact and RRDBNet |
 
 pub mod esrgan;
+#[cfg(test)]
+pub(crate) mod testing;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -47,6 +49,20 @@ pub trait EnhancerNet: Send + Sync {
     /// `n` RGB images, `(n, 3, height, width)` in [0, 1], in; `(n, 3, height·s, width·s)`
     /// clamped to [0, 1] out, in f32 on the CPU.
     fn forward_cpu(&self, n: usize, height: usize, width: usize, rgb: &[f32]) -> Result<Vec<f32>>;
+    /// The same network with its weights on `device`, run as candle tensors (`conv2d`:
+    /// cuDNN's convolutions on CUDA), in f32.
+    fn on_device(&self, device: &candle_core::Device) -> Result<Arc<dyn DeviceNet>>;
+}
+
+/// An enhancer's weights on a device ([`EnhancerNet::on_device`]). Inputs and outputs are
+/// host memory, as [`EnhancerNet::forward_cpu`]'s; one batch runs at a time.
+pub trait DeviceNet: Send + Sync {
+    /// `n` RGB images, `(n, 3, height, width)` in [0, 1], in; `(n, 3, height·s, width·s)`
+    /// clamped to [0, 1] out.
+    fn forward(&self, n: usize, height: usize, width: usize, rgb: &[f32]) -> Result<Vec<f32>>;
+    /// Device memory for a batch of `n` images of `height × width`: the weights plus an
+    /// estimate of the activations alive at the pass's peak.
+    fn bytes(&self, n: usize, height: usize, width: usize) -> u64;
 }
 
 /// Looks at a checkpoint's keys: `None` when it is not this kind, else the loaded network or
