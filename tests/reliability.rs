@@ -2,6 +2,11 @@
 //! long request cannot monopolise, refusals that reach the client, stalled uploads, panics in
 //! a request's job and in a model instance (injected through the debug build's test hook,
 //! `LIPSYNC_TEST_FAULTS`), and `render` on the same engine as the service.
+//!
+//! The servers run on the echo device (the model stand-in that costs nothing: these tests are
+//! about admission, HTTP, the job and the instance's supervision, whose faults are injected
+//! in code echo shares) with the CPU server's engine settings, slowed where a request must
+//! still be running ([`SLOW`]); `render`'s half-precision recompute runs the model.
 
 mod common;
 
@@ -25,6 +30,16 @@ fn long_speech(seconds: f64) -> Vec<u8> {
     common::wav(&samples, 16_000, 1)
 }
 
+/// Every batch of the echo device stalled by 200 ms (at most 8 frames: 40 frames/s or
+/// fewer), so a long request keeps streaming (and holds its slot) for seconds, as on the CPU
+/// model.
+const SLOW: &[(&str, &str)] = &[("LIPSYNC_TEST_FAULTS", "batch_delay_ms:200")];
+
+/// The debug build's fault hook set to `faults`.
+fn faults(faults: &str) -> [(&str, &str); 1] {
+    [("LIPSYNC_TEST_FAULTS", faults)]
+}
+
 fn form(audio: Vec<u8>) -> Form {
     Form::new()
         .part("audio", Part::bytes(audio).file_name("speech.wav"))
@@ -38,7 +53,10 @@ fn form(audio: Vec<u8>) -> Form {
 async fn short_requests_are_served_while_a_long_one_streams() {
     // The long request (500 frames) is far over the queue bound (40); it counts only its
     // look-ahead (16), so short requests (22 frames) are still admitted beside it.
-    let s = Server::start(&["--max-queue-frames", "40", "--max-ahead-frames", "16"]);
+    let s = Server::start_echo_as_cpu(
+        &["--max-queue-frames", "40", "--max-ahead-frames", "16"],
+        SLOW,
+    );
     s.wait_ready().await;
     let client = reqwest::Client::new();
     let long = client
@@ -67,7 +85,7 @@ async fn short_requests_are_served_while_a_long_one_streams() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_panic_in_a_requests_job_aborts_its_stream_instead_of_ending_it_cleanly() {
-    let s = Server::start_with_faults("job_panic:5");
+    let s = Server::start_echo_as_cpu(&[], &faults("job_panic:5"));
     s.wait_ready().await;
     let r = s.post_short().await;
     assert_eq!(r.status(), 200);
@@ -88,7 +106,7 @@ async fn a_panic_in_a_requests_job_aborts_its_stream_instead_of_ending_it_cleanl
 #[tokio::test(flavor = "multi_thread")]
 async fn a_panicking_instance_fails_its_requests_and_is_restarted() {
     // The instance panics in the third batch it serves.
-    let s = Server::start_with_faults("instance_panic:3");
+    let s = Server::start_echo_as_cpu(&[], &faults("instance_panic:3"));
     s.wait_ready().await;
     let r = s.post_short().await;
     assert_eq!(r.status(), 200);
@@ -117,7 +135,7 @@ async fn a_panicking_instance_fails_its_requests_and_is_restarted() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_refusal_before_the_body_is_read_reaches_the_client_and_closes_the_connection() {
-    let s = Server::start(&["--max-requests", "1"]);
+    let s = Server::start_echo_as_cpu(&["--max-requests", "1"], SLOW);
     s.wait_ready().await;
     let client = reqwest::Client::new();
     // Hold the only slot with a long stream.
@@ -166,7 +184,7 @@ async fn a_refusal_before_the_body_is_read_reaches_the_client_and_closes_the_con
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_upload_that_stalls_gets_408_after_the_read_timeout() {
-    let s = Server::start(&["--read-timeout", "1"]);
+    let s = Server::start_echo(&["--read-timeout", "1"]);
     s.wait_ready().await;
     let addr = s.base.trim_start_matches("http://").to_string();
     let started = Instant::now();
@@ -262,7 +280,7 @@ async fn a_request_that_fails_before_its_first_frame_leaves_no_work_behind() {
     .unwrap();
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let s = Server::start(&["--ffmpeg", &fake.display().to_string()]);
+    let s = Server::start_echo_as_cpu(&["--ffmpeg", &fake.display().to_string()], &[]);
     s.wait_ready().await;
     let client = reqwest::Client::new();
     for _ in 0..3 {
@@ -295,7 +313,7 @@ async fn a_request_that_fails_before_its_first_frame_leaves_no_work_behind() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn every_log_line_of_a_request_carries_its_request_id() {
-    let s = Server::start(&[]);
+    let s = Server::start_echo(&[]);
     s.wait_ready().await;
     let r = reqwest::Client::new()
         .post(s.url("/v1/lipsync"))

@@ -1,5 +1,11 @@
 //! The service over a real loopback socket, as a client uses it: `lipsync serve` started as a
-//! process with test weights, driven with HTTP. Needs ffmpeg and ffprobe (scripts/test.sh).
+//! process, driven with HTTP. Needs ffmpeg and ffprobe (scripts/test.sh).
+//!
+//! Tests of the media and HTTP side run on the echo device (the model stand-in that costs
+//! nothing) with the CPU server's engine settings (`Server::start_echo_as_cpu`), slowed where
+//! they need a model that is still working (the debug build's fault hook `batch_delay_ms`,
+//! [`SLOW`]: every batch stalls that long, near the CPU model's pace); those of the model
+//! (/info's checkpoint fields, half precision's recompute) run the test weights on the CPU.
 
 mod common;
 
@@ -13,11 +19,16 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use reqwest::multipart::{Form, Part};
 
+/// Every batch of the echo device stalled by 200 ms (at most 8 frames: 40 frames/s or fewer,
+/// the CPU model's test weights draw about 18), so a request's model work lasts seconds, as
+/// on the CPU model, and can be caught queued, running or mid-stream.
+const SLOW: &[(&str, &str)] = &[("LIPSYNC_TEST_FAULTS", "batch_delay_ms:200")];
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_video_streams_and_its_first_fragment_arrives_before_the_last_frame_is_computed() {
     // Two encoder workers (segments encoded in parallel, joined in order): the stream must
     // look exactly like the single encoder's. (The other tests use one, the CPU default.)
-    let s = Server::start(&["--encoder-workers", "2"]);
+    let s = Server::start_echo_as_cpu(&["--encoder-workers", "2"], SLOW);
     // The server answers before the model is ready.
     let health = reqwest::get(s.url("/health")).await.unwrap();
     assert_eq!(health.status(), 200);
@@ -68,7 +79,7 @@ async fn the_video_streams_and_its_first_fragment_arrives_before_the_last_frame_
 
 #[tokio::test(flavor = "multi_thread")]
 async fn concurrent_requests_share_batches() {
-    let s = Server::start(&[]);
+    let s = Server::start_echo_as_cpu(&[], SLOW);
     s.wait_ready().await;
     let client = reqwest::Client::new();
     let one = || {
@@ -99,7 +110,7 @@ async fn concurrent_requests_share_batches() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn overload_is_refused_with_429_and_retry_after() {
-    let s = Server::start(&["--max-queue-frames", "30"]);
+    let s = Server::start_echo_as_cpu(&["--max-queue-frames", "30"], SLOW);
     s.wait_ready().await;
     let client = reqwest::Client::new();
     // 97 frames fill the queue (a request larger than the bound still runs alone)...
@@ -131,7 +142,7 @@ async fn overload_is_refused_with_429_and_retry_after() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_that_disconnects_frees_its_queued_work() {
-    let s = Server::start(&[]);
+    let s = Server::start_echo_as_cpu(&[], SLOW);
     s.wait_ready().await;
     let res = reqwest::Client::new()
         .post(s.url("/v1/lipsync"))
@@ -169,8 +180,9 @@ async fn a_client_that_disconnects_frees_its_queued_work() {
 async fn a_slow_reader_holds_back_its_own_work_instead_of_growing_memory() {
     use std::io::{Read, Write};
     // (One encoder process, the CPU default; tests/video.rs checks that the segmented
-    // encoder passes backpressure on too.)
-    let s = Server::start(&["--max-ahead-frames", "8"]);
+    // encoder passes backpressure on too.) On echo, unslowed: the model runs ahead as fast as
+    // backpressure lets it.
+    let s = Server::start_echo_as_cpu(&["--max-ahead-frames", "8"], &[]);
     s.wait_ready().await;
     let rss_before = s.metric("process_resident_memory_bytes").await;
     // A client with a tiny receive window that stops reading after the first bytes (a stalled
@@ -264,7 +276,7 @@ fn short_wav() -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_inputs_get_the_right_4xx_and_the_server_stays_up() {
-    let s = Server::start(&[
+    let s = Server::start_echo(&[
         "--max-audio-seconds",
         "3",
         "--max-pixels",
@@ -453,7 +465,7 @@ async fn bad_inputs_get_the_right_4xx_and_the_server_stays_up() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn avatars_are_made_once_and_reused() {
-    let s = Server::start(&["--avatar-cache-entries", "2"]);
+    let s = Server::start_echo(&["--avatar-cache-entries", "2"]);
     s.wait_ready().await;
     let client = reqwest::Client::new();
     let make = || {
@@ -560,7 +572,7 @@ async fn avatars_are_made_once_and_reused() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn api_key_and_cors() {
-    let s = Server::start(&[
+    let s = Server::start_echo(&[
         "--api-key",
         "s3cret",
         "--cors-origins",
@@ -630,6 +642,7 @@ async fn api_key_and_cors() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn ready_info_metrics_and_openapi() {
+    // On the CPU model: /info describes the checkpoint and the path the model runs.
     let s = Server::start(&[]);
     let early = reqwest::get(s.url("/ready")).await.unwrap();
     if early.status() != 200 {
@@ -693,7 +706,8 @@ async fn ready_info_metrics_and_openapi() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_lets_the_stream_in_flight_finish() {
-    let mut s = Server::start(&[]);
+    // Slowed: the stream is still being computed when SIGTERM comes.
+    let mut s = Server::start_echo_as_cpu(&[], SLOW);
     s.wait_ready().await;
     let res = reqwest::Client::new()
         .post(s.url("/v1/lipsync"))
@@ -725,8 +739,13 @@ async fn sigterm_lets_the_stream_in_flight_finish() {
 #[tokio::test(flavor = "multi_thread")]
 async fn out_of_memory_splits_batches_and_the_request_completes() {
     // f32 estimates (src/engine/pool.rs: weights, cuDNN's workspace, 12 MB a frame): a batch
-    // of 8 needs ~975 MB, of 4 ~927 MB, of 2 ~903 MB; 870 MiB is 912 MB.
-    let s = Server::start(&["--gpu-memory-limit", "870M", "--pad-batches", "true"]);
+    // of 8 needs ~975 MB, of 4 ~927 MB, of 2 ~903 MB; 870 MiB is 912 MB. The pool checks a
+    // batch's estimate against the limit before the model runs, so echo in f32 meets the
+    // same limit as the model would.
+    let s = Server::start_echo_as_cpu(
+        &["--gpu-memory-limit", "870M", "--pad-batches", "true"],
+        &[],
+    );
     s.wait_ready().await;
     let r = reqwest::Client::new()
         .post(s.url("/v1/lipsync"))

@@ -2,6 +2,11 @@
 //! the repository's clips (a real one, carphone.mp4, and lossless pans made by
 //! tests/reference/clip_reference.py) and variants made here with ffmpeg (rotated, WebM, MKV,
 //! MOV, 120 fps, damaged, faceless, 720p). Needs ffmpeg and ffprobe (scripts/test.sh).
+//!
+//! Only the comparison with the PyTorch reference's faces runs the model (test weights on
+//! the CPU); the rest is about reading clips, their rates, loops, boxes and errors, and runs
+//! on the echo device (the model stand-in that costs nothing: each face is the frame's
+//! reference face with the mouth moved), `render --device echo` and `Server::start_echo`.
 
 mod common;
 
@@ -49,6 +54,13 @@ fn reference() -> serde_json::Value {
 fn render(args: &[&dyn AsRef<std::ffi::OsStr>]) -> std::process::Output {
     let ck = checkpoint("legacy_plain.pth");
     let mut all: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![&"render", &"--checkpoint", &ck];
+    all.extend_from_slice(args);
+    lipsync(&all)
+}
+
+/// `lipsync render --device echo` with `args`: for the tests of the media side.
+fn render_echo(args: &[&dyn AsRef<std::ffi::OsStr>]) -> std::process::Output {
+    let mut all: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![&"render", &"--device", &"echo"];
     all.extend_from_slice(args);
     lipsync(&all)
 }
@@ -185,7 +197,7 @@ fn the_video_follows_the_clip_in_both_loop_modes() {
     for mode in [Loop::PingPong, Loop::Repeat] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out.mp4");
-        let o = render(&[
+        let o = render_echo(&[
             &"--audio",
             &media_path(SPEECH),
             &"--video",
@@ -225,7 +237,7 @@ fn a_real_clip_renders_at_its_own_rate_with_detected_boxes() {
     let dir = tempfile::tempdir().unwrap();
     let faces = dir.path().join("faces");
     let out = dir.path().join("out.mp4");
-    let o = render(&[
+    let o = render_echo(&[
         &"--audio",
         &media_path(SPEECH),
         &"--video",
@@ -379,7 +391,7 @@ fn rotated_webm_mkv_and_mov_clips_are_read() {
     ];
     for (clip, (w, h), rate) in cases {
         let out = d.join("out.mp4");
-        let o = render(&[
+        let o = render_echo(&[
             &"--audio",
             &media_path(SPEECH),
             &"--video",
@@ -437,7 +449,7 @@ fn render_needs_exactly_one_avatar_and_jobs_accept_clips() {
             + &line("c.mp4", ", \"loop\": \"sideways\""),
     )
     .unwrap();
-    let o = render(&[&"--jobs", &jobs]);
+    let o = render_echo(&[&"--jobs", &jobs]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
     let err = text(&o.stderr);
     assert!(
@@ -469,7 +481,7 @@ async fn error_of(r: reqwest::Response) -> (u16, String) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_service_takes_clips_directly_and_as_avatars() {
-    let s = Server::start(&[]);
+    let s = Server::start_echo(&[]);
     s.wait_ready().await;
     let client = reqwest::Client::new();
     // Directly: the video is at the clip's rate.
@@ -643,7 +655,7 @@ async fn bad_clips_get_clear_errors() {
     // Keep the ftyp box, lose the rest: a known container that cannot be read.
     truncated.truncate(truncated.len().min(40_000));
 
-    let s = Server::start(&["--max-avatar-seconds", "2", "--max-pixels", "30000"]);
+    let s = Server::start_echo(&["--max-avatar-seconds", "2", "--max-pixels", "30000"]);
     s.wait_ready().await;
     let client = reqwest::Client::new();
     let cases: Vec<(&str, Form, (u16, &str))> = vec![
@@ -757,7 +769,7 @@ async fn a_ten_second_720p_clip_fits_the_cache_budget() {
         "18",
         path_str(&clip),
     ]);
-    let s = Server::start(&[]);
+    let s = Server::start_echo(&[]);
     s.wait_ready().await;
     let r = reqwest::Client::new()
         .post(s.url("/v1/avatars"))

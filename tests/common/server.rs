@@ -20,6 +20,22 @@ static SERIAL: Mutex<()> = Mutex::new(());
 /// encoding, streaming, live clocks) rather than the model.
 pub const ECHO: &str = "echo";
 
+/// The engine defaults `serve` takes on the CPU device where echo takes a GPU's (flag and
+/// value pairs): one instance, f32, unpadded batches, a queue of 2000 frames, one encoder
+/// process per stream.
+pub const CPU_DEFAULTS: &[&str] = &[
+    "--instances",
+    "1",
+    "--dtype",
+    "f32",
+    "--pad-batches",
+    "false",
+    "--max-queue-frames",
+    "2000",
+    "--encoder-workers",
+    "1",
+];
+
 pub struct Server {
     pub child: Child,
     pub base: String,
@@ -36,6 +52,21 @@ impl Server {
     /// Starts `lipsync serve --device echo` (see [`ECHO`]) on a free port.
     pub fn start_echo(extra: &[&str]) -> Server {
         Self::start_with(ECHO, extra, &[])
+    }
+
+    /// Starts `lipsync serve --device echo` with the CPU device's engine defaults rather than
+    /// a GPU's (see [`CPU_DEFAULTS`]; a flag the test sets wins), and these environment
+    /// variables (e.g. `LIPSYNC_TEST_FAULTS=batch_delay_ms:N` for a model as slow as the
+    /// CPU's): for a test of the media side written against the CPU server's configuration.
+    pub fn start_echo_as_cpu(extra: &[&str], env: &[(&str, &str)]) -> Server {
+        let mut args: Vec<&str> = CPU_DEFAULTS
+            .chunks(2)
+            .filter(|pair| !extra.contains(&pair[0]))
+            .flatten()
+            .copied()
+            .collect();
+        args.extend_from_slice(extra);
+        Self::start_with(ECHO, &args, env)
     }
 
     /// Starts `lipsync serve` on a free port with the test checkpoint; returns once it listens.
