@@ -382,7 +382,7 @@ impl EngineArgs {
         // The enhancers' weights and activations on the GPU come out of each instance's
         // --gpu-memory-limit (each instance may run them on its batch).
         let enhancer_bytes = enhancers.device_bytes(r.max_batch);
-        if let (Some(limit), true) = (cfg.memory_limit, enhancer_bytes > 0) {
+        if let Some(limit) = cfg.memory_limit.filter(|_| enhancer_bytes > 0) {
             cfg.memory_limit = Some(limit.saturating_sub(enhancer_bytes));
             tracing::info!(
                 "--gpu-memory-limit: {:.0} MB of each instance's {:.0} MB go to the enhancers \

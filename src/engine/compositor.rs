@@ -98,15 +98,21 @@ impl<'a> Compositor<'a> {
             yuv::convert_into(&mut self.last, &frame)
         } else {
             let region = a.face_region(i);
-            let mut patch = region.crop(&a.frame);
-            let origin = (region.x, region.y);
-            a.paste_at(&mut patch, origin, i, face_bgr, &mut self.masks);
-            if let Some(dir) = &self.keep.frames {
-                // The photo with the same face pasted whole (the region is what changes).
-                let mut whole = a.frame.clone();
-                a.paste_at(&mut whole, (0, 0), i, face_bgr, &mut self.masks);
-                save_frame(dir, self.frames, &whole)?;
-            }
+            let patch = match &self.keep.frames {
+                None => {
+                    let mut patch = region.crop(&a.frame);
+                    let origin = (region.x, region.y);
+                    a.paste_at(&mut patch, origin, i, face_bgr, &mut self.masks);
+                    patch
+                }
+                // Kept whole: the face pasted into the whole photo, its region cut from it.
+                Some(dir) => {
+                    let mut whole = a.frame.clone();
+                    a.paste_at(&mut whole, (0, 0), i, face_bgr, &mut self.masks);
+                    save_frame(dir, self.frames, &whole)?;
+                    region.crop(&whole)
+                }
+            };
             let kept = self.last.get_or_insert_with(|| Yuv420::from_rgb(&a.frame));
             kept.write_rgb(region.x, region.y, &patch);
             kept

@@ -27,9 +27,11 @@ pub fn enhancers(
     cuda_device: usize,
 ) -> Result<serde_json::Value, CliError> {
     let device = device.open(cuda_device)?;
-    let mut rows = faces_per_second(a, &device)?;
+    // Loaded as `serve` loads them: on the device, each one's pass chosen there.
+    let enhancers = Arc::new(Enhancers::load(&a.enhancer_checkpoint, &device)?);
+    let mut rows = faces_per_second(&enhancers, &device)?;
     if a.enhance_seconds > 0.0 {
-        let added = added_to_a_request(a, avatar, &device)?;
+        let added = added_to_a_request(a, avatar, &enhancers, &device)?;
         for (row, added) in rows.iter_mut().zip(added) {
             row["request"] = added;
         }
@@ -38,8 +40,10 @@ pub fn enhancers(
 }
 
 /// Faces/s of each enhancer by batch: one untimed run, then the median of three.
-fn faces_per_second(a: &BenchArgs, device: &Device) -> Result<Vec<serde_json::Value>, CliError> {
-    use lipsync::model::enhancer;
+fn faces_per_second(
+    enhancers: &Enhancers,
+    device: &Device,
+) -> Result<Vec<serde_json::Value>, CliError> {
     let (batches, pass): (&[usize], _) = match device {
         Device::Cpu => (&[1, 16], "the CPU pass"),
         _ => (&[1, 16, 64], "the tensor pass on the GPU"),
@@ -55,16 +59,7 @@ fn faces_per_second(a: &BenchArgs, device: &Device) -> Result<Vec<serde_json::Va
     );
     println!("|---|---|---|{}", "---|".repeat(batches.len()));
     let mut rows = Vec::new();
-    for path in &a.enhancer_checkpoint {
-        let e = enhancer::load(path)?;
-        let on_device = match device {
-            Device::Cpu => None,
-            gpu => Some(e.net.on_device(gpu)?),
-        };
-        let run = |n: usize, faces: &[f32]| match &on_device {
-            Some(d) => d.forward(n, FACE_SIZE, FACE_SIZE, faces),
-            None => e.net.forward_cpu(n, FACE_SIZE, FACE_SIZE, faces),
-        };
+    for e in enhancers.all() {
         let mut rates = serde_json::Map::new();
         let mut cells = Vec::new();
         for &n in batches {
@@ -72,11 +67,11 @@ fn faces_per_second(a: &BenchArgs, device: &Device) -> Result<Vec<serde_json::Va
             let faces: Vec<f32> = (0..n * 3 * FACE_SIZE * FACE_SIZE)
                 .map(|i| (i % 251) as f32 / 250.0)
                 .collect();
-            run(n, &faces)?;
+            e.forward(n, &faces)?;
             let mut times: Vec<f64> = (0..3)
                 .map(|_| {
                     let t = Instant::now();
-                    run(n, &faces).map(|_| t.elapsed().as_secs_f64())
+                    e.forward(n, &faces).map(|_| t.elapsed().as_secs_f64())
                 })
                 .collect::<Result<_, _>>()?;
             times.sort_by(f64::total_cmp);
@@ -93,8 +88,8 @@ fn faces_per_second(a: &BenchArgs, device: &Device) -> Result<Vec<serde_json::Va
             cells.join(" | ")
         );
         rows.push(serde_json::json!({
-            "name": e.name, "kind": e.kind(), "architecture": e.net.describe(),
-            "device": if on_device.is_some() { "cuda" } else { "cpu" },
+            "name": e.name.as_ref(), "kind": e.net.kind(), "architecture": e.net.describe(),
+            "device": if e.on_device.is_some() { "cuda" } else { "cpu" },
             "multiply_adds_per_face": macs, "faces_per_second": rates,
         }));
     }
@@ -106,12 +101,12 @@ fn faces_per_second(a: &BenchArgs, device: &Device) -> Result<Vec<serde_json::Va
 fn added_to_a_request(
     a: &BenchArgs,
     avatar: &Avatar,
+    enhancers: &Arc<Enhancers>,
     device: &Device,
 ) -> Result<Vec<serde_json::Value>, CliError> {
     let (mut args, r) = serve_settings(DeviceKind::Echo, 0, &[])?;
     // serve_settings names a placeholder checkpoint; echo reads none.
     args.checkpoint = None;
-    let enhancers = Arc::new(Enhancers::load(&a.enhancer_checkpoint, device)?);
     let (engine, _) = args.start_engine(&r, true, enhancers.clone())?;
     engine.wait_ready().map_err(CliError::Jobs)?;
     let clip = audio::load(&read_file(&a.audio)?, 3600.0)?.samples;

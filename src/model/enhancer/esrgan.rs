@@ -55,7 +55,45 @@ pub fn recognise(ck: &Checkpoint) -> Option<Result<Arc<dyn EnhancerNet>>> {
 }
 
 /// A 3×3 convolution's tensors: `{prefix}.weight` `[cout, cin, 3, 3]` and `{prefix}.bias`.
-pub(crate) fn conv_keys(prefix: &str, cin: usize, cout: usize) -> [(String, Vec<usize>); 2] {
+/// SRVGGNetCompact's tensors (key, shape): `feat` features, `k` body convolutions, the
+/// last convolution with `out` channels (3·s²), at `body.{2k+2}`.
+pub(crate) fn compact_keys(feat: usize, k: usize, out: usize) -> Vec<(String, Vec<usize>)> {
+    let mut keys = Vec::new();
+    for i in 0..=k {
+        let cin = if i == 0 { 3 } else { feat };
+        keys.extend(conv_keys(&format!("body.{}", 2 * i), cin, feat));
+        keys.push((format!("body.{}.weight", 2 * i + 1), vec![feat]));
+    }
+    keys.extend(conv_keys(&format!("body.{}", 2 * k + 2), feat, out));
+    keys
+}
+
+/// RRDBNet's tensors (key, shape): `cin` input channels (3, or 12 / 48 after the
+/// unshuffle), `feat` features, growth `grow`, `blocks` RRDBs.
+pub(crate) fn rrdb_keys(
+    cin: usize,
+    feat: usize,
+    grow: usize,
+    blocks: usize,
+) -> Vec<(String, Vec<usize>)> {
+    let mut keys = Vec::new();
+    keys.extend(conv_keys("conv_first", cin, feat));
+    for b in 0..blocks {
+        for r in 1..=3 {
+            for c in 1..=5 {
+                let (i, o) = (feat + (c - 1) * grow, if c == 5 { feat } else { grow });
+                keys.extend(conv_keys(&format!("body.{b}.rdb{r}.conv{c}"), i, o));
+            }
+        }
+    }
+    for name in ["conv_body", "conv_up1", "conv_up2", "conv_hr"] {
+        keys.extend(conv_keys(name, feat, feat));
+    }
+    keys.extend(conv_keys("conv_last", feat, 3));
+    keys
+}
+
+fn conv_keys(prefix: &str, cin: usize, cout: usize) -> [(String, Vec<usize>); 2] {
     [
         (format!("{prefix}.weight"), vec![cout, cin, 3, 3]),
         (format!("{prefix}.bias"), vec![cout]),
@@ -264,13 +302,7 @@ impl Compact {
                 "body.{last_index} has {out} output channels, not 3·s² for an upscale s"
             ))
         })?;
-        let mut expected = Vec::new();
-        for i in 0..=k {
-            let cin = if i == 0 { 3 } else { feat };
-            expected.extend(conv_keys(&format!("body.{}", 2 * i), cin, feat));
-            expected.push((format!("body.{}.weight", 2 * i + 1), vec![feat]));
-        }
-        expected.extend(conv_keys(&format!("body.{last_index}"), feat, out));
+        let expected = compact_keys(feat, k, out);
         let mut t = strict_tensors(ck, Self::MODEL, &expected)?.into_iter();
         let mut convs = Vec::with_capacity(k + 1);
         let mut slopes = Vec::with_capacity(k + 1);
@@ -530,20 +562,7 @@ impl Rrdb {
         let blocks = (0..)
             .take_while(|i| dims(ck, &format!("body.{i}.rdb1.conv1.weight")).is_some())
             .count();
-        let mut expected = Vec::new();
-        expected.extend(conv_keys("conv_first", cin, feat));
-        for b in 0..blocks {
-            for r in 1..=3 {
-                for c in 1..=5 {
-                    let (i, o) = (feat + (c - 1) * grow, if c == 5 { feat } else { grow });
-                    expected.extend(conv_keys(&format!("body.{b}.rdb{r}.conv{c}"), i, o));
-                }
-            }
-        }
-        for name in ["conv_body", "conv_up1", "conv_up2", "conv_hr"] {
-            expected.extend(conv_keys(name, feat, feat));
-        }
-        expected.extend(conv_keys("conv_last", feat, 3));
+        let expected = rrdb_keys(cin, feat, grow, blocks);
         let mut t = strict_tensors(ck, Self::MODEL, &expected)?.into_iter();
         let (first, first_weights) = take_conv(&mut t, cin, feat, 1.0)?;
         // Five convolutions in a row, each (input channels, output channels, scale).
@@ -770,25 +789,7 @@ fn to_nchw_clamped(x: &Act) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::super::testing::{checkpoint, compact_keys};
-    use super::*;
-
-    fn rrdb_keys(cin: usize, feat: usize, grow: usize, blocks: usize) -> Vec<(String, Vec<usize>)> {
-        let mut keys = Vec::new();
-        keys.extend(conv_keys("conv_first", cin, feat));
-        for b in 0..blocks {
-            for r in 1..=3 {
-                for c in 1..=5 {
-                    let (i, o) = (feat + (c - 1) * grow, if c == 5 { feat } else { grow });
-                    keys.extend(conv_keys(&format!("body.{b}.rdb{r}.conv{c}"), i, o));
-                }
-            }
-        }
-        for name in ["conv_body", "conv_up1", "conv_up2", "conv_hr"] {
-            keys.extend(conv_keys(name, feat, feat));
-        }
-        keys.extend(conv_keys("conv_last", feat, 3));
-        keys
-    }
+    use super::{rrdb_keys, *};
 
     #[test]
     fn the_tensor_pass_computes_what_the_cpu_pass_does() {

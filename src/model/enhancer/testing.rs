@@ -4,7 +4,6 @@ use std::collections::HashMap;
 
 use candle_core::{Device, Tensor};
 
-use super::esrgan::conv_keys;
 use crate::model::checkpoint::{self, Checkpoint};
 
 /// A deterministic checkpoint of the given (key, shape) list: weights small and
@@ -43,16 +42,7 @@ pub(crate) fn checkpoint(keys: &[(String, Vec<usize>)]) -> Checkpoint {
     checkpoint::read(&path).unwrap()
 }
 
+/// SRVGGNetCompact's tensors with `feat` features, `k` body convolutions, upscale `s`.
 pub(crate) fn compact_keys(feat: usize, k: usize, s: usize) -> Vec<(String, Vec<usize>)> {
-    let mut keys = Vec::new();
-    for i in 0..=k {
-        keys.extend(conv_keys(
-            &format!("body.{}", 2 * i),
-            if i == 0 { 3 } else { feat },
-            feat,
-        ));
-        keys.push((format!("body.{}.weight", 2 * i + 1), vec![feat]));
-    }
-    keys.extend(conv_keys(&format!("body.{}", 2 * k + 2), feat, 3 * s * s));
-    keys
+    super::esrgan::compact_keys(feat, k, 3 * s * s)
 }
