@@ -115,6 +115,7 @@ fn admit(s: &Scheduler, n: usize) -> Result<(RequestId, Receiver<FrameResult>), 
             mel: Vec::new(),
             face: face.clone(),
             enhance: None,
+            due: None,
         })
         .collect();
     s.admit(frames)

@@ -95,6 +95,18 @@ pub struct EngineArgs {
         value_delimiter = ','
     )]
     pub enhancer_checkpoint: Vec<PathBuf>,
+    /// Instances that run the enhancers, beside the model's (each with its own copy of the
+    /// enhancers' weights on a GPU; on the CPU each batch already uses every core). The model
+    /// instances hand them the faces that ask for an enhancer and go on drawing; live faces
+    /// go first.
+    #[arg(
+        long = "enhancer-instances",
+        value_name = "N",
+        env = "LIPSYNC_ENHANCER_INSTANCES",
+        default_value_t = 1,
+        value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..=64), usize::from)
+    )]
+    pub enhancer_instances: usize,
 }
 
 /// The convolution-path flags of `serve`, `render` and `bench`.
@@ -323,10 +335,14 @@ impl EngineArgs {
         if self.enhancer_checkpoint.is_empty() {
             return Ok(Arc::default());
         }
-        let device = r.device.open(r.cuda_device)?;
+        // One device per enhancer instance: on CUDA each with its own stream, as the model
+        // instances have.
+        let devices = (0..self.enhancer_instances)
+            .map(|_| r.device.open_instance(r.cuda_device))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Arc::new(Enhancers::load(
             &self.enhancer_checkpoint,
-            &device,
+            &devices,
         )?))
     }
 
@@ -379,17 +395,20 @@ impl EngineArgs {
         );
         let mut cfg = self.pool_config(r);
         cfg.warm_up = warm_up;
-        // The enhancers' weights and activations on the GPU come out of each instance's
-        // --gpu-memory-limit (each instance may run them on its batch).
-        let enhancer_bytes = enhancers.device_bytes(r.max_batch);
+        // The enhancers' instances hold their weights and activations on the same GPU: they
+        // come out of the model instances' --gpu-memory-limit, shared evenly.
+        let enhancer_bytes = enhancers
+            .device_bytes()
+            .div_ceil(cfg.instances.max(1) as u64);
         if let Some(limit) = cfg.memory_limit.filter(|_| enhancer_bytes > 0) {
             cfg.memory_limit = Some(limit.saturating_sub(enhancer_bytes));
             tracing::info!(
-                "--gpu-memory-limit: {:.0} MB of each instance's {:.0} MB go to the enhancers \
-                 (weights, and activations at batch {})",
+                "--gpu-memory-limit: {:.0} MB of each model instance's {:.0} MB go to the \
+                 enhancers ({} instances: weights, and activations at {} faces)",
                 enhancer_bytes as f64 / 1e6,
                 limit as f64 / 1e6,
-                r.max_batch
+                enhancers.instances(),
+                crate::engine::enhance::CHUNK
             );
         }
         Ok((

@@ -563,13 +563,21 @@ async fn requests_name_a_loaded_enhancer_or_are_refused_with_400() {
             .send()
     };
     {
-        let s = Server::start_echo(&["--enhancer-checkpoint", &ck.display().to_string()]);
+        // Two enhancer instances beside the model's: the faces that ask go to them.
+        let s = Server::start_echo(&[
+            "--enhancer-checkpoint",
+            &ck.display().to_string(),
+            "--enhancer-instances",
+            "2",
+        ]);
         s.wait_ready().await;
         let info = s.info().await;
         let e = &info["enhancers"][0];
         assert_eq!(e["name"], "tiny-x2", "{info}");
         assert_eq!(e["kind"], "esrgan");
         assert_eq!(e["scale"], 2);
+        assert_eq!(e["instances"], 2, "{e}");
+        assert_eq!(e["conv_path"], "cpu", "{e}");
         assert!(e["ms_per_face"].as_f64().unwrap() > 0.0, "{e}");
         for ask in ["esrgan", "tiny-x2", "none"] {
             let r = post(&s, ask).await.unwrap();
@@ -577,6 +585,17 @@ async fn requests_name_a_loaded_enhancer_or_are_refused_with_400() {
             let body = r.bytes().await.unwrap();
             assert_eq!(common::server::codecs(&body), "h264,aac", "enhance={ask}");
         }
+        // Every face handed to the enhancers came back: none waits.
+        let metrics = reqwest::get(s.url("/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            metrics.contains("lipsync_enhance_queue_frames 0"),
+            "{metrics}"
+        );
         not_loaded(
             post(&s, "realesr-general-x4v3").await.unwrap(),
             "tiny-x2 (esrgan)",

@@ -638,7 +638,8 @@ fn enhancer_file(
 
 /// The enhancers' tensor pass on `device` (what `serve --device cuda --enhancer-checkpoint`
 /// runs) against their CPU pass (which tests/enhancer.rs checks against the upstream
-/// networks), at batches 1 and 16 (every face compared), for a compact x4 network of
+/// networks), on the own cuDNN path, at batches 1, 16 and 5 (every face compared; 5 is a
+/// size not timed at warm-up, which takes cuDNN's heuristic), for a compact x4 network of
 /// realesr-general-x4v3's shapes and a 2-block x2 RRDBNet; prints faces/s at 1, 16 and 64.
 fn enhancers_on(device: &Device) {
     let dir = tempfile::tempdir().unwrap();
@@ -669,12 +670,24 @@ fn enhancers_on(device: &Device) {
     for (name, keys) in [("compact-x4", compact), ("rrdb-x2", rrdb)] {
         let e = enhancer_file(dir.path(), name, &keys);
         let on = e.net.on_device(device).unwrap();
+        // Its convolutions on the own cuDNN path (the default --conv-engine), which
+        // `on_device` warmed up and checked against candle's conv2d; `candle` here means that
+        // check or its start failed (the log says why).
+        println!(
+            "enhancer {name}: convolutions on the {} path",
+            on.conv_path()
+        );
+        assert_eq!(
+            on.conv_path(),
+            "cudnn",
+            "{name}: the own cuDNN path did not start"
+        );
         let faces = |n: usize| -> Vec<f32> {
             (0..n * 3 * FACE_SIZE * FACE_SIZE)
                 .map(|i| ((i * 7919) % 1009) as f32 / 1008.0)
                 .collect()
         };
-        for n in [1usize, 16] {
+        for n in [1usize, 16, 5] {
             let x = faces(n);
             let want = e.net.forward_cpu(n, FACE_SIZE, FACE_SIZE, &x).unwrap();
             let got = on.forward(n, FACE_SIZE, FACE_SIZE, &x).unwrap();
@@ -707,9 +720,9 @@ fn enhancers_on(device: &Device) {
 
 #[test]
 fn enhancers_on_the_gpu_match_their_cpu_pass() {
-    // The device `serve --device cuda` loads enhancers on (DeviceKind::open).
+    // A device as `serve --device cuda` opens one per enhancer instance.
     let device = DeviceKind::Cuda
-        .open(0)
+        .open_instance(0)
         .expect("these tests need a CUDA GPU");
     enhancers_on(&device);
 }

@@ -1,13 +1,13 @@
 //! Enhancers on the engine: the files loaded at start-up (`--enhancer-checkpoint`), the name a
 //! request gives (`enhance=esrgan`) resolved to one of them, each one's cost measured once at
-//! start-up, and the stage that runs them on a batch's predicted faces.
+//! start-up, and a batch of faces run through one of them ([`run_batch`]).
 //!
-//! The stage runs on the model instance's own thread right after the generator, one
-//! sub-batch per enhancer over the batch's frames that asked for it; those frames come back
-//! as the enhanced face (96·s × 96·s BGR), which the compositor resizes into the face box as
-//! it does the 96×96 one. It computes in f32: on the CPU with the enhancer's CPU pass, on a
-//! GPU with its tensor pass (candle's `conv2d`, cuDNN's convolutions), its weights loaded
-//! once on the GPU and shared by the instances (one batch at a time).
+//! They run on their own instances ([`super::enhance_pool`], `--enhancer-instances`): a model
+//! instance hands over the faces that asked for an enhancer as soon as it has drawn them, and
+//! the enhanced face (96·s × 96·s BGR) is what the frame's request gets, which the compositor
+//! resizes into the face box as it does the 96×96 one. They compute in f32: on the CPU with
+//! the enhancer's CPU pass, on a GPU with its tensor pass (candle's `conv2d`, cuDNN's
+//! convolutions), each instance with its own copy of the weights there.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -56,12 +56,24 @@ impl PartialEq for EnhanceWith {
 struct Loaded {
     enhancer: Enhancer,
     with: EnhanceWith,
+    /// On a GPU, the weights of enhancer instances 1, 2, … (instance 0 runs
+    /// `with.on_device`).
+    copies: Vec<Arc<dyn DeviceNet>>,
 }
 
-/// The enhancers loaded at start-up.
-#[derive(Default)]
+/// The enhancers loaded at start-up, and how many instances run them.
 pub struct Enhancers {
     list: Vec<Loaded>,
+    instances: usize,
+}
+
+impl Default for Enhancers {
+    fn default() -> Self {
+        Enhancers {
+            list: Vec::new(),
+            instances: 1,
+        }
+    }
 }
 
 impl std::fmt::Debug for Enhancers {
@@ -75,7 +87,7 @@ impl std::fmt::Debug for Enhancers {
 /// The most faces an enhancer runs at once: a batch's faces run in chunks of this, which
 /// bounds the enhancer's activations (a compact x4 network holds about 0.6 GB of them for 64
 /// faces) while keeping its throughput (flat from batch 16 on the CPU).
-pub const CHUNK: usize = 32;
+pub const CHUNK: usize = enhancer::MAX_BATCH;
 
 /// What `enhance` may say besides a kind or a name: no enhancer.
 pub const NONE: &str = "none";
@@ -83,9 +95,14 @@ pub const NONE: &str = "none";
 impl Enhancers {
     /// Loads every file (its kind recognised from its keys) and measures each one's cost on
     /// one 96×96 face. Two files with the same name (file stem) are refused: requests pick
-    /// enhancers by it. On a GPU `device` each one's weights go there once and its tensor
-    /// pass runs; on the CPU its CPU pass.
-    pub fn load(paths: &[PathBuf], device: &Device) -> Result<Enhancers, crate::model::Error> {
+    /// enhancers by it. `devices` has one device per enhancer instance (at least one): on a
+    /// GPU each instance's copy of the weights goes to its device and the tensor pass runs;
+    /// on the CPU the CPU pass.
+    pub fn load(paths: &[PathBuf], devices: &[Device]) -> Result<Enhancers, crate::model::Error> {
+        let (device, others) = devices
+            .split_first()
+            .ok_or_else(|| crate::model::Error::Settings("no device for the enhancers".into()))?;
+        let instances = devices.len();
         let mut list: Vec<Loaded> = Vec::with_capacity(paths.len());
         for path in paths {
             let enhancer = enhancer::load(path)?;
@@ -108,6 +125,13 @@ impl Enhancers {
             let on_device = match device {
                 Device::Cpu => None,
                 gpu => Some(enhancer.net.on_device(gpu)?),
+            };
+            let copies = match on_device {
+                None => Vec::new(),
+                Some(_) => others
+                    .iter()
+                    .map(|d| enhancer.net.on_device(d))
+                    .collect::<Result<_, _>>()?,
             };
             let mut with = EnhanceWith {
                 name: enhancer.name.as_str().into(),
@@ -135,13 +159,50 @@ impl Enhancers {
                     "CPU"
                 }
             );
-            list.push(Loaded { enhancer, with });
+            list.push(Loaded {
+                enhancer,
+                with,
+                copies,
+            });
         }
-        Ok(Enhancers { list })
+        Ok(Enhancers { list, instances })
+    }
+
+    /// Enhancers already made, on the CPU (the engine's tests).
+    #[cfg(test)]
+    pub(crate) fn for_tests(withs: Vec<EnhanceWith>, instances: usize) -> Enhancers {
+        let list = withs
+            .into_iter()
+            .map(|with| Loaded {
+                enhancer: Enhancer {
+                    name: with.name.to_string(),
+                    path: PathBuf::from(format!("{}.pth", with.name)),
+                    net: with.net.clone(),
+                },
+                with,
+                copies: Vec::new(),
+            })
+            .collect();
+        Enhancers { list, instances }
     }
 
     pub fn is_empty(&self) -> bool {
         self.list.is_empty()
+    }
+
+    /// The instances that run the enhancers (`--enhancer-instances`).
+    pub fn instances(&self) -> usize {
+        self.instances
+    }
+
+    /// The weights on the device that enhancer instance `k` runs `with` on (`None`: the CPU
+    /// pass).
+    pub fn instance_net(&self, with: &EnhanceWith, k: usize) -> Option<Arc<dyn DeviceNet>> {
+        let loaded = self.list.iter().find(|l| l.with == *with);
+        match (k, loaded) {
+            (1.., Some(l)) if k <= l.copies.len() => Some(l.copies[k - 1].clone()),
+            _ => with.on_device.clone(),
+        }
     }
 
     /// The enhancer a request asks for: `None`, empty or `none` for none; a kind (`esrgan`)
@@ -197,11 +258,11 @@ impl Enhancers {
         )))
     }
 
-    /// Device memory the enhancers hold on a GPU for a batch of `n` faces: every one's
-    /// weights, and the largest one's activations (the stage runs one enhancer at a time, at
-    /// most [`CHUNK`] faces at once). 0 on the CPU.
-    pub fn device_bytes(&self, n: usize) -> u64 {
-        let n = n.min(CHUNK);
+    /// Device memory the enhancers hold on a GPU: per instance, every one's weights and the
+    /// largest one's activations (an instance runs one enhancer at a time, at most [`CHUNK`]
+    /// faces at once). 0 on the CPU.
+    pub fn device_bytes(&self) -> u64 {
+        let n = CHUNK;
         let each: Vec<(u64, u64)> = self
             .list
             .iter()
@@ -211,7 +272,9 @@ impl Enhancers {
                 (weights, d.bytes(n, FACE_SIZE, FACE_SIZE) - weights)
             })
             .collect();
-        each.iter().map(|e| e.0).sum::<u64>() + each.iter().map(|e| e.1).max().unwrap_or(0)
+        let per_instance =
+            each.iter().map(|e| e.0).sum::<u64>() + each.iter().map(|e| e.1).max().unwrap_or(0);
+        per_instance * self.instances as u64
     }
 
     /// The enhancers as requests name them.
@@ -233,7 +296,9 @@ impl Enhancers {
                     "scale": e.net.scale(),
                     "checkpoint": e.path,
                     "device": if l.with.on_device.is_some() { "cuda" } else { "cpu" },
+                    "conv_path": l.with.on_device.as_ref().map_or("cpu", |d| d.conv_path()),
                     "dtype": "f32",
+                    "instances": self.instances,
                     "ms_per_face": seconds_per_face * 1e3,
                     "faces_per_second": 1.0 / seconds_per_face.max(1e-9),
                     "multiply_adds_per_face": e.net.multiply_adds(FACE_SIZE, FACE_SIZE),
@@ -243,46 +308,42 @@ impl Enhancers {
     }
 }
 
-/// The enhancement stage of a batch: `asks[i]` is frame i's enhancer (or none), `preds` the
-/// batch's predictions, `(3, 96, 96)` planar BGR in [0, 1] each. Returns, for each frame
-/// that asked, its enhanced face as interleaved BGR bytes (`None` for the others); frames
-/// that share an enhancer run together, [`CHUNK`] at a time.
-pub fn run(asks: &[Option<&EnhanceWith>], preds: &[f32]) -> Vec<Option<Result<Vec<u8>, String>>> {
+/// Faces through one enhancer: each of `faces` is a prediction, `(3, 96, 96)` planar BGR in
+/// [0, 1]; `net` the weights on the device to run it on (`None`: the CPU pass). Returns each
+/// enhanced face as interleaved BGR bytes, [`CHUNK`] faces at a time.
+pub fn run_batch(
+    with: &EnhanceWith,
+    net: Option<&dyn DeviceNet>,
+    faces: &[&[f32]],
+) -> Result<Vec<Vec<u8>>, String> {
     const PLANE: usize = FACE_SIZE * FACE_SIZE;
-    let mut out: Vec<Option<Result<Vec<u8>, String>>> = vec![None; asks.len()];
-    for i in 0..asks.len() {
-        // Frames of an enhancer already run have their answer.
-        let Some(with) = asks[i].filter(|_| out[i].is_none()) else {
-            continue;
-        };
-        let group: Vec<usize> = (i..asks.len())
-            .filter(|&j| asks[j].is_some_and(|w| w == with))
-            .collect();
-        let s = with.net.scale();
-        let face_len = 3 * (FACE_SIZE * s) * (FACE_SIZE * s);
-        for chunk in group.chunks(CHUNK) {
-            let mut rgb = Vec::with_capacity(chunk.len() * 3 * PLANE);
-            for &j in chunk {
-                let p = &preds[j * 3 * PLANE..(j + 1) * 3 * PLANE];
-                // The generator draws BGR; the enhancers take RGB.
-                for c in [2, 1, 0] {
-                    rgb.extend_from_slice(&p[c * PLANE..(c + 1) * PLANE]);
-                }
+    let s = with.net.scale();
+    let face_len = 3 * (FACE_SIZE * s) * (FACE_SIZE * s);
+    let mut out = Vec::with_capacity(faces.len());
+    for chunk in faces.chunks(CHUNK) {
+        let mut rgb = Vec::with_capacity(chunk.len() * 3 * PLANE);
+        for p in chunk {
+            if p.len() != 3 * PLANE {
+                return Err(format!("a face of {} values, not {}", p.len(), 3 * PLANE));
             }
-            let result = with.forward(chunk.len(), &rgb);
-            for (k, &j) in chunk.iter().enumerate() {
-                out[j] = Some(match &result {
-                    Ok(v) => {
-                        let mut bgr = enhancer::planar_to_rgb8(&v[k * face_len..][..face_len]);
-                        face::swap_red_blue(&mut bgr);
-                        Ok(bgr)
-                    }
-                    Err(e) => Err(format!("enhancer {}: {e}", with.name)),
-                });
+            // The generator draws BGR; the enhancers take RGB.
+            for c in [2, 1, 0] {
+                rgb.extend_from_slice(&p[c * PLANE..(c + 1) * PLANE]);
             }
         }
+        let n = chunk.len();
+        let v = match net {
+            Some(d) => d.forward(n, FACE_SIZE, FACE_SIZE, &rgb),
+            None => with.net.forward_cpu(n, FACE_SIZE, FACE_SIZE, &rgb),
+        }
+        .map_err(|e| e.to_string())?;
+        for k in 0..n {
+            let mut bgr = enhancer::planar_to_rgb8(&v[k * face_len..][..face_len]);
+            face::swap_red_blue(&mut bgr);
+            out.push(bgr);
+        }
     }
-    out
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -300,44 +361,40 @@ mod tests {
     }
 
     #[test]
-    fn the_stage_answers_every_frame_that_asked_in_chunks_on_either_pass() {
-        // More frames than a chunk, every other one asking: each asking frame gets the face
-        // its enhancer makes of its own prediction alone (chunking mixes nothing up), the
-        // others nothing; the tensor pass (what a GPU runs, here on candle's CPU) gives the
-        // same bytes as the CPU pass, within a level.
+    fn a_batch_runs_in_chunks_on_either_pass_and_each_face_is_its_own() {
+        // More faces than a chunk: each enhanced face is what the enhancer makes of that face
+        // alone (chunking mixes nothing up), and the tensor pass (what a GPU runs, here on
+        // candle's CPU) gives the same bytes as the CPU pass, within a level.
         let net = enhancer::recognise(&checkpoint(&compact_keys(4, 1, 2))).unwrap();
         let n = 2 * CHUNK + 5;
-        let preds: Vec<f32> = (0..n * 3 * FACE_SIZE * FACE_SIZE)
+        let plane = 3 * FACE_SIZE * FACE_SIZE;
+        let preds: Vec<f32> = (0..n * plane)
             .map(|i| ((i * 31 + i / 977) % 256) as f32 / 255.0)
             .collect();
+        let faces: Vec<&[f32]> = preds.chunks_exact(plane).collect();
         let cpu = with(&net, None);
         let tensors = with(&net, Some(&Device::Cpu));
-        let asks: Vec<Option<&EnhanceWith>> =
-            (0..n).map(|i| (i % 2 == 0).then_some(&cpu)).collect();
-        let got = run(&asks, &preds);
-        let alone = |i: usize, w: &EnhanceWith| {
-            let p = &preds[i * 3 * FACE_SIZE * FACE_SIZE..(i + 1) * 3 * FACE_SIZE * FACE_SIZE];
-            run(&[Some(w)], p).remove(0).unwrap().unwrap()
-        };
+        let got = run_batch(&cpu, None, &faces).unwrap();
+        assert_eq!(got.len(), n);
         for (i, face) in got.iter().enumerate() {
-            match face {
-                None => assert!(i % 2 == 1, "frame {i} asked and got nothing"),
-                Some(face) => {
-                    let face = face.as_ref().unwrap();
-                    assert_eq!(face.len(), 3 * 192 * 192, "frame {i}");
-                    assert_eq!(face, &alone(i, &cpu), "frame {i}");
-                    let on_tensors = alone(i, &tensors);
-                    let worst = face
-                        .iter()
-                        .zip(&on_tensors)
-                        .map(|(a, b)| a.abs_diff(*b))
-                        .max()
-                        .unwrap();
-                    assert!(worst <= 1, "frame {i}: the passes differ by {worst}");
-                }
-            }
+            assert_eq!(face.len(), 3 * 192 * 192, "face {i}");
+            assert_eq!(
+                face,
+                &run_batch(&cpu, None, &[faces[i]]).unwrap()[0],
+                "face {i}"
+            );
+            let on_tensors =
+                run_batch(&tensors, tensors.on_device.as_deref(), &[faces[i]]).unwrap();
+            let worst = face
+                .iter()
+                .zip(&on_tensors[0])
+                .map(|(a, b)| a.abs_diff(*b))
+                .max()
+                .unwrap();
+            assert!(worst <= 1, "face {i}: the passes differ by {worst}");
         }
-        let loaded = Enhancers::default();
-        assert_eq!(loaded.device_bytes(512), 0);
+        // A face of the wrong size is an error, not a panic.
+        assert!(run_batch(&cpu, None, &[&preds[..10]]).is_err());
+        assert_eq!(Enhancers::default().device_bytes(), 0);
     }
 }

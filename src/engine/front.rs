@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use super::backend::Loader;
 use super::batcher::{Overloaded, RequestId};
 use super::enhance::Enhancers;
+use super::enhance_pool::EnhancePool;
 use super::pool::{Pool, PoolConfig, PoolStatus};
 use super::render::video_frames;
 use super::scheduler::{FrameResult, FrameWork, Scheduler};
@@ -34,9 +35,13 @@ impl Engine {
         }
     }
 
-    /// The engine with these enhancers loaded (run on the instances' threads after the
-    /// generator, see [`super::enhance`]).
+    /// The engine with these enhancers loaded, and their own instances started
+    /// ([`super::enhance_pool`]): the model instances hand them the faces that ask for one.
     pub fn with_enhancers(mut self, enhancers: Arc<Enhancers>) -> Engine {
+        if !enhancers.is_empty() {
+            let pool = EnhancePool::start(enhancers.clone());
+            self.pool.scheduler().set_enhance_pool(pool);
+        }
         self.enhancers = enhancers;
         self
     }
@@ -117,6 +122,7 @@ pub fn plan(
             mel: mel.window(plan.start(index), WINDOW),
             face: face_for(index),
             enhance: None,
+            due: None,
         })
         .collect();
     Ok(Planned {

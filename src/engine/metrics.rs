@@ -16,6 +16,8 @@ pub const QUEUE_FRAMES: &str = "lipsync_queue_frames";
 /// Model work waiting, in seconds, by `class` ([`QUEUE_CLASSES`]): see [`queue_seconds`].
 pub const QUEUE_SECONDS: &str = "lipsync_queue_seconds";
 pub const INSTANCES_BUSY: &str = "lipsync_instances_busy";
+/// Faces drawn and waiting for an enhancer's instance.
+pub const ENHANCE_QUEUE_FRAMES: &str = "lipsync_enhance_queue_frames";
 pub const INSTANCES_READY: &str = "lipsync_instances_ready";
 pub const AVATAR_CACHE_HITS: &str = "lipsync_avatar_cache_hits_total";
 pub const AVATAR_CACHE_MISSES: &str = "lipsync_avatar_cache_misses_total";

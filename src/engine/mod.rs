@@ -15,6 +15,7 @@ pub mod clip;
 pub mod compositor;
 pub mod echo;
 pub mod enhance;
+pub mod enhance_pool;
 pub mod faults;
 pub mod front;
 pub mod job;

@@ -37,6 +37,7 @@ use candle_core::DType;
 
 use super::backend::{Loader, Model, FACE_LEN, MEL_LEN, PRED_LEN};
 use super::batcher::Limits;
+use super::enhance_pool::Handed;
 use super::metrics as m;
 use super::scheduler::{BatchItem, Scheduler};
 use crate::media::face;
@@ -559,6 +560,7 @@ fn run_instance(
     let mut inst = Instance {
         id: i,
         loader,
+        scheduler,
         model,
         fallback: None,
         sizes,
@@ -724,6 +726,8 @@ pub fn is_out_of_memory(e: &super::Error) -> bool {
 struct Instance<'a> {
     id: usize,
     loader: &'a dyn Loader,
+    /// Where the batches come from; its enhancers' instances take the faces that ask for one.
+    scheduler: &'a Scheduler,
     model: Box<dyn Model>,
     /// An f32 copy for batches whose half-precision output is not finite or overflowed.
     fallback: Option<Box<dyn Model>>,
@@ -981,27 +985,38 @@ impl Instance<'_> {
                 requests.sort();
                 requests.dedup();
                 m::batch(n, requests.len());
-                // The enhancers the batch's frames asked for, one sub-batch each.
-                let asks: Vec<_> = items.iter().map(|i| i.work.enhance.as_ref()).collect();
-                let mut enhanced = if asks.iter().any(Option::is_some) {
-                    let t = Instant::now();
-                    let out = super::enhance::run(&asks, &pred);
-                    m::stage("enhance", t.elapsed());
-                    out
-                } else {
-                    Vec::new()
-                };
-                for (k, (item, p)) in items
-                    .into_iter()
-                    .zip(pred.chunks_exact(PRED_LEN))
-                    .enumerate()
-                {
-                    let face = match enhanced.get_mut(k).and_then(Option::take) {
-                        Some(result) => result,
-                        None => Ok(face::prediction_to_bgr(p)),
-                    };
-                    // A closed receiver means the request was cancelled meanwhile.
-                    let _ = item.reply.send(face.map(|f| (item.work.index, f)));
+                // Faces that asked for an enhancer go to the enhancers' instances (which
+                // answer them); the others are answered here.
+                let mut handed = Vec::new();
+                for (item, p) in items.into_iter().zip(pred.chunks_exact(PRED_LEN)) {
+                    match item.work.enhance {
+                        Some(with) => handed.push(Handed {
+                            request: item.request,
+                            class: item.class,
+                            index: item.work.index,
+                            with,
+                            pred: p.to_vec(),
+                            reply: item.reply,
+                        }),
+                        None => {
+                            let face = face::prediction_to_bgr(p);
+                            // A closed receiver means the request was cancelled meanwhile.
+                            let _ = item.reply.send(Ok((item.work.index, face)));
+                        }
+                    }
+                }
+                if !handed.is_empty() {
+                    match self.scheduler.enhance_pool() {
+                        Some(pool) => pool.hand_over(handed),
+                        None => {
+                            for h in handed {
+                                let _ = h.reply.send(Err(format!(
+                                    "enhancer {} is not running on this engine",
+                                    h.with.name
+                                )));
+                            }
+                        }
+                    }
                 }
                 self.spare = pred;
                 Ok(())
@@ -1233,6 +1248,7 @@ mod tests {
                 mel: vec![index as f32; MEL_LEN],
                 face: face.clone(),
                 enhance: None,
+                due: None,
             })
             .collect()
     }
@@ -1498,9 +1514,16 @@ mod tests {
 
     /// An f16 instance with padding to 1, 2, 4, 8 frames on the scripted doubles.
     fn half_instance<'a>(loader: &'a ScriptedLoader, memory_limit: Option<u64>) -> Instance<'a> {
+        // A scheduler of its own that no batch comes from (the tests call the instance).
+        let scheduler: &'static Scheduler = Box::leak(Box::new(Scheduler::new(
+            config(false).limits,
+            Duration::ZERO,
+            1,
+        )));
         Instance {
             id: 0,
             loader,
+            scheduler,
             model: loader.load(Precision::F16, 8).unwrap(),
             fallback: None,
             sizes: batch_sizes(8, 2, true),

@@ -10,10 +10,11 @@
 
 use std::collections::HashMap;
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::batcher::{Batcher, Limits, Overloaded, RequestId};
+use super::enhance_pool::EnhancePool;
 use super::metrics as m;
 
 /// One frame's model input.
@@ -33,6 +34,18 @@ pub struct FrameWork {
     pub face: Arc<Vec<u8>>,
     /// The enhancer to run on the predicted face, if the request asked for one.
     pub enhance: Option<super::enhance::EnhanceWith>,
+    /// When a live session's frame is due (set on admission by [`Scheduler::admit_realtime`];
+    /// the enhancers' batches order live frames by it).
+    pub due: Option<Instant>,
+}
+
+/// The class of a frame's request, ordered as batches serve them: live frames first,
+/// earliest deadline first, then interactive requests', then background (batch job) frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Class {
+    Live(Instant),
+    Interactive,
+    Background,
 }
 
 /// One predicted face, 96×96×3 BGR (96·s × 96·s when an enhancer of scale s ran on it), or
@@ -44,6 +57,7 @@ pub struct BatchItem {
     pub request: RequestId,
     pub work: FrameWork,
     pub reply: Sender<FrameResult>,
+    pub class: Class,
 }
 
 struct Lane {
@@ -173,6 +187,9 @@ pub struct Scheduler {
     state: Mutex<State>,
     work: Condvar,
     fill_wait: Duration,
+    /// The enhancers' instances, where enhancers are loaded: the model instances hand them
+    /// the faces that asked for one, and a cancelled request's faces are dropped there too.
+    enhance: OnceLock<Arc<EnhancePool>>,
 }
 
 impl Scheduler {
@@ -191,7 +208,18 @@ impl Scheduler {
             }),
             work: Condvar::new(),
             fill_wait,
+            enhance: OnceLock::new(),
         }
+    }
+
+    /// Connects the enhancers' instances (once, when the engine loads enhancers).
+    pub fn set_enhance_pool(&self, pool: Arc<EnhancePool>) {
+        let _ = self.enhance.set(pool);
+    }
+
+    /// The enhancers' instances, if enhancers are loaded.
+    pub fn enhance_pool(&self) -> Option<&Arc<EnhancePool>> {
+        self.enhance.get()
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -281,10 +309,13 @@ impl Scheduler {
         let (reply, results) = mpsc::channel();
         let mut s = self.lock();
         let epoch = s.epoch;
-        let id = s.batcher.admit_realtime(frames.into_iter().map(|(f, due)| {
-            let us = due.saturating_duration_since(epoch).as_micros();
-            (f, u64::try_from(us).unwrap_or(u64::MAX))
-        }));
+        let id = s
+            .batcher
+            .admit_realtime(frames.into_iter().map(|(mut f, due)| {
+                f.due = Some(due);
+                let us = due.saturating_duration_since(epoch).as_micros();
+                (f, u64::try_from(us).unwrap_or(u64::MAX))
+            }));
         self.opened(s, id, reply, false);
         (id, results)
     }
@@ -385,10 +416,16 @@ impl Scheduler {
                     m::stage("queue", now - lane.admitted);
                 }
             }
+            let class = match (work.due, lane.background) {
+                (Some(due), _) => Class::Live(due),
+                (None, false) => Class::Interactive,
+                (None, true) => Class::Background,
+            };
             items.push(BatchItem {
                 request,
                 work,
                 reply: lane.reply.clone(),
+                class,
             });
         }
         s.publish_queue();
@@ -408,8 +445,12 @@ impl Scheduler {
     pub fn cancel(&self, id: RequestId) -> usize {
         let mut s = self.lock();
         s.lanes.remove(&id);
-        let dropped = s.batcher.cancel(id);
+        let mut dropped = s.batcher.cancel(id);
         s.publish_queue();
+        drop(s);
+        if let Some(pool) = self.enhance.get() {
+            dropped += pool.cancel(id);
+        }
         m::dropped_frames(dropped);
         dropped
     }
@@ -426,6 +467,9 @@ impl Scheduler {
     pub fn shutdown(&self) {
         self.lock().shutdown = true;
         self.work.notify_all();
+        if let Some(pool) = self.enhance.get() {
+            pool.shutdown();
+        }
     }
 }
 
@@ -442,6 +486,7 @@ mod tests {
                 mel: vec![0.0; 4],
                 face: face.clone(),
                 enhance: None,
+                due: None,
             })
             .collect()
     }
@@ -543,6 +588,7 @@ mod tests {
             mel: vec![],
             face: face.clone(),
             enhance: None,
+            due: None,
         };
         let due = Instant::now() + Duration::from_millis(400);
         let (_a, _ra) = s.admit_realtime(vec![(frame(0), due)]);

@@ -296,6 +296,7 @@ pub fn idle_face(
         mel: silence.window(0, WINDOW),
         face: avatar.crop(0),
         enhance,
+        due: None,
     };
     let mut sub = engine.submit_realtime(vec![(work, Instant::now())]);
     let until = Instant::now() + wait;
@@ -953,6 +954,7 @@ impl<'a> Session<'a> {
                     mel,
                     face,
                     enhance: self.cfg.enhance.clone(),
+                    due: None,
                 };
                 draws.push((j, self.engine.submit_realtime(vec![(work, due)])));
             }

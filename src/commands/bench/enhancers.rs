@@ -28,7 +28,10 @@ pub fn enhancers(
 ) -> Result<serde_json::Value, CliError> {
     let device = device.open(cuda_device)?;
     // Loaded as `serve` loads them: on the device, each one's pass chosen there.
-    let enhancers = Arc::new(Enhancers::load(&a.enhancer_checkpoint, &device)?);
+    let enhancers = Arc::new(Enhancers::load(
+        &a.enhancer_checkpoint,
+        std::slice::from_ref(&device),
+    )?);
     let mut rows = faces_per_second(&enhancers, &device)?;
     if a.enhance_seconds > 0.0 {
         let added = added_to_a_request(a, avatar, &enhancers, &device)?;

@@ -537,6 +537,33 @@ impl CudnnEngine {
     /// --sections compare`). Algorithm choices are shared by the process whatever the
     /// settings: they are keyed by shape, dtype and layout.
     pub fn with_settings(dev: &CudaDevice, dtype: DType, settings: ConvSettings) -> Result<Self> {
+        let identity = settings.cache_identity();
+        Self::with_identity(dev, dtype, settings, &identity)
+    }
+
+    /// An engine for another network's layers beside the generator's (an enhancer's 3×3
+    /// convolutions, layer by layer in `layout`, each with its bias, nothing fused after it):
+    /// the process's settings otherwise, and its choices kept in the process's autotune
+    /// cache under the process's identity (they are keyed by shape, dtype and layout, so
+    /// they never mix with the generator's).
+    pub fn beside(dev: &CudaDevice, dtype: DType, layout: ConvLayout) -> Result<Self> {
+        let identity = settings().cache_identity();
+        let own = ConvSettings {
+            layout,
+            epilogue: super::Epilogue::Separate,
+            ..settings().clone()
+        };
+        Self::with_identity(dev, dtype, own, &identity)
+    }
+
+    /// [`Self::with_settings`], its autotune cache file named by `identity` (with the GPU and
+    /// cuDNN version).
+    fn with_identity(
+        dev: &CudaDevice,
+        dtype: DType,
+        settings: ConvSettings,
+        identity: &str,
+    ) -> Result<Self> {
         settings.check().map_err(Error::Settings)?;
         data_type(dtype)?;
         let stream = dev.cuda_stream();
@@ -592,7 +619,7 @@ impl CudnnEngine {
             // The autotune cache file's identity: choices made under other settings are not
             // reused (a lower workspace limit could not run them, a higher one never
             // searches; another upsampling, epilogue, padding or arena times other things).
-            device_name: format!("{gpu} / cuDNN {version} / {}", settings.cache_identity()),
+            device_name: format!("{gpu} / cuDNN {version} / {identity}"),
             settings,
         })
     }

@@ -104,13 +104,13 @@ fn conv_keys(prefix: &str, cin: usize, cout: usize) -> [(String, Vec<usize>); 2]
 /// The next convolution's weight and bias, times `scale`: for the CPU pass and, as
 /// tensors on the CPU, for the tensor pass.
 fn take_conv(
-    t: &mut impl Iterator<Item = Vec<f32>>,
+    t: &mut impl Iterator<Item = (String, Vec<f32>)>,
     cin: usize,
     cout: usize,
     scale: f32,
 ) -> Result<(Conv, Weights)> {
-    let mut w = t.next().expect("a weight per convolution");
-    let mut b = t.next().expect("a bias per convolution");
+    let (key, mut w) = t.next().expect("a weight per convolution");
+    let (_, mut b) = t.next().expect("a bias per convolution");
     if scale != 1.0 {
         w.iter_mut().chain(b.iter_mut()).for_each(|v| *v *= scale);
     }
@@ -118,8 +118,17 @@ fn take_conv(
     let weights = Weights {
         w: Tensor::from_vec(w, (cout, cin, 3, 3), &Device::Cpu)?,
         b: Tensor::from_vec(b, (1, cout, 1, 1), &Device::Cpu)?,
+        path: format!("esrgan {}", key.trim_end_matches(".weight")).into(),
     };
     Ok((conv, weights))
+}
+
+/// The loaded tensors with their keys, in the checkpoint list's order.
+fn named(
+    expected: &[(String, Vec<usize>)],
+    tensors: Vec<Vec<f32>>,
+) -> impl Iterator<Item = (String, Vec<f32>)> + '_ {
+    expected.iter().map(|(k, _)| k.clone()).zip(tensors)
 }
 
 /// A 3×3 convolution (padding 1) for the tensor pass: PyTorch's `(cout, cin, 3, 3)` weight
@@ -128,6 +137,8 @@ fn take_conv(
 struct Weights {
     w: Tensor,
     b: Tensor,
+    /// The layer's name for the own cuDNN path's plans and reports (`esrgan body.2`).
+    path: Arc<str>,
 }
 
 impl Weights {
@@ -135,11 +146,35 @@ impl Weights {
         Ok(Weights {
             w: self.w.to_device(device)?,
             b: self.b.to_device(device)?,
+            path: self.path.clone(),
         })
     }
 
-    fn conv(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.conv2d(&self.w, 1, 1, 1, 1)?.broadcast_add(&self.b)?)
+    fn conv(&self, x: &Tensor, path: &ConvPath) -> Result<Tensor> {
+        match path {
+            ConvPath::Candle => Ok(x.conv2d(&self.w, 1, 1, 1, 1)?.broadcast_add(&self.b)?),
+            #[cfg(feature = "cuda")]
+            ConvPath::Own(engine) => {
+                let (cout, cin, _, _) = self.w.dims4()?;
+                let spec = crate::model::arch::LayerSpec {
+                    kind: crate::model::arch::LayerKind::Plain,
+                    cin,
+                    cout,
+                    kernel: 3,
+                    stride: (1, 1),
+                    padding: 1,
+                    output_padding: 0,
+                    residual: false,
+                };
+                let block = crate::model::wav2lip::ConvBlock::from_parts(
+                    &self.path,
+                    spec,
+                    self.w.clone(),
+                    self.b.clone(),
+                );
+                engine.forward(&block, &x.contiguous()?)
+            }
+        }
     }
 
     fn elements(&self) -> usize {
@@ -157,18 +192,40 @@ fn leaky(x: &Tensor) -> Result<Tensor> {
 
 /// What a tensor pass computes, on the device its weights are on.
 trait TensorPass: Send + Sync {
-    fn run(&self, x: &Tensor) -> Result<Tensor>;
+    fn run(&self, x: &Tensor, path: &ConvPath) -> Result<Tensor>;
     fn elements(&self) -> usize;
     /// Values alive at once at the pass's peak, for `n` images of `h × w`.
     fn peak_values(&self, n: usize, h: usize, w: usize) -> usize;
 }
 
-/// An enhancer's weights on one device, run one batch at a time (callers on several
-/// instance threads share it; inputs and outputs go through host memory).
+/// How a tensor pass runs its 3×3 convolutions.
+enum ConvPath {
+    /// candle's `conv2d` (on CUDA: cuDNN with candle's choice of algorithm).
+    Candle,
+    /// The own cuDNN path (CUDA with `--conv-engine cudnn`), as the generator's layers run
+    /// it: each shape's algorithm timed during the warm-up, f32 with FMA math (never TF32).
+    #[cfg(feature = "cuda")]
+    Own(Arc<crate::model::cudnn::CudnnEngine>),
+}
+
+impl ConvPath {
+    fn name(&self) -> &'static str {
+        match self {
+            ConvPath::Candle => "candle",
+            #[cfg(feature = "cuda")]
+            ConvPath::Own(_) => "cudnn",
+        }
+    }
+}
+
+/// An enhancer's weights on one device, run one batch at a time (inputs and outputs go
+/// through host memory).
 struct OnDevice<N> {
     net: N,
     device: Device,
-    busy: Mutex<()>,
+    /// Held while a batch runs; the own path gives way to candle's for good if a cuDNN call
+    /// fails.
+    path: Mutex<ConvPath>,
 }
 
 impl<N: TensorPass> DeviceNet for OnDevice<N> {
@@ -179,24 +236,109 @@ impl<N: TensorPass> DeviceNet for OnDevice<N> {
                 rgb.len()
             )));
         }
-        let _one = self.busy.lock().unwrap_or_else(|p| p.into_inner());
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut path = self.path.lock().unwrap_or_else(|p| p.into_inner());
         let x = Tensor::from_slice(rgb, (n, 3, height, width), &self.device)?;
-        let y = self.net.run(&x)?.clamp(0f32, 1f32)?;
-        Ok(y.flatten_all()?.to_vec1()?)
+        let y = match self.net.run(&x, &path) {
+            Ok(y) => y,
+            #[cfg(feature = "cuda")]
+            Err(e) if e.is_cudnn_failure() && matches!(*path, ConvPath::Own(_)) => {
+                tracing::warn!(
+                    "an enhancer's own cuDNN path failed ({e}); it runs candle's conv2d from now on"
+                );
+                *path = ConvPath::Candle;
+                self.net.run(&x, &path)?
+            }
+            Err(e) => return Err(e),
+        };
+        Ok(y.clamp(0f32, 1f32)?.flatten_all()?.to_vec1()?)
     }
 
     fn bytes(&self, n: usize, height: usize, width: usize) -> u64 {
         4 * (self.net.elements() + self.net.peak_values(n, height, width)) as u64
     }
+
+    fn conv_path(&self) -> &'static str {
+        self.path.lock().unwrap_or_else(|p| p.into_inner()).name()
+    }
 }
 
 fn on_device<N: TensorPass + 'static>(net: N, device: &Device) -> Arc<dyn DeviceNet> {
+    let path = own_path(&net, device);
     Arc::new(OnDevice {
         net,
         device: device.clone(),
-        busy: Mutex::new(()),
+        path: Mutex::new(path),
     })
 }
+
+/// The own cuDNN path for `net` on a CUDA `device` (with `--conv-engine cudnn`), warmed up,
+/// or candle's `conv2d` (with a warning when the own path could not start).
+#[cfg(feature = "cuda")]
+fn own_path<N: TensorPass>(net: &N, device: &Device) -> ConvPath {
+    let Device::Cuda(cuda) = device else {
+        return ConvPath::Candle;
+    };
+    if !crate::model::cudnn::enabled() {
+        return ConvPath::Candle;
+    }
+    match warm_own_path(net, device, cuda) {
+        Ok(path) => path,
+        Err(e) => {
+            tracing::warn!(
+                "an enhancer's own cuDNN path is unavailable ({e}); it runs candle's conv2d"
+            );
+            ConvPath::Candle
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn own_path<N: TensorPass>(_: &N, _: &Device) -> ConvPath {
+    ConvPath::Candle
+}
+
+/// Starts the own path: its algorithms timed at one face and at [`super::MAX_BATCH`] faces (other
+/// batch sizes take cuDNN's heuristic), and its output checked against candle's `conv2d`
+/// on the same faces: within [`OWN_PATH_TOLERANCE`], or the own path is refused.
+#[cfg(feature = "cuda")]
+fn warm_own_path<N: TensorPass>(
+    net: &N,
+    device: &Device,
+    cuda: &candle_core::cuda_backend::CudaDevice,
+) -> Result<ConvPath> {
+    use crate::model::arch::FACE_SIZE;
+    use crate::model::cudnn::{ConvLayout, CudnnEngine};
+    let engine = Arc::new(CudnnEngine::beside(
+        cuda,
+        candle_core::DType::F32,
+        ConvLayout::Nchw,
+    )?);
+    let own = ConvPath::Own(engine.clone());
+    for n in [1, super::MAX_BATCH] {
+        let len = n * 3 * FACE_SIZE * FACE_SIZE;
+        // A smooth face-like ramp with some texture.
+        let faces: Vec<f32> = (0..len).map(|i| ((i * 37) % 251) as f32 / 250.0).collect();
+        let x = Tensor::from_vec(faces, (n, 3, FACE_SIZE, FACE_SIZE), device)?;
+        let got = net.run(&x, &own)?;
+        if n == 1 {
+            let want = net.run(&x, &ConvPath::Candle)?;
+            let worst: f32 = (got - want)?.abs()?.flatten_all()?.max(0)?.to_scalar()?;
+            if worst.is_nan() || worst > OWN_PATH_TOLERANCE {
+                return Err(Error::Settings(format!(
+                    "its output differs from candle's conv2d by {worst} (at most {OWN_PATH_TOLERANCE})"
+                )));
+            }
+        }
+    }
+    engine.finish_warm_up();
+    Ok(own)
+}
+
+/// How far the own path's f32 output may be from candle's (both f32 with FMA; the sums run
+/// in another order): well below an 8-bit level (0.0039).
+#[cfg(feature = "cuda")]
+const OWN_PATH_TOLERANCE: f32 = 1e-3;
 
 /// SRVGGNetCompact.
 pub struct Compact {
@@ -235,14 +377,14 @@ impl CompactTensors {
 }
 
 impl TensorPass for CompactTensors {
-    fn run(&self, x: &Tensor) -> Result<Tensor> {
+    fn run(&self, x: &Tensor, path: &ConvPath) -> Result<Tensor> {
         let (_, _, h, w) = x.dims4()?;
         let mut y = x.clone();
         for (conv, slope) in &self.body {
-            y = prelu(&conv.conv(&y)?, slope)?;
+            y = prelu(&conv.conv(&y, path)?, slope)?;
         }
         let s = self.upscale;
-        let y = candle_nn::ops::pixel_shuffle(&self.last.conv(&y)?, s)?;
+        let y = candle_nn::ops::pixel_shuffle(&self.last.conv(&y, path)?, s)?;
         Ok((y + x.upsample_nearest2d(h * s, w * s)?)?)
     }
 
@@ -303,13 +445,13 @@ impl Compact {
             ))
         })?;
         let expected = compact_keys(feat, k, out);
-        let mut t = strict_tensors(ck, Self::MODEL, &expected)?.into_iter();
+        let mut t = named(&expected, strict_tensors(ck, Self::MODEL, &expected)?);
         let mut convs = Vec::with_capacity(k + 1);
         let mut slopes = Vec::with_capacity(k + 1);
         let mut body = Vec::with_capacity(k + 1);
         for i in 0..=k {
             let (conv, weights) = take_conv(&mut t, if i == 0 { 3 } else { feat }, feat, 1.0)?;
-            let slope = t.next().expect("a PReLU per convolution");
+            let (_, slope) = t.next().expect("a PReLU per convolution");
             body.push((
                 weights,
                 Tensor::from_slice(&slope, (1, feat, 1, 1), &Device::Cpu)?,
@@ -478,38 +620,38 @@ impl RrdbTensors {
     }
 
     /// One dense block: `conv5(cat(x, x1..x4)) + x` (conv5 already times 0.2).
-    fn dense(convs: &[Weights; 5], x: &Tensor) -> Result<Tensor> {
+    fn dense(convs: &[Weights; 5], x: &Tensor, path: &ConvPath) -> Result<Tensor> {
         let mut parts = vec![x.clone()];
         for conv in &convs[..4] {
-            let y = leaky(&conv.conv(&Tensor::cat(&parts, 1)?)?)?;
+            let y = leaky(&conv.conv(&Tensor::cat(&parts, 1)?, path)?)?;
             parts.push(y);
         }
-        Ok((convs[4].conv(&Tensor::cat(&parts, 1)?)? + x)?)
+        Ok((convs[4].conv(&Tensor::cat(&parts, 1)?, path)? + x)?)
     }
 }
 
 impl TensorPass for RrdbTensors {
-    fn run(&self, x: &Tensor) -> Result<Tensor> {
+    fn run(&self, x: &Tensor, path: &ConvPath) -> Result<Tensor> {
         let x = if self.unshuffle > 1 {
             candle_nn::ops::pixel_unshuffle(x, self.unshuffle)?
         } else {
             x.clone()
         };
-        let feat = self.first.conv(&x)?;
+        let feat = self.first.conv(&x, path)?;
         let mut y = feat.clone();
         for rrdb in &self.blocks {
             let mut out = y.clone();
             for dense in rrdb {
-                out = Self::dense(dense, &out)?;
+                out = Self::dense(dense, &out, path)?;
             }
             y = ((out * f64::from(RESIDUAL))? + y)?;
         }
         let [body, up1, up2, hr, last] = &self.tail;
-        let feat = (body.conv(&y)? + feat)?;
+        let feat = (body.conv(&y, path)? + feat)?;
         let (_, _, h, w) = feat.dims4()?;
-        let f = leaky(&up1.conv(&feat.upsample_nearest2d(2 * h, 2 * w)?)?)?;
-        let f = leaky(&up2.conv(&f.upsample_nearest2d(4 * h, 4 * w)?)?)?;
-        last.conv(&leaky(&hr.conv(&f)?)?)
+        let f = leaky(&up1.conv(&feat.upsample_nearest2d(2 * h, 2 * w)?, path)?)?;
+        let f = leaky(&up2.conv(&f.upsample_nearest2d(4 * h, 4 * w)?, path)?)?;
+        last.conv(&leaky(&hr.conv(&f, path)?)?, path)
     }
 
     fn elements(&self) -> usize {
@@ -563,7 +705,7 @@ impl Rrdb {
             .take_while(|i| dims(ck, &format!("body.{i}.rdb1.conv1.weight")).is_some())
             .count();
         let expected = rrdb_keys(cin, feat, grow, blocks);
-        let mut t = strict_tensors(ck, Self::MODEL, &expected)?.into_iter();
+        let mut t = named(&expected, strict_tensors(ck, Self::MODEL, &expected)?);
         let (first, first_weights) = take_conv(&mut t, cin, feat, 1.0)?;
         // Five convolutions in a row, each (input channels, output channels, scale).
         let mut five = |shape: &dyn Fn(usize) -> (usize, usize, f32)| -> Result<_> {

@@ -49,8 +49,9 @@ pub trait EnhancerNet: Send + Sync {
     /// `n` RGB images, `(n, 3, height, width)` in [0, 1], in; `(n, 3, height·s, width·s)`
     /// clamped to [0, 1] out, in f32 on the CPU.
     fn forward_cpu(&self, n: usize, height: usize, width: usize, rgb: &[f32]) -> Result<Vec<f32>>;
-    /// The same network with its weights on `device`, run as candle tensors (`conv2d`:
-    /// cuDNN's convolutions on CUDA), in f32.
+    /// The same network with its weights on `device`, run as candle tensors in f32; on CUDA
+    /// its convolutions take the own cuDNN path (`--conv-engine cudnn`, warmed up and
+    /// checked against candle's `conv2d` here) or candle's `conv2d`.
     fn on_device(&self, device: &candle_core::Device) -> Result<Arc<dyn DeviceNet>>;
 }
 
@@ -63,7 +64,14 @@ pub trait DeviceNet: Send + Sync {
     /// Device memory for a batch of `n` images of `height × width`: the weights plus an
     /// estimate of the activations alive at the pass's peak.
     fn bytes(&self, n: usize, height: usize, width: usize) -> u64;
+    /// How its convolutions run: `cudnn` (the own cuDNN path, as the generator's) or
+    /// `candle` (candle's `conv2d`).
+    fn conv_path(&self) -> &'static str;
 }
+
+/// The most faces one pass of an enhancer takes at once (the engine's batches run in pieces
+/// of this; the own cuDNN path is timed at it).
+pub const MAX_BATCH: usize = 32;
 
 /// Looks at a checkpoint's keys: `None` when it is not this kind, else the loaded network or
 /// why this kind's file is not complete.
