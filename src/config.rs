@@ -335,6 +335,11 @@ impl EngineArgs {
         if self.enhancer_checkpoint.is_empty() {
             return Ok(Arc::default());
         }
+        // The convolution settings first: on CUDA the enhancers' own cuDNN path reads them
+        // (and they are set once per process).
+        if r.device == DeviceKind::Cuda {
+            self.conv.apply()?;
+        }
         // One device per enhancer instance: on CUDA each with its own stream, as the model
         // instances have.
         let devices = (0..self.enhancer_instances)

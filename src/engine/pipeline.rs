@@ -335,13 +335,11 @@ impl Started {
 #[cfg(test)]
 mod tests {
     use std::sync::{Condvar, Mutex};
-    use std::time::Duration;
 
     use candle_core::DType;
 
     use super::*;
     use crate::engine::backend::{Loader, Model, Prediction, PRED_LEN};
-    use crate::engine::batcher::Limits;
     use crate::engine::pool::PoolConfig;
     use crate::media::face::FaceBox;
     use crate::media::image::Frame;
@@ -398,23 +396,7 @@ mod tests {
     fn engine(gate: &Arc<Gate>) -> Engine {
         let engine = Engine::start(
             Arc::new(GrayLoader(gate.clone())),
-            PoolConfig {
-                precision: Precision::F32,
-                instances: 1,
-                limits: Limits {
-                    max_batch: 4,
-                    first_batch: 2,
-                    fill_batch: 2,
-                    max_queue: 4,
-                    max_ahead: 4,
-                },
-                batch_wait: Duration::ZERO,
-                pad_batches: false,
-                memory_limit: None,
-                warm_up: false,
-                fill_latency: Duration::from_millis(150),
-                planned_memory: None,
-            },
+            PoolConfig::testing(4, 2, 4),
         );
         engine.wait_ready().unwrap();
         engine

@@ -66,6 +66,29 @@ pub struct PoolConfig {
 }
 
 impl PoolConfig {
+    /// The engine's tests: one f32 instance, no warm-up, batches up to `max_batch` (a new
+    /// request's first one `first_batch`), `max_queue` runnable frames and as many ahead.
+    #[cfg(test)]
+    pub(crate) fn testing(max_batch: usize, first_batch: usize, max_queue: usize) -> PoolConfig {
+        PoolConfig {
+            precision: Precision::F32,
+            instances: 1,
+            limits: Limits {
+                max_batch,
+                first_batch,
+                fill_batch: first_batch,
+                max_queue,
+                max_ahead: max_queue,
+            },
+            batch_wait: Duration::ZERO,
+            pad_batches: false,
+            memory_limit: None,
+            warm_up: false,
+            fill_latency: Duration::from_millis(150),
+            planned_memory: None,
+        }
+    }
+
     /// A batch of `n` in `dtype`, as [`PoolConfig::planned_memory`] says to estimate it.
     pub fn estimate(&self, n: usize, dtype: DType) -> u64 {
         match &self.planned_memory {
@@ -521,16 +544,7 @@ fn supervise(
     }
 }
 
-/// The text of a panic payload.
-pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "unknown panic".into()
-    }
-}
+pub use crate::model::panic_message;
 
 /// One life of an instance: load, warm up, serve until shutdown or a fault. `Err` when it
 /// could not load or warm up.
@@ -620,7 +634,10 @@ fn run_instance(
         };
         if let Some(why) = fault {
             for (_, reply) in held {
-                // Frames already answered ignore a second message (their receiver moved on).
+                // A frame answered already (or handed to the enhancers, in the part of an
+                // out-of-memory split that ran) gets a second message: its request takes the
+                // first of the two for that frame, or stops at this error; either way none
+                // waits for ever.
                 let _ = reply.send(Err(format!("the model instance failed: {why}")));
             }
             return Ok(Exit::Fault(why));
@@ -967,8 +984,10 @@ impl Instance<'_> {
         Ok(model)
     }
 
-    /// Runs a batch and answers every frame; out of memory splits it and retries. `Err` when
-    /// the model failed otherwise (the caller fails the frames and restarts the instance).
+    /// Runs a batch and answers every frame, or hands it to the enhancers' instances (which
+    /// answer it) when it asked for an enhancer; out of memory splits it and retries. `Err`
+    /// when the model failed otherwise (the caller fails the frames and restarts the
+    /// instance).
     fn serve(&mut self, items: Vec<BatchItem>) -> Result<(), String> {
         if super::faults::hit("instance_panic") {
             panic!("injected fault: instance_panic");
@@ -1221,21 +1240,8 @@ mod tests {
 
     fn config(warm_up: bool) -> PoolConfig {
         PoolConfig {
-            precision: Precision::F32,
-            instances: 1,
-            limits: Limits {
-                max_batch: 4,
-                first_batch: 2,
-                fill_batch: 2,
-                max_queue: 1000,
-                max_ahead: 1000,
-            },
-            batch_wait: Duration::ZERO,
-            pad_batches: false,
-            memory_limit: None,
             warm_up,
-            fill_latency: Duration::from_millis(150),
-            planned_memory: None,
+            ..PoolConfig::testing(4, 2, 1000)
         }
     }
 

@@ -427,6 +427,17 @@ pub fn compute_dtype(device: &Device, precision: Precision) -> DType {
     }
 }
 
+/// The text of a panic payload.
+pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".into()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::cudnn::{Arena, CudnnError, Epilogue, InputPad, Upsampling};

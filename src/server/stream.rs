@@ -295,6 +295,8 @@ fn live_utilisation(app: &App) -> f64 {
 struct LiveCapacity {
     cost: crate::engine::pool::BatchCost,
     instances: f64,
+    /// The enhancers' own instances (`--enhancer-instances`).
+    enhancer_instances: f64,
     max_batch: usize,
     utilisation: f64,
 }
@@ -305,6 +307,7 @@ impl LiveCapacity {
         Some(LiveCapacity {
             cost: batch_cost(app, engine)?,
             instances: engine.status().instances as f64,
+            enhancer_instances: engine.enhancers().instances().max(1) as f64,
             max_batch: engine.scheduler().limits().max_batch.max(1),
             utilisation: live_utilisation(app),
         })
@@ -323,18 +326,18 @@ impl LiveCapacity {
     }
 
     /// What one face costs in generator faces when an enhancer taking `enhancer_seconds` per
-    /// face runs after it on the same instance: `1 + e / (t(b) / b)` at the batch `sessions`
-    /// make together (the instances run the enhancer as they run the generator, so their
-    /// count cancels out).
+    /// face also runs on it: `1 + (e / E) / (t(b) / (b · I))` at the batch `sessions` make
+    /// together, with I model instances and E enhancer instances sharing the device (the
+    /// enhancer's time per face over the instances that run it, against the generator's).
     fn weight(&self, sessions: usize, enhancer_seconds: f64) -> f64 {
         let b = sessions.clamp(1, self.max_batch) as f64;
-        let per_face = (self.cost.fixed + self.cost.per_frame * b) / b;
+        let per_face = (self.cost.fixed + self.cost.per_frame * b) / (b * self.instances);
         if enhancer_seconds <= 0.0 {
             1.0
         } else if per_face <= 0.0 {
             f64::INFINITY
         } else {
-            1.0 + enhancer_seconds / per_face
+            1.0 + enhancer_seconds / self.enhancer_instances / per_face
         }
     }
 }
@@ -1344,11 +1347,24 @@ mod tests {
                 per_frame: 0.01,
             },
             instances: 1.0,
+            enhancer_instances: 1.0,
             max_batch: 16,
             utilisation: 1.0,
         };
         assert_eq!(c.weight(4, 0.0), 1.0);
         assert!((c.weight(4, 0.03) - 4.0).abs() < 1e-9);
+        // Three model instances draw a face in a third of the time; one enhancer instance
+        // then weighs three times as much, three of them as much as before.
+        let three = LiveCapacity {
+            instances: 3.0,
+            ..c
+        };
+        assert!((three.weight(4, 0.03) - 10.0).abs() < 1e-9);
+        let both = LiveCapacity {
+            enhancer_instances: 3.0,
+            ..three
+        };
+        assert!((both.weight(4, 0.03) - 4.0).abs() < 1e-9);
     }
 
     /// The JPEG of each binary message `sink` sent.

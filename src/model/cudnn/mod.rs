@@ -351,7 +351,14 @@ static SETTINGS: OnceLock<ConvSettings> = OnceLock::new();
 /// Sets the convolution path for models created from now on (once per process; later calls
 /// are ignored). Without a call: the flags' defaults ([`ConvSettings::default`]).
 pub fn configure(settings: ConvSettings) {
-    let _ = SETTINGS.set(settings);
+    if let Err(settings) = SETTINGS.set(settings) {
+        let set = SETTINGS.get().expect("set");
+        if format!("{set:?}") != format!("{settings:?}") {
+            tracing::warn!(
+                "the convolution settings were already fixed ({set:?}); {settings:?} is ignored"
+            );
+        }
+    }
 }
 
 pub fn settings() -> &'static ConvSettings {

@@ -224,8 +224,43 @@ struct OnDevice<N> {
     net: N,
     device: Device,
     /// Held while a batch runs; the own path gives way to candle's for good if a cuDNN call
-    /// fails.
+    /// fails or panics.
     path: Mutex<ConvPath>,
+    /// Whether `path` is the own path (read without waiting for a batch: `/info`).
+    own: std::sync::atomic::AtomicBool,
+}
+
+impl<N: TensorPass> OnDevice<N> {
+    /// The pass on the path in use; on the own path a failed cuDNN call or a panic switches
+    /// to candle's `conv2d` for good, and the batch runs again there.
+    fn run(&self, x: &Tensor) -> Result<Tensor> {
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut path = self.path.lock().unwrap_or_else(|p| p.into_inner());
+        #[cfg(feature = "cuda")]
+        if let ConvPath::Own(engine) = &*path {
+            // The engine's cuDNN handle was made on the loading thread: make its context
+            // current on this one.
+            engine
+                .stream()
+                .context()
+                .bind_to_thread()
+                .map_err(candle_core::Error::from)?;
+            let ran =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.net.run(x, &path)));
+            let why = match ran {
+                Ok(Ok(y)) => return Ok(y),
+                Ok(Err(e)) if !e.is_cudnn_failure() => return Err(e),
+                Ok(Err(e)) => e.to_string(),
+                Err(p) => format!("panicked: {}", crate::model::panic_message(&*p)),
+            };
+            tracing::warn!(
+                "an enhancer's own cuDNN path failed ({why}); it runs candle's conv2d from now on"
+            );
+            *path = ConvPath::Candle;
+            self.own.store(false, std::sync::atomic::Ordering::SeqCst);
+        }
+        self.net.run(x, &path)
+    }
 }
 
 impl<N: TensorPass> DeviceNet for OnDevice<N> {
@@ -236,30 +271,28 @@ impl<N: TensorPass> DeviceNet for OnDevice<N> {
                 rgb.len()
             )));
         }
-        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
-        let mut path = self.path.lock().unwrap_or_else(|p| p.into_inner());
         let x = Tensor::from_slice(rgb, (n, 3, height, width), &self.device)?;
-        let y = match self.net.run(&x, &path) {
-            Ok(y) => y,
-            #[cfg(feature = "cuda")]
-            Err(e) if e.is_cudnn_failure() && matches!(*path, ConvPath::Own(_)) => {
-                tracing::warn!(
-                    "an enhancer's own cuDNN path failed ({e}); it runs candle's conv2d from now on"
-                );
-                *path = ConvPath::Candle;
-                self.net.run(&x, &path)?
-            }
-            Err(e) => return Err(e),
-        };
+        let y = self.run(&x)?;
         Ok(y.clamp(0f32, 1f32)?.flatten_all()?.to_vec1()?)
     }
 
     fn bytes(&self, n: usize, height: usize, width: usize) -> u64 {
-        4 * (self.net.elements() + self.net.peak_values(n, height, width)) as u64
+        let tensors = 4 * (self.net.elements() + self.net.peak_values(n, height, width)) as u64;
+        // The own path's convolution workspace, up to --cudnn-workspace.
+        let workspace = if self.own.load(std::sync::atomic::Ordering::SeqCst) {
+            crate::model::cudnn::settings().workspace_limit as u64
+        } else {
+            0
+        };
+        tensors + workspace
     }
 
     fn conv_path(&self) -> &'static str {
-        self.path.lock().unwrap_or_else(|p| p.into_inner()).name()
+        if self.own.load(std::sync::atomic::Ordering::SeqCst) {
+            "cudnn"
+        } else {
+            "candle"
+        }
     }
 }
 
@@ -268,6 +301,7 @@ fn on_device<N: TensorPass + 'static>(net: N, device: &Device) -> Arc<dyn Device
     Arc::new(OnDevice {
         net,
         device: device.clone(),
+        own: std::sync::atomic::AtomicBool::new(path.name() == "cudnn"),
         path: Mutex::new(path),
     })
 }
@@ -298,9 +332,10 @@ fn own_path<N: TensorPass>(_: &N, _: &Device) -> ConvPath {
     ConvPath::Candle
 }
 
-/// Starts the own path: its algorithms timed at one face and at [`super::MAX_BATCH`] faces (other
-/// batch sizes take cuDNN's heuristic), and its output checked against candle's `conv2d`
-/// on the same faces: within [`OWN_PATH_TOLERANCE`], or the own path is refused.
+/// Starts the own path: its algorithms timed at one face and at [`super::MAX_BATCH`] faces
+/// (other batch sizes take cuDNN's heuristic), and its output at both checked against
+/// candle's `conv2d` on the same faces: within [`OWN_PATH_TOLERANCE`], or the own path is
+/// refused.
 #[cfg(feature = "cuda")]
 fn warm_own_path<N: TensorPass>(
     net: &N,
@@ -321,14 +356,13 @@ fn warm_own_path<N: TensorPass>(
         let faces: Vec<f32> = (0..len).map(|i| ((i * 37) % 251) as f32 / 250.0).collect();
         let x = Tensor::from_vec(faces, (n, 3, FACE_SIZE, FACE_SIZE), device)?;
         let got = net.run(&x, &own)?;
-        if n == 1 {
-            let want = net.run(&x, &ConvPath::Candle)?;
-            let worst: f32 = (got - want)?.abs()?.flatten_all()?.max(0)?.to_scalar()?;
-            if worst.is_nan() || worst > OWN_PATH_TOLERANCE {
-                return Err(Error::Settings(format!(
-                    "its output differs from candle's conv2d by {worst} (at most {OWN_PATH_TOLERANCE})"
-                )));
-            }
+        let want = net.run(&x, &ConvPath::Candle)?;
+        let worst: f32 = (got - want)?.abs()?.flatten_all()?.max(0)?.to_scalar()?;
+        if worst.is_nan() || worst > OWN_PATH_TOLERANCE {
+            return Err(Error::Settings(format!(
+                "at {n} faces its output differs from candle's conv2d by {worst} (at most \
+                 {OWN_PATH_TOLERANCE})"
+            )));
         }
     }
     engine.finish_warm_up();
