@@ -100,7 +100,8 @@ size() { stat -c %s "$CARRY/$1"; }
 mib() { python3 -c "print(f'{$1 / 2**20:.1f} MiB')"; }
 echo "tree that travels with every call: $tree bytes ($(mib "$tree"))"
 for call in "1: check test|commit lipsync.xz gpu-test.xz" "2: model torch|commit lipsync.xz ffmpeg.tar.xz" \
-  "3: service live|commit lipsync.xz ffmpeg.tar.xz service_load.xz"; do
+  "3: service live|commit lipsync.xz ffmpeg.tar.xz service_load.xz" \
+  "4: enhancers|commit lipsync.xz ffmpeg.tar.xz"; do
   files=${call#*|}
   total=$tree
   for f in $files; do total=$(( total + $(size "$f") )); done

@@ -18,6 +18,10 @@
 #                  times, 1/4/16/64 concurrent requests, the forced out-of-memory request
 #   live    240 s  live sessions at 25 fps: 1, 10, 50, 100 (LIPSYNC_LIVE_SESSIONS; or the most
 #                  the server takes)
+#   enhancers 300 s  Real-ESRGAN enhancers: random checkpoints in the four published layouts
+#                  (bench/esrgan_checkpoints.py, PyTorch), `lipsync bench --sections enhancers`
+#                  on the device: faces/s at batches 1, 16, 64 and what each adds to 40 s of
+#                  speech (tests/gpu.rs checks their passes in the test stage)
 #
 # Each stage writes exactly two files, $OUT/<stage>.md (Markdown tables: command, device, date,
 # results) and $OUT/<stage>.log.gz ($OUT: the device tool sets it; /tmp/lipsync-gpu-out if
@@ -40,7 +44,7 @@ cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
 SELF="$ROOT/bench/gpu_run.sh"
 HELPER="$ROOT/bench/gpu_stage.py"
-ALL_STAGES=(check test model torch service live)
+ALL_STAGES=(check test model torch service live enhancers)
 MAX_STAGES=4
 CALL_SECONDS=540
 
@@ -52,6 +56,7 @@ budget_of() {
     torch) echo 240 ;;
     service) echo 300 ;;
     live) echo 240 ;;
+    enhancers) echo 300 ;;
     *) return 1 ;;
   esac
 }
@@ -365,6 +370,28 @@ stage_torch() {
   [ "$rc" = 0 ] || fail_line "bench/pytorch_reference.py exited with status $rc"
 }
 
+stage_enhancers() {
+  require lipsync "$BIN" "carry target/gpu-carry/lipsync.xz (bench/gpu_pack.sh)"
+  require_ffmpeg
+  if ! "$PYTHON" -c 'import torch' 2>/dev/null; then
+    fail_line "PyTorch is required by the enhancers stage: \`$PYTHON -c 'import torch'\` failed"
+    exit 3
+  fi
+  local dir=$WORK/enhancers rc
+  md "\`python3 bench/esrgan_checkpoints.py --out enhancers --only ${ENHANCERS}\`" ""
+  # shellcheck disable=SC2086 # a list of stems
+  "$PYTHON" bench/esrgan_checkpoints.py --out "$dir" --only $ENHANCERS \
+    || { fail_line "bench/esrgan_checkpoints.py failed"; exit 4; }
+  local args=(--device "$ENHANCE_DEVICE" --sections enhancers --enhance-seconds "$ENHANCE_SECONDS"
+    --audio tests/media/arctic_a0007.wav --image tests/media/astronaut.png) e
+  for e in $ENHANCERS; do args+=(--enhancer-checkpoint "$dir/$e.pth"); done
+  md "\`lipsync bench ${args[*]//$dir\//}\`" ""
+  say "bench ${args[*]}"
+  "${RUN[@]}" "$BIN" bench "${args[@]}" --json "$STAGE_DIR/bench-enhancers.json" >> "$BODY"
+  rc=$?
+  [ "$rc" = 0 ] || fail_line "\`lipsync bench --sections enhancers\` exited with status $rc (its stderr is in $STAGE.log.gz)"
+}
+
 # `service_load` output rows, with two more cells: the memory sampled meanwhile.
 client_rows_with_mem() {
   local tag=$1
@@ -515,6 +542,8 @@ set_sizes() {
     LIVE_EXTRA=(--min-draw-fps 0)
     TEST_TITLE="CPU tests of the same layers (tests/model.rs; the GPU test needs a GPU)"
     MEMCHECK_FILTER=${LIPSYNC_MEMCHECK_FILTER:-f16_on_cpu_stays_close_to_f32}
+    # The compact networks only: RRDBNet takes seconds per face on two cores.
+    ENHANCERS="realesr-animevideov3" ENHANCE_SECONDS=1 ENHANCE_DEVICE=cpu
   else
     RUN=("$ROOT/scripts/run-on-gpu.sh")
     DTYPES=f32,f16,bf16 BATCHES=1,16,64,256,512 BENCH_SECONDS=1.5 INSTANCES=1,3 INSTANCE_BATCH=384
@@ -527,6 +556,8 @@ set_sizes() {
     LIVE_EXTRA=()
     TEST_TITLE="GPU test (tests/gpu.rs)"
     MEMCHECK_FILTER=${LIPSYNC_MEMCHECK_FILTER:-generator_in_f16}
+    ENHANCERS="realesr-general-x4v3 realesr-animevideov3 RealESRGAN_x4plus RealESRGAN_x2plus"
+    ENHANCE_SECONDS=40 ENHANCE_DEVICE=cuda
   fi
   PYTHON=${LIPSYNC_PYTHON:-python3}
 }
@@ -723,7 +754,7 @@ for l in sys.stdin:
     [ -x "$test_bin" ] || { bad "the CPU test binary (tests/model.rs) was not built"; return 1; }
     python3 "$HELPER" xz "$test_bin" "$carry/gpu-test.xz" || return 1
   fi
-  if has model || has service || has live; then
+  if has model || has service || has live || has enhancers; then
     local ff fp
     ff=$(command -v ffmpeg) fp=$(command -v ffprobe)
     if [ -z "$ff" ] || [ -z "$fp" ]; then
@@ -735,9 +766,9 @@ for l in sys.stdin:
   # CPU PyTorch for the torch stage: the venv scripts/test.sh made (scripts/torch-venv.sh makes
   # it when missing), or LIPSYNC_TORCH_PYTHON.
   local python=python3
-  if has torch; then
+  if has torch || has enhancers; then
     python=${LIPSYNC_TORCH_PYTHON:-$(scripts/torch-venv.sh)} \
-      || { bad "no CPU PyTorch for the torch stage (scripts/torch-venv.sh failed)"; return 1; }
+      || { bad "no CPU PyTorch for the torch and enhancers stages (scripts/torch-venv.sh failed)"; return 1; }
   fi
   local t_built=$SECONDS
   say "built and packed in $((t_built - t_start)) s"
@@ -745,7 +776,7 @@ for l in sys.stdin:
   local env=(LIPSYNC_REHEARSE=1 LIPSYNC_CARRY_DIR="$carry" LIPSYNC_WORK="$tmp/work"
     LIPSYNC_PYTHON="$python" LIPSYNC_BIN= LIPSYNC_GPU_TEST= LIPSYNC_LOAD_CLIENT= LIPSYNC_FFMPEG=
     LIPSYNC_STAGE_SECONDS= )
-  local groups=("check test" "model torch" "service live") g i=0
+  local groups=("check test" "model torch" "service live" "enhancers") g i=0
   for g in "${groups[@]}"; do
     local stages=() x
     for x in $g; do has "$x" && stages+=("$x"); done
@@ -836,6 +867,10 @@ measured() {
         && grep -qE 'out of memory; batches limited to [0-9]+ frames' "$f"
       ;;
     live) grep -qE "^\| 1 session \| 1 \| 1 \| 0 \| 0 \| [1-9][0-9]* \| $n \|" "$f" ;;
+    enhancers)
+      grep -qE "^\| realesr-animevideov3 \| SRVGGNetCompact \(16 body convolutions, 64 features, x4\) \| $n G \| $n \| $n \|" "$f" \
+        && grep -qE "^\| realesr-animevideov3 \| [0-9]+ \| $n s \| -?$n s \| -?$n s \|" "$f"
+      ;;
   esac
 }
 
