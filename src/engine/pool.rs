@@ -1024,6 +1024,9 @@ impl Instance<'_> {
                         }
                     }
                 }
+                // A request cancelled while its faces were drawn has no use for their
+                // enhancement (a whole batch of it, on a GPU).
+                handed.retain(|h| self.scheduler.is_open(h.request));
                 if !handed.is_empty() {
                     match self.scheduler.enhance_pool() {
                         Some(pool) => pool.hand_over(handed),

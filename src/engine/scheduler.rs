@@ -242,6 +242,13 @@ impl Scheduler {
         self.lock().lanes.len()
     }
 
+    /// Whether request `id` was admitted and is neither finished nor cancelled. A request
+    /// with a face not yet read is never finished, so for such a face `false` means its
+    /// request was cancelled.
+    pub fn is_open(&self, id: RequestId) -> bool {
+        self.lock().lanes.contains_key(&id)
+    }
+
     /// The measured cost of a batch (from the warm-up).
     pub fn set_batch_cost(&self, cost: super::pool::BatchCost) {
         let mut s = self.lock();
@@ -523,6 +530,19 @@ mod tests {
         std::thread::sleep(Duration::from_millis(30));
         s.shutdown();
         assert!(waiter.join().unwrap());
+    }
+
+    #[test]
+    fn a_request_is_open_until_it_is_cancelled_or_finished() {
+        let s = Scheduler::new(limits(), Duration::ZERO, 1);
+        let (a, _ra) = s.admit(frames(2)).unwrap();
+        let (b, _rb) = s.admit(frames(2)).unwrap();
+        assert!(s.is_open(a) && s.is_open(b));
+        s.cancel(a);
+        assert!(!s.is_open(a) && s.is_open(b));
+        s.finish(b);
+        assert!(!s.is_open(b));
+        assert!(!s.is_open(RequestId(999)));
     }
 
     #[test]
