@@ -24,7 +24,6 @@
 
 use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -58,7 +57,6 @@ struct State {
 pub struct EnhancePool {
     state: Mutex<State>,
     work: Condvar,
-    busy: AtomicUsize,
     instances: usize,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -73,7 +71,6 @@ impl EnhancePool {
                 shutdown: false,
             }),
             work: Condvar::new(),
-            busy: AtomicUsize::new(0),
             instances: enhancers.instances(),
             threads: Mutex::new(Vec::new()),
         });
@@ -102,11 +99,6 @@ impl EnhancePool {
     /// Faces waiting for an enhancer.
     pub fn queued(&self) -> usize {
         self.lock().queue.len()
-    }
-
-    /// Enhancer instances running a batch now.
-    pub fn busy(&self) -> usize {
-        self.busy.load(Ordering::SeqCst)
     }
 
     /// Queues faces for their enhancers (from a model instance's batch) and wakes the
@@ -182,7 +174,6 @@ impl EnhancePool {
     /// Instance `k`'s life: batches until shutdown.
     fn serve(&self, k: usize, enhancers: &Enhancers) {
         while let Some(batch) = self.next_batch() {
-            self.busy.fetch_add(1, Ordering::SeqCst);
             let t = Instant::now();
             let with = batch[0].with.clone();
             let net = enhancers.instance_net(&with, k);
@@ -209,7 +200,6 @@ impl EnhancePool {
                     }
                 }
             }
-            self.busy.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }
