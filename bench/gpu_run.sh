@@ -722,9 +722,8 @@ rehearse() {
   say "rehearsal in $tmp: ${want[*]}"
 
   # What the GPU run carries, built for the CPU and packed the same way (xz, tar.xz): the
-  # release binary (scripts/test.sh builds it); the load client and the CPU test binary in the
-  # test profile, which scripts/test.sh's `cargo test` has built already (a release build of
-  # the dev-dependencies would add minutes on 2 cores).
+  # release binary, the load client and the CPU test binary, all in the release profile, which
+  # scripts/test.sh's `cargo test --release` has built already.
   # LIPSYNC_REHEARSE_BUILD=0 takes the binaries already built (to rehearse script changes).
   say "building the CPU release binary, the load client and the CPU test binary"
   local build=${LIPSYNC_REHEARSE_BUILD:-1}
@@ -733,18 +732,17 @@ rehearse() {
   mkdir -p "$carry"
   python3 "$HELPER" xz target/release/lipsync "$carry/lipsync.xz" || return 1
   if has service || has live; then
-    local client=target/debug/examples/service_load
-    [ "$build" = 0 ] || cargo build --locked --example service_load || return 1
-    [ "$build" != 0 ] || [ -x "$client" ] || client=target/release/examples/service_load
+    local client=target/release/examples/service_load
+    [ "$build" = 0 ] || cargo build --release --locked --example service_load || return 1
     python3 "$HELPER" xz "$client" "$carry/service_load.xz" || return 1
   fi
   if has test; then
     local test_bin
     if [ "$build" = 0 ]; then
       # shellcheck disable=SC2010,SC2012 # file names of cargo's own making
-      test_bin=$(ls -t target/debug/deps/model-* | grep -v '[.]d$' | head -1)
+      test_bin=$(ls -t target/release/deps/model-* | grep -v '[.]d$' | head -1)
     else
-      test_bin=$(cargo test --locked --test model --no-run --message-format=json 2>/dev/null \
+      test_bin=$(cargo test --release --locked --test model --no-run --message-format=json 2>/dev/null \
       | python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs lipsync's test suite: `cargo test` (after a release build, which the load suite
+# Runs lipsync's test suite: `cargo test --release` (after a release build, which the load suite
 # tests/load.rs and the browser tests run), then the OpenAPI contract test (schemathesis
 # against a running server), then the browser tests (the page at / in headless Chromium),
 # then the deployment tests (tests/deploy/run.sh: images, replicas, Kubernetes manifests).
@@ -44,9 +44,14 @@ export LIPSYNC_TORCH_PYTHON
 
 # The load and fault suite (tests/load.rs) runs against the release server binary.
 cargo build --release --locked
-# Test dependencies are built with optimisation (see [profile.dev.package."*"] in Cargo.toml):
-# tensor code is far too slow unoptimised.
-cargo test --locked "$@"
+# The tests are built in the release profile too, so they reuse the dependencies just built
+# (a second, dev-profile build of them took 8.7 min on 2 cores). Integer overflow checks and
+# debug assertions are therefore off in the tests, as in the binary users run; the feature
+# test-faults keeps the fault hooks (LIPSYNC_TEST_FAULTS) that the reliability tests use.
+cargo test --release --locked --features test-faults "$@"
+# That build's server binary carries the hooks; the release binary users run (which the stages
+# below test) has none: put it back (cargo keeps both, so this only relinks the file).
+cargo build --release --locked
 tests/contract/schemathesis.sh
 # The page at / in headless Chromium against the release server (built above).
 tests/browser/run.sh

@@ -4,7 +4,7 @@
 //! never skip, without PostgreSQL). Needs ffmpeg and ffprobe.
 //!
 //! Renders are made slow on purpose where a test must catch a job queued or running (the
-//! debug build's test hook `LIPSYNC_TEST_FAULTS=batch_delay_ms:N` stalls every model batch),
+//! test build's fault hook `LIPSYNC_TEST_FAULTS=batch_delay_ms:N` stalls every model batch),
 //! so those states last seconds, not milliseconds.
 
 mod common;

@@ -4,7 +4,7 @@
 //!
 //! The server runs on the echo device (the model stand-in that costs nothing: these tests are
 //! about the sessions' clocks, audio and shares, not the model), one instance with batches of
-//! one frame, slowed on purpose (the debug build's fault hook, `batch_delay_ms`: every batch
+//! one frame, slowed on purpose (the test build's fault hook, `batch_delay_ms`: every batch
 //! stalls that long), so a 25 fps session is over capacity on any machine, and the cores stay
 //! free for the sessions' own work (on the CPU model they were not: a busy 2-core CI machine
 //! delivered frames late). The stall stays well inside a session's lag (which covers the 212.5 ms of audio

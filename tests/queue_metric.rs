@@ -1,6 +1,6 @@
 //! `lipsync_queue_seconds{class}`, the queue-time signal for autoscaling, on a running server:
 //! above 0 while a request's frames wait for the model, back to 0 once it is done. Batches
-//! are stalled through the debug build's test hook (`LIPSYNC_TEST_FAULTS=batch_delay_ms:N`)
+//! are stalled through the test build's fault hook (`LIPSYNC_TEST_FAULTS=batch_delay_ms:N`)
 //! so the frames stay queued long enough to be seen.
 
 mod common;

@@ -1,6 +1,6 @@
 //! The service under faults and hostile clients, over a real loopback socket: admission that a
 //! long request cannot monopolise, refusals that reach the client, stalled uploads, panics in
-//! a request's job and in a model instance (injected through the debug build's test hook,
+//! a request's job and in a model instance (injected through the test build's fault hook,
 //! `LIPSYNC_TEST_FAULTS`), and `render` on the same engine as the service.
 //!
 //! The servers run on the echo device (the model stand-in that costs nothing: these tests are

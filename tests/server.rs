@@ -3,7 +3,7 @@
 //!
 //! Tests of the media and HTTP side run on the echo device (the model stand-in that costs
 //! nothing) with the CPU server's engine settings (`Server::start_echo_as_cpu`), slowed where
-//! they need a model that is still working (the debug build's fault hook `batch_delay_ms`,
+//! they need a model that is still working (the test build's fault hook `batch_delay_ms`,
 //! [`SLOW`]: every batch stalls that long, near the CPU model's pace); those of the model
 //! (/info's checkpoint fields, half precision's recompute) run the test weights on the CPU.
 

@@ -123,7 +123,7 @@ async fn read_until(ws: &mut Ws, got: &mut Received, stop: impl Fn(&Received) ->
 }
 
 /// The opening of a 25 fps session on 16 kHz s16le mono that takes any drawing rate
-/// (`min_draw_fps` 0): these tests are about the session, not admission, and a debug build on
+/// (`min_draw_fps` 0): these tests are about the session, not admission, and a test build on
 /// a busy CPU draws far below the default 5 faces/s.
 fn opening(avatar: &str, output: &str) -> Message {
     Message::Text(

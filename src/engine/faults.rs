@@ -1,12 +1,13 @@
-//! Faults injected on cue, for tests only: debug builds read `LIPSYNC_TEST_FAULTS`
+//! Faults injected on cue, for tests only: debug builds, and release builds with the
+//! `test-faults` feature (what `scripts/test.sh` tests), read `LIPSYNC_TEST_FAULTS`
 //! (comma-separated `point:n`, e.g. `instance_panic:2` panics in the second batch an instance
 //! runs; `job_panic:10` in a request's job after 10 frames; `batch_delay_ms:300` stalls every
 //! batch an instance serves by 300 ms, so work stays queued long enough to observe). Release
-//! builds compile every check to `false` (and no delay): this is a test hook, not a production
-//! flag.
+//! builds without the feature compile every check to `false` (and no delay): this is a test
+//! hook, not a production flag.
 
 /// Whether fault `point` fires now: its counter reaches the configured `n` (once).
-#[cfg(debug_assertions)]
+#[cfg(any(debug_assertions, feature = "test-faults"))]
 pub fn hit(point: &str) -> bool {
     use std::collections::HashMap;
     use std::sync::{Mutex, OnceLock};
@@ -32,14 +33,14 @@ pub fn hit(point: &str) -> bool {
     }
 }
 
-#[cfg(not(debug_assertions))]
+#[cfg(not(any(debug_assertions, feature = "test-faults")))]
 #[inline(always)]
 pub fn hit(_point: &str) -> bool {
     false
 }
 
 /// How long to stall at `point` every time it is passed (`point:ms`), if configured.
-#[cfg(debug_assertions)]
+#[cfg(any(debug_assertions, feature = "test-faults"))]
 pub fn delay(point: &str) -> Option<std::time::Duration> {
     use std::sync::OnceLock;
     static SPEC: OnceLock<String> = OnceLock::new();
@@ -51,7 +52,7 @@ pub fn delay(point: &str) -> Option<std::time::Duration> {
         .map(std::time::Duration::from_millis)
 }
 
-#[cfg(not(debug_assertions))]
+#[cfg(not(any(debug_assertions, feature = "test-faults")))]
 #[inline(always)]
 pub fn delay(_point: &str) -> Option<std::time::Duration> {
     None

@@ -203,7 +203,7 @@ impl Server {
         next
     }
 
-    /// With faults injected through the debug build's test hook (`point:n,...`).
+    /// With faults injected through the test build's fault hook (`point:n,...`).
     pub fn start_with_faults(faults: &str) -> Server {
         Self::start_with(
             &super::checkpoint("zip_bare.pt").display().to_string(),

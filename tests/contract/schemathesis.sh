@@ -17,11 +17,11 @@ if [ ! -x "$venv/bin/schemathesis" ]; then
   "$venv/bin/pip" install -q --disable-pip-version-check "schemathesis==4.32.5"
 fi
 
-cargo build --locked --quiet --bin lipsync
+cargo build --release --locked --quiet --bin lipsync
 log=$(mktemp)
 # Batch jobs' files and store in a directory of this run's, never the user's data directory.
 data=$(mktemp -d)
-target/debug/lipsync serve --checkpoint tests/fixtures/checkpoints/zip_bare.pt \
+target/release/lipsync serve --checkpoint tests/fixtures/checkpoints/zip_bare.pt \
   --port 0 --max-batch 8 --first-batch 2 --max-audio-seconds 30 --data-dir "$data" >"$log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$log" "$data"' EXIT
