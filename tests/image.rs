@@ -203,3 +203,111 @@ fn face_crop_matches_opencv_resize() {
     assert!(max <= 1, "max {max}");
     assert!(differing * 100 < diffs.len(), "{differing} values differ");
 }
+
+/// Grey canvas of the warp back (the reference's border there).
+const CANVAS: [u8; 3] = [128, 128, 128];
+
+#[test]
+fn face_alignment_matches_numpy_and_opencv_warp_affine() {
+    // The similarity to the FFHQ 512 template against numpy's least squares, the aligned face
+    // against cv2.warpAffine (bilinear, facexlib's border colour) and the warp back into the
+    // photo with the inverted map against cv2.invertAffineTransform + cv2.warpAffine
+    // (tests/reference/align_reference.py). Cases: landmarks read off the astronaut by hand,
+    // the ones placed in its detected box, and a tilted, small face that leaves the photo's
+    // edge (border pixels mixed with the photo's).
+    use face::align::{self, Affine};
+    let Some(python) = common::torch_python() else {
+        eprintln!("SKIPPED: no PyTorch venv with OpenCV (set LIPSYNC_TORCH_PYTHON)");
+        return;
+    };
+    let photo_path = common::media_path("astronaut.png");
+    let photo = img::load(&media("astronaut.png"), &ImageLimits::default()).unwrap();
+    let boxed =
+        face::Landmarks::from_box(face::locate(&photo, None, face::Pads::default()).unwrap());
+    let cases: Vec<face::Landmarks> = [
+        "202.8,101.7,245.3,103.3,225,128.3,203.7,140,245.3,141.7".to_string(),
+        boxed.to_string(),
+        "3.5,40,30,22,20,45,14,62,40,50".to_string(),
+    ]
+    .iter()
+    .map(|s| s.parse().unwrap())
+    .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = std::process::Command::new(&python);
+    cmd.arg(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/reference/align_reference.py"
+    ))
+    .arg("--photo")
+    .arg(&photo_path)
+    .arg("--out")
+    .arg(dir.path());
+    for l in &cases {
+        cmd.arg("--landmarks").arg(l.to_string());
+    }
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", common::text(&o.stderr));
+    let result: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("result.json")).unwrap())
+            .unwrap();
+    let matrix = |v: &serde_json::Value| {
+        let m: [[f64; 3]; 2] = serde_json::from_value(v.clone()).unwrap();
+        Affine(m)
+    };
+    let rgb = |name: String| {
+        ::image::open(dir.path().join(name))
+            .unwrap()
+            .to_rgb8()
+            .into_raw()
+    };
+    for (i, l) in cases.iter().enumerate() {
+        let case = &result["cases"][i];
+        let fit = align::to_ffhq_512(l).unwrap();
+        let (theirs, theirs_inv) = (matrix(&case["matrix"]), matrix(&case["inverse"]));
+        for (a, b) in fit.0.iter().flatten().zip(theirs.0.iter().flatten()) {
+            assert!(
+                (a - b).abs() < 1e-9,
+                "case {i}: {fit:?} vs numpy {theirs:?}"
+            );
+        }
+        let inv = fit.invert().unwrap();
+        for (a, b) in inv.0.iter().flatten().zip(theirs_inv.0.iter().flatten()) {
+            assert!(
+                (a - b).abs() < 1e-9,
+                "case {i}: {inv:?} vs OpenCV {theirs_inv:?}"
+            );
+        }
+        // The reference's own matrices into the warp: the images compare the warp alone.
+        let aligned = align::warp_affine(&photo, &theirs, 512, 512, align::FFHQ_BORDER).unwrap();
+        let back =
+            align::warp_affine(&aligned, &theirs_inv, photo.width, photo.height, CANVAS).unwrap();
+        for (what, ours, theirs) in [
+            ("aligned", &aligned.rgb, rgb(format!("aligned_{i}.png"))),
+            ("back", &back.rgb, rgb(format!("back_{i}.png"))),
+        ] {
+            let differing = ours.iter().zip(&theirs).filter(|(a, b)| a != b).count();
+            let max = ours
+                .iter()
+                .zip(&theirs)
+                .map(|(a, b)| a.abs_diff(*b))
+                .max()
+                .unwrap();
+            eprintln!(
+                "case {i} {what}: {differing} of {} values differ from OpenCV, by at most {max}",
+                ours.len()
+            );
+            assert_eq!(ours.len(), theirs.len());
+            assert_eq!(max, 0, "case {i} {what}");
+        }
+        // The aligned face is the photo's: most of the 512x512 is not the border colour.
+        let border = aligned
+            .rgb
+            .chunks(3)
+            .filter(|p| *p == align::FFHQ_BORDER)
+            .count();
+        assert!(
+            border < 512 * 512 / 2 || i == 2,
+            "case {i}: {border} border pixels"
+        );
+    }
+}

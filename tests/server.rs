@@ -568,6 +568,55 @@ async fn avatars_are_made_once_and_reused() {
         .await
         .unwrap();
     assert_eq!(r.status(), 404);
+
+    // Without a detector or given landmarks, the five points are placed in the box: eyes,
+    // then nose, then mouth, left before right, all inside it.
+    assert_eq!(b["landmarks_source"], "box");
+    let points: Vec<f64> = serde_json::from_value(b["landmarks"].clone()).unwrap();
+    assert_eq!(points.len(), 10);
+    for p in points.chunks(2) {
+        assert!(
+            (180.0..270.0).contains(&p[0]) && (90.0..187.0).contains(&p[1]),
+            "{points:?}"
+        );
+    }
+    assert!(points[0] < points[2] && points[6] < points[8], "{points:?}");
+    assert!(points[1] < points[5] && points[5] < points[7], "{points:?}");
+    assert_eq!(a["landmarks_source"], "box");
+    // Landmarks given are the avatar's own: another id, reported as given.
+    let given = "202.8,101.7,245.3,103.3,225,128.3,203.7,140,245.3,141.7";
+    let r = client
+        .post(s.url("/v1/avatars"))
+        .multipart(make().text("landmarks", given))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let c: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(c["landmarks_source"], "client");
+    assert_eq!(
+        c["landmarks"],
+        serde_json::json!([202.8, 101.7, 245.3, 103.3, 225.0, 128.3, 203.7, 140.0, 245.3, 141.7])
+    );
+    assert_eq!(c["box"], a["box"]);
+    assert_ne!(c["id"], a["id"]);
+    for (bad, error_type) in [
+        ("202.8,101.7,245.3", "bad_field"),
+        (
+            "202.8,101.7,645.3,103.3,225,128.3,203.7,140,245.3,141.7",
+            "bad_landmarks",
+        ),
+    ] {
+        let r = client
+            .post(s.url("/v1/avatars"))
+            .multipart(make().text("landmarks", bad))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{bad}");
+        let e: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(e["error_type"], error_type, "{e}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -9,7 +9,7 @@ use lipsync::config::{choice, EngineArgs, MediaArgs, Resolved as EngineConfig};
 use lipsync::engine::pipeline::{self, Class, Keep, Options, Speech, StartError, Work};
 use lipsync::engine::{self, Avatar, Engine, Loop};
 use lipsync::media::audio::Fps;
-use lipsync::media::face::{self, Blend, FaceBox, Pads};
+use lipsync::media::face::{self, Blend, FaceBox, Landmarks, Pads};
 use lipsync::media::image::DEFAULT_MAX_PIXELS;
 use lipsync::media::video;
 
@@ -32,6 +32,11 @@ pub struct RenderArgs {
     /// skips detection, pads and smoothing.
     #[arg(long = "box")]
     pub face_box: Option<FaceBox>,
+    /// The face's five landmarks in the photo's (or every clip frame's) pixels, ten numbers
+    /// x1,y1,...,x5,y5: left eye, right eye, nose tip, left and right mouth corner (for face
+    /// restoration's alignment; without them they are placed in the face box).
+    #[arg(long)]
+    pub landmarks: Option<Landmarks>,
     /// Pixels added to a detected box: top,bottom,left,right.
     #[arg(long, default_value = "0,10,0,0", allow_hyphen_values = true)]
     pub pads: Pads,
@@ -89,6 +94,7 @@ struct Job {
     #[serde(rename = "box")]
     face_box: Option<String>,
     pads: Option<String>,
+    landmarks: Option<String>,
     fps: Option<serde_json::Value>,
     #[serde(rename = "loop")]
     loop_mode: Option<String>,
@@ -114,6 +120,7 @@ struct Resolved {
     out: PathBuf,
     face_box: Option<FaceBox>,
     pads: Pads,
+    landmarks: Option<Landmarks>,
     fps: Fps,
     loop_mode: Loop,
     smooth: bool,
@@ -174,6 +181,11 @@ impl Job {
                 .transpose()
                 .map_err(|e: lipsync::media::Error| e.to_string())?
                 .unwrap_or(a.pads),
+            landmarks: self
+                .landmarks
+                .map(|l| l.parse())
+                .transpose()
+                .map_err(|e: lipsync::media::Error| e.to_string())?,
             fps,
             blend: self.blend.unwrap_or(a.blend),
             crf,
@@ -220,6 +232,7 @@ pub fn render(a: RenderArgs) -> Result<(), CliError> {
                 out: a.out.clone(),
                 face_box: None,
                 pads: None,
+                landmarks: None,
                 fps: None,
                 loop_mode: None,
                 smooth: None,
@@ -232,6 +245,7 @@ pub fn render(a: RenderArgs) -> Result<(), CliError> {
             };
             let mut job = job.resolve(&a).map_err(CliError::Jobs)?;
             job.face_box = a.face_box;
+            job.landmarks = a.landmarks;
             render_one(&a, &engine, &cfg, &job)
         }
         Some(path) => run_jobs(&a, &engine, &cfg, path),
@@ -323,6 +337,10 @@ fn render_one(
             job.pads,
             job.blend,
         )?,
+    };
+    let avatar = match job.landmarks {
+        Some(l) => avatar.with_landmarks(l)?,
+        None => avatar,
     };
     let source_face = avatar.source_face;
     let work = Work {

@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use super::clip::{Clip, Loop};
 use crate::media::audio::Fps;
-use crate::media::face::{self, Blend, BlendMask, Detection, FaceBox, Pads};
+use crate::media::face::{
+    self, Blend, BlendMask, Detection, FaceBox, LandmarkSource, Landmarks, Pads,
+};
 use crate::media::image::{self, Frame, ImageLimits};
 use crate::media::yuv::Region;
 use crate::media::Error;
@@ -31,6 +33,9 @@ pub struct Avatar {
     pub source_size: (u32, u32),
     /// The detection, when the box was not given.
     pub detection: Option<Detection>,
+    /// The five landmarks the client gave, in the uploaded photo's (or clip's) own pixels, for
+    /// every frame; `None`: each frame's are placed in its box ([`Landmarks::from_box`]).
+    pub given_landmarks: Option<Landmarks>,
     /// The 96×96 BGR crop the model sees.
     pub crop_bgr: Arc<Vec<u8>>,
     /// The model's face input, `(6, 96, 96)`.
@@ -96,6 +101,37 @@ impl Avatar {
         let mut a = Avatar::from_parts(frame, face, source_face, source_size, detection, blend);
         a.clip = Some(clip);
         a
+    }
+
+    /// The avatar with the client's landmarks (in the upload's own pixels), checked against
+    /// its size.
+    pub fn with_landmarks(mut self, l: Landmarks) -> Result<Avatar, Error> {
+        l.check(self.source_size.0, self.source_size.1)?;
+        self.given_landmarks = Some(l);
+        Ok(self)
+    }
+
+    /// Where the landmarks come from.
+    pub fn landmarks_source(&self) -> LandmarkSource {
+        match self.given_landmarks {
+            Some(_) => LandmarkSource::Client,
+            None => LandmarkSource::Box,
+        }
+    }
+
+    /// The first frame's landmarks in the upload's own pixels (what the avatar JSON reports,
+    /// beside `box`).
+    pub fn source_landmarks(&self) -> Landmarks {
+        self.given_landmarks
+            .unwrap_or_else(|| Landmarks::from_box(self.source_face))
+    }
+
+    /// Avatar frame `i`'s landmarks in the video's pixels.
+    pub fn landmarks_at(&self, i: usize) -> Landmarks {
+        match self.given_landmarks {
+            Some(l) => l.scale(self.source_size, (self.frame.width, self.frame.height)),
+            None => Landmarks::from_box(self.face_at(i)),
+        }
     }
 
     /// `image` or `video`.
@@ -220,6 +256,7 @@ impl Avatar {
             source_face,
             source_size,
             detection,
+            given_landmarks: None,
             crop_bgr,
             input,
             mask,

@@ -9,7 +9,9 @@
 //! ```
 //!
 //! all integers little-endian. The payload holds what rebuilds the avatar exactly: the frame's
-//! pixels, the boxes, the detection and the blend mode (the crop, model input and mask are
+//! pixels, the boxes, the detection, the client's landmarks (from version 2; a version 1 file
+//! reads as an avatar without them, whose landmarks come from its boxes) and the blend mode
+//! (the crop, model input and mask are
 //! derived from them as when it was prepared), and for a clip its rate, duration, size and per
 //! frame the box, the crop and the JPEG.
 //!
@@ -36,13 +38,13 @@ use super::avatar::Avatar;
 use super::clip::Clip;
 use super::metrics as m;
 use crate::media::audio::Fps;
-use crate::media::face::{Blend, Detection, FaceBox, FACE_SIZE};
+use crate::media::face::{Blend, Detection, FaceBox, Landmarks, FACE_SIZE};
 use crate::media::image::Frame;
 
 /// The first bytes of every avatar file.
 pub const MAGIC: &[u8; 8] = b"LSAVATAR";
-/// The format version this build writes and reads.
-pub const VERSION: u32 = 1;
+/// The format version this build writes; it reads it and every earlier one.
+pub const VERSION: u32 = 2;
 /// Magic, version, payload length, SHA-256.
 pub const HEADER_BYTES: usize = 8 + 4 + 8 + 32;
 const EXTENSION: &str = "avatar";
@@ -401,6 +403,15 @@ pub fn encode(a: &Avatar) -> Vec<u8> {
             w.f64(d.score);
         }
     }
+    match &a.given_landmarks {
+        None => w.u8(0),
+        Some(l) => {
+            w.u8(1);
+            for v in l.to_array() {
+                w.f64(v);
+            }
+        }
+    }
     w.u32(a.frame.width);
     w.u32(a.frame.height);
     w.bytes(&a.frame.rgb);
@@ -446,10 +457,8 @@ pub fn decode(bytes: &[u8]) -> Result<Avatar, Unreadable> {
     if version > VERSION {
         return Err(Unreadable::Newer(version));
     }
-    if version != VERSION {
-        return Err(Unreadable::Damaged(format!(
-            "unknown format version {version}"
-        )));
+    if version == 0 {
+        return Err(damaged("unknown format version 0"));
     }
     let len = u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes"));
     let payload = &bytes[HEADER_BYTES..];
@@ -480,6 +489,21 @@ pub fn decode(bytes: &[u8]) -> Result<Avatar, Unreadable> {
             score: r.f64()?,
         }),
         _ => return Err(damaged("bad detection flag")),
+    };
+    let given_landmarks = match if version >= 2 { r.u8()? } else { 0 } {
+        0 => None,
+        1 => {
+            let mut points = [[0f64; 2]; 5];
+            for p in points.iter_mut().flatten() {
+                *p = r.f64()?;
+            }
+            let l = Landmarks(points);
+            // Also refuses values that are not finite.
+            l.check(source_size.0, source_size.1)
+                .map_err(|e| Unreadable::Damaged(format!("landmarks: {e}")))?;
+            Some(l)
+        }
+        _ => return Err(damaged("bad landmarks flag")),
     };
     let (width, height) = (r.u32()?, r.u32()?);
     let rgb = r.bytes()?;
@@ -543,7 +567,10 @@ pub fn decode(bytes: &[u8]) -> Result<Avatar, Unreadable> {
     if !r.0.is_empty() {
         return Err(damaged("bytes after the avatar"));
     }
-    Ok(avatar)
+    Ok(Avatar {
+        given_landmarks,
+        ..avatar
+    })
 }
 
 /// The stored rate rebuilt exactly: it was made either from its fraction or from its value.
@@ -682,6 +709,7 @@ mod tests {
         assert_eq!(a.source_face, b.source_face);
         assert_eq!(a.source_size, b.source_size);
         assert_eq!(a.detection, b.detection);
+        assert_eq!(a.given_landmarks, b.given_landmarks);
         assert_eq!(a.crop_bgr, b.crop_bgr);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&a.input), bits(&b.input));
@@ -708,10 +736,16 @@ mod tests {
 
     #[test]
     fn photos_and_clips_round_trip_exactly() {
+        let marked = |a: Avatar| {
+            a.with_landmarks("30.25,20,70,21.5,50,40,35,60,66,61".parse().unwrap())
+                .unwrap()
+        };
         for a in [
             photo(3),
             clip(),
             Avatar::from_frame(frame(5, 7, 9), bx(0, 0, 5, 7), Blend::Feather),
+            marked(photo(4)),
+            marked(clip()),
         ] {
             let bytes = encode(&a);
             assert_eq!(&bytes[..8], MAGIC);
@@ -726,6 +760,30 @@ mod tests {
         assert!(store.remove("c").unwrap());
         assert!(!store.remove("c").unwrap());
         assert!(store.get("c").unwrap().is_none());
+    }
+
+    #[test]
+    fn a_version_1_file_reads_with_landmarks_from_its_box() {
+        let a = photo(3);
+        let v2 = encode(&a);
+        // Version 1 had no landmarks flag after the detection: kind, blend, source size, two
+        // boxes, the detection (flag, two boxes, score).
+        let at = HEADER_BYTES + 1 + 1 + 8 + 16 + 16 + 1 + 16 + 16 + 8;
+        assert_eq!(v2[at], 0, "the landmarks flag");
+        let mut payload = v2[HEADER_BYTES..].to_vec();
+        payload.remove(at - HEADER_BYTES);
+        let mut v1 = Vec::new();
+        v1.extend_from_slice(MAGIC);
+        v1.extend_from_slice(&1u32.to_le_bytes());
+        v1.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        v1.extend_from_slice(&Sha256::digest(&payload));
+        v1.extend_from_slice(&payload);
+        let b = decode(&v1).unwrap();
+        assert_same(&a, &b);
+        assert_eq!(b.landmarks_source().as_str(), "box");
+        assert_eq!(b.source_landmarks(), Landmarks::from_box(a.source_face));
+        let outside = photo(3).with_landmarks("130,20,70,21,50,40,35,60,66,61".parse().unwrap());
+        assert_eq!(outside.unwrap_err().kind(), "bad_landmarks");
     }
 
     #[test]
@@ -761,8 +819,8 @@ mod tests {
         longer.push(0);
         assert!(matches!(decode(&longer), Err(Unreadable::Damaged(_))));
         let mut newer = bytes.clone();
-        newer[8..12].copy_from_slice(&2u32.to_le_bytes());
-        assert_eq!(decode(&newer).err(), Some(Unreadable::Newer(2)));
+        newer[8..12].copy_from_slice(&(VERSION + 1).to_le_bytes());
+        assert_eq!(decode(&newer).err(), Some(Unreadable::Newer(VERSION + 1)));
     }
 
     #[test]

@@ -55,6 +55,8 @@ pub enum Error {
     BadBox(String),
     #[error("bad pads: {0}")]
     BadPads(String),
+    #[error("bad landmarks: {0}")]
+    BadLandmarks(String),
     #[error("bad blend mode: {0}")]
     BadBlend(String),
     #[error("bad loop mode: {0}")]
@@ -100,6 +102,7 @@ impl Error {
             Error::NoFace(_) => "no_face",
             Error::BadBox(_) => "bad_box",
             Error::BadPads(_) => "bad_pads",
+            Error::BadLandmarks(_) => "bad_landmarks",
             Error::BadBlend(_) => "bad_blend",
             Error::BadLoop(_) => "bad_loop",
             Error::NotVideo(_) => "not_video",

@@ -1,8 +1,8 @@
 //! Avatars: a photo or a clip prepared once (decoded, face found, crops and masks made) and
 //! reused by id.
 //!
-//! The id is the SHA-256 (hex) of the uploaded bytes and the box or pads given (and, for a
-//! clip, whether boxes are smoothed), so uploading the same file with the same options again
+//! The id is the SHA-256 (hex) of the uploaded bytes and the box or pads given, the landmarks
+//! given (and, for a clip, whether boxes are smoothed), so uploading the same file with the same options again
 //! finds the same avatar (`200` instead of `201`).
 //!
 //! With `--avatar-dir` every avatar is also a file there ([`crate::engine::avatar_store`]):
@@ -24,7 +24,7 @@ use super::{form, App};
 use crate::engine::avatar_store::StoreError;
 use crate::engine::cache::NotKept;
 use crate::engine::{clip, Avatar};
-use crate::media::face::{Blend, FaceBox, Pads};
+use crate::media::face::{Blend, FaceBox, Landmarks, Pads};
 
 /// The JSON that describes an avatar.
 fn describe(id: &str, a: &Avatar) -> serde_json::Value {
@@ -32,6 +32,8 @@ fn describe(id: &str, a: &Avatar) -> serde_json::Value {
         "id": id,
         "kind": a.kind(),
         "box": a.source_face.to_array(),
+        "landmarks": a.source_landmarks().to_array(),
+        "landmarks_source": a.landmarks_source().as_str(),
         "width": a.source_size.0,
         "height": a.source_size.1,
     });
@@ -49,17 +51,20 @@ pub struct Upload {
     pub video: bool,
     pub face_box: Option<FaceBox>,
     pub pads: Pads,
+    /// The five landmarks the client gave (`landmarks`), in the upload's pixels.
+    pub landmarks: Option<Landmarks>,
     /// Temporal smoothing of a clip's detected boxes.
     pub smooth: bool,
 }
 
 impl Upload {
     /// Takes `image` or `video` and the options that belong to the avatar (`box`, `pads`,
-    /// `smooth`) from a form; `None` when it holds neither file (then it must not hold the
+    /// `landmarks`, `smooth`) from a form; `None` when it holds neither file (then it must not hold the
     /// options either: they belong to the avatar).
     pub fn from_form(f: &mut form::Form) -> Result<Option<Upload>, ApiError> {
         let face_box: Option<FaceBox> = f.parse("box")?;
         let pads: Option<Pads> = f.parse("pads")?;
+        let landmarks: Option<Landmarks> = f.parse("landmarks")?;
         let smooth: Option<bool> = f.parse("smooth")?;
         let (bytes, video) = match (f.file("image"), f.file("video")) {
             (Some(b), None) => (b, false),
@@ -71,11 +76,11 @@ impl Upload {
                 ))
             }
             (None, None) => {
-                if face_box.is_some() || pads.is_some() || smooth.is_some() {
+                if face_box.is_some() || pads.is_some() || landmarks.is_some() || smooth.is_some() {
                     return Err(ApiError::bad_request(
                         "bad_field",
-                        "`box`, `pads` and `smooth` belong to the avatar: give them when \
-                         creating it, not with `avatar_id`",
+                        "`box`, `pads`, `landmarks` and `smooth` belong to the avatar: give \
+                         them when creating it, not with `avatar_id`",
                     ));
                 }
                 return Ok(None);
@@ -92,6 +97,7 @@ impl Upload {
             video,
             face_box,
             pads: pads.unwrap_or_default(),
+            landmarks,
             smooth: smooth.unwrap_or(true),
         }))
     }
@@ -104,6 +110,9 @@ impl Upload {
             Some(b) => h.update(format!("\0box={b}")),
             None => h.update(format!("\0pads={}", self.pads)),
         }
+        if let Some(l) = self.landmarks {
+            h.update(format!("\0landmarks={l}"));
+        }
         if self.video {
             h.update(format!("\0video smooth={}", self.smooth));
         }
@@ -113,12 +122,16 @@ impl Upload {
     /// Decodes and prepares the avatar (blocking: face detection, clip decoding).
     pub fn prepare(&self, app: &App, blend: Blend) -> Result<Avatar, crate::media::Error> {
         let media = &app.args.media;
-        if self.video {
+        let avatar = if self.video {
             let options = media.clip_options(self.smooth);
-            clip::prepare(&self.bytes, &options, self.face_box, self.pads, blend)
+            clip::prepare(&self.bytes, &options, self.face_box, self.pads, blend)?
         } else {
             let limits = media.image_limits();
-            Avatar::prepare(&self.bytes, &limits, self.face_box, self.pads, blend)
+            Avatar::prepare(&self.bytes, &limits, self.face_box, self.pads, blend)?
+        };
+        match self.landmarks {
+            Some(l) => avatar.with_landmarks(l),
+            None => Ok(avatar),
         }
     }
 }
@@ -192,7 +205,7 @@ pub async fn create(
     let mut f = form::read(
         multipart,
         &["image", "video"],
-        &["box", "pads", "smooth"],
+        &["box", "pads", "landmarks", "smooth"],
         app.args.max_body_bytes,
     )
     .await?;
@@ -304,6 +317,7 @@ mod tests {
             video,
             face_box,
             pads: pads.parse().unwrap(),
+            landmarks: None,
             smooth: true,
         }
     }
@@ -329,5 +343,10 @@ mod tests {
             ..upload(b"img", true, None, "0,10,0,0")
         };
         assert_ne!(v.id(), unsmoothed.id());
+        let marked = Upload {
+            landmarks: Some("10,10,30,10,20,20,12,30,28,30".parse().unwrap()),
+            ..upload(b"img", false, None, "0,10,0,0")
+        };
+        assert_ne!(a, marked.id());
     }
 }

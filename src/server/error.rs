@@ -73,6 +73,7 @@ impl From<media::Error> for ApiError {
             | E::CorruptImage(_)
             | E::BadBox(_)
             | E::BadPads(_)
+            | E::BadLandmarks(_)
             | E::BadBlend(_)
             | E::BadLoop(_)
             | E::DamagedVideo(_)

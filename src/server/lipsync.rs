@@ -39,6 +39,7 @@ pub(super) const TEXTS: &[&str] = &[
     "avatar_id",
     "box",
     "pads",
+    "landmarks",
     "smooth",
     "loop",
     "fps",

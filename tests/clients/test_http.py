@@ -68,7 +68,14 @@ def test_avatars_are_made_described_and_deleted(client):
     made = client.create_avatar(image=MEDIA / "grace_hopper.jpg", pads=(0, 10, 0, 0))
     assert made["kind"] == "image" and len(made["id"]) == 64 and len(made["box"]) == 4, made
     assert client.create_avatar(image=MEDIA / "grace_hopper.jpg", pads=(0, 10, 0, 0))["id"] == made["id"]
+    assert made["landmarks_source"] == "box" and len(made["landmarks"]) == 10, made
     assert client.get_avatar(made["id"]) == made
+    # Landmarks as five (x, y) pairs: part of the avatar, reported as given.
+    points = [(221.5, 187), (303.5, 185), (264.5, 242), (230, 277), (302, 277)]
+    marked = client.create_avatar(image=MEDIA / "grace_hopper.jpg", landmarks=points)
+    assert marked["id"] != made["id"] and marked["landmarks_source"] == "client", marked
+    assert marked["landmarks"] == [v for p in points for v in p], marked
+    client.delete_avatar(marked["id"])
     client.delete_avatar(made["id"])
     with pytest.raises(NotFound) as e:
         client.get_avatar(made["id"])

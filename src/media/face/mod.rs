@@ -4,12 +4,15 @@
 //! Boxes are `x1,y1,x2,y2` in integer pixels with `x2`/`y2` exclusive: the face is columns
 //! `x1 .. x2−1` and rows `y1 .. y2−1`.
 
+pub mod align;
 mod detect;
+mod landmarks;
 
 use std::fmt;
 use std::str::FromStr;
 
 pub use detect::{detect, Detection};
+pub use landmarks::{LandmarkSource, Landmarks};
 
 use crate::media::image::{resize_linear, Frame};
 use crate::media::Error;

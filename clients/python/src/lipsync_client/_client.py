@@ -84,8 +84,9 @@ class Client:
         **options: Any,
     ) -> bytes:
         """`POST /v1/lipsync`: the whole MP4 (H.264 + AAC). `options`: `fps`, `box`, `pads`,
-        `smooth`, `loop`, `blend`, `crf`, `enhance` (an enhancer loaded on the server: `"esrgan"`
-        or its name; a box or pads as a 4-tuple)."""
+        `landmarks`, `smooth`, `loop`, `blend`, `crf`, `enhance` (an enhancer loaded on the
+        server: `"esrgan"` or its name; a box or pads as a 4-tuple, landmarks as five (x, y)
+        pairs)."""
         return b"".join(
             self.render_stream(audio, image=image, video=video, avatar_id=avatar_id, **options)
         )
@@ -123,7 +124,9 @@ class Client:
         **options: Any,
     ) -> dict[str, Any]:
         """`POST /v1/avatars`: the photo or clip prepared once; returns `{"id", "kind", "box",
-        "width", "height", ...}` (the same id for the same file and options)."""
+        "landmarks", "landmarks_source", "width", "height", ...}` (the same id for the same file
+        and options). Options: `box`, `pads`, `smooth`, `landmarks` (five (x, y) pairs or ten
+        numbers: eyes, nose tip, mouth corners, left to right)."""
         data, files = media_form(image=image, video=video, options=options)
         return self._json("POST", "/v1/avatars", data=data, files=files)
 

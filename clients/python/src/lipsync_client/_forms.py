@@ -35,11 +35,13 @@ def read_input(value: FileInput, name: str) -> tuple[str, bytes]:
 
 
 def field_value(value: Any) -> str:
-    """A form field's text: booleans as true/false, sequences (a box, pads) comma-separated."""
+    """A form field's text: booleans as true/false, sequences (a box, pads, landmarks as ten
+    numbers or five (x, y) pairs) comma-separated."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
-        return ",".join(str(v) for v in value)
+        flat = [w for v in value for w in (v if isinstance(v, (list, tuple)) else (v,))]
+        return ",".join(str(v) for v in flat)
     if isinstance(value, Mapping):
         return json.dumps(value)
     return str(value)
