@@ -3,9 +3,10 @@
 # the PyTorch yardstick (tests/bench.rs), the enhancers' references (tests/enhancer.rs) and the
 # rehearsal of the GPU run's torch stage (bench/gpu_run.sh --rehearse). Prints the venv's python
 # on stdout; progress goes to stderr.
-# Beside it, in target/torch-venv/upstream, the upstream Real-ESRGAN architecture files that
-# tests/reference/esrgan_reference.py loads: the realesrgan 0.3.0 wheel and the basicsr 1.4.2
-# sdist from PyPI, checked against their SHA-256 (not installed: their package imports pull
+# Beside it, in target/torch-venv/upstream, the upstream Real-ESRGAN and GFPGAN architecture
+# files that tests/reference/esrgan_reference.py and gfpgan_reference.py load: the realesrgan
+# 0.3.0 and gfpgan 1.3.8 wheels and the basicsr 1.4.2 sdist from PyPI, checked against their
+# SHA-256 (not installed: their package imports pull
 # OpenCV and torchvision, which the reference replaces with stand-ins).
 # PyTorch's CPU-only index is tried first (a 200 MB wheel); where it cannot be reached, PyPI's
 # wheel (CUDA libraries included, about 5 GB installed) is used: both compute on the CPU here.
@@ -29,8 +30,9 @@ if ! "$venv/bin/python" -c 'import cv2' 2>/dev/null; then
   "$venv/bin/pip" install -q --disable-pip-version-check opencv-python-headless >&2
 fi
 upstream=$venv/upstream
-if [ ! -f "$upstream/basicsr/archs/rrdbnet_arch.py" ] || [ ! -f "$upstream/realesrgan/archs/srvgg_arch.py" ]; then
-  echo "torch-venv: fetching the upstream Real-ESRGAN architecture files into $upstream" >&2
+if [ ! -f "$upstream/basicsr/archs/rrdbnet_arch.py" ] || [ ! -f "$upstream/realesrgan/archs/srvgg_arch.py" ] \
+  || [ ! -f "$upstream/gfpgan/archs/gfpganv1_clean_arch.py" ]; then
+  echo "torch-venv: fetching the upstream Real-ESRGAN and GFPGAN architecture files into $upstream" >&2
   "$venv/bin/python" - "$upstream" >&2 <<'PY'
 import hashlib, io, json, pathlib, sys, tarfile, urllib.request, zipfile
 out = pathlib.Path(sys.argv[1])
@@ -40,8 +42,11 @@ files = [
      "59336c16c30dd5130eff350dd27424acb9b7281d18a6810130e265606c9a6088"),
     ("basicsr", "1.4.2", "basicsr-1.4.2.tar.gz",
      "b89b595a87ef964cda9913b4d99380ddb6554c965577c0c10cb7b78e31301e87"),
+    ("gfpgan", "1.3.8", "gfpgan-1.3.8-py3-none-any.whl",
+     "3d8386df6320aa9dfb0dd4cd09d9f8ed12ae0bbd9b2df257c3d21aefac5d8b85"),
 ]
-wanted = {"realesrgan/archs/srvgg_arch.py", "basicsr/archs/rrdbnet_arch.py", "basicsr/archs/arch_util.py"}
+wanted = {"realesrgan/archs/srvgg_arch.py", "basicsr/archs/rrdbnet_arch.py", "basicsr/archs/arch_util.py",
+          "gfpgan/archs/gfpganv1_clean_arch.py", "gfpgan/archs/stylegan2_clean_arch.py"}
 for project, version, name, sha in files:
     meta = json.load(urllib.request.urlopen(f"https://pypi.org/pypi/{project}/json", timeout=60))
     url = next(u["url"] for u in meta["releases"][version] if u["filename"] == name)

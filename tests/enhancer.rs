@@ -1,6 +1,7 @@
-//! The Real-ESRGAN enhancers against the upstream PyTorch networks
-//! (tests/reference/esrgan_reference.py): random checkpoints in each published layout, made at
-//! test time, run through `lipsync enhance` as a user runs it; and the files it must refuse.
+//! The enhancers (Real-ESRGAN, GFPGAN) against the upstream PyTorch networks
+//! (tests/reference/esrgan_reference.py, gfpgan_reference.py): random checkpoints in each
+//! published layout, made at test time, run through `lipsync enhance` as a user runs it; and
+//! the files it must refuse.
 
 mod common;
 
@@ -714,4 +715,107 @@ fn bench_reports_each_enhancers_speed_and_what_it_adds_to_a_request() {
     );
     assert!(plain > 0.0 && with > 0.0, "{v}");
     assert!((r["added_seconds"].as_f64().unwrap() - (with - plain)).abs() < 1e-9);
+}
+
+#[test]
+fn gfpgan_matches_the_upstream_network_on_a_random_v14_checkpoint() {
+    // tests/reference/gfpgan_reference.py makes a random GFPGANv1.4-layout checkpoint (legacy
+    // torch.save, 285 tensors, the published 348 632 874 bytes) and runs the upstream
+    // GFPGANv1Clean on the astronaut photo (512x512, as an aligned face would be) with the
+    // stored noise; `lipsync enhance` runs ours on the same PNG. Goal: max |Δ| ≤ 2/255 (ours
+    // is rounded to 8 bits, the reference is f32).
+    let Some(python) = torch_python() else {
+        eprintln!("SKIPPED: no PyTorch (set LIPSYNC_TORCH_PYTHON to a Python that has it)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let photo = common::media_path("astronaut.png");
+    let rgb = image::open(&photo).unwrap().to_rgb8();
+    assert_eq!(rgb.dimensions(), (512, 512));
+    std::fs::write(dir.path().join("face.rgb"), rgb.as_raw()).unwrap();
+    let upstream = upstream(&python);
+    let mut cmd = Command::new(&python);
+    cmd.arg(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/reference/gfpgan_reference.py"
+    ))
+    .arg("--upstream")
+    .arg(&upstream)
+    .arg("--out")
+    .arg(dir.path())
+    .arg("--input")
+    .arg(dir.path().join("face.rgb"));
+    run_reference(cmd, &upstream);
+    let ck = dir.path().join("GFPGANv1.4.pth");
+    assert_eq!(std::fs::metadata(&ck).unwrap().len(), 348_632_874);
+    let out = dir.path().join("restored.png");
+    let o = lipsync(&[
+        &"enhance",
+        &"--enhancer-checkpoint",
+        &ck,
+        &"--image",
+        &photo,
+        &"--out",
+        &out,
+        &"--json",
+    ]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let summary: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(summary["kind"], "gfpgan", "{summary}");
+    assert_eq!(summary["enhancer"], "GFPGANv1.4", "{summary}");
+    assert_eq!(summary["output"]["width"], 512, "{summary}");
+    // 197.8 G multiply-adds a face, counted layer by layer from the architecture as GFPGAN's
+    // wrapper runs it (no intermediate RGB, no style MLP): the published 395.5 GFLOP.
+    assert_eq!(summary["multiply_adds"], 197_765_619_712f64, "{summary}");
+    let ours = image::open(&out).unwrap().to_rgb8();
+    let theirs = read_f32(&dir.path().join("output.f32"));
+    assert_eq!(theirs.len(), 3 * 512 * 512);
+    let plane = 512 * 512;
+    let mut worst = 0f32;
+    for (i, px) in ours.as_raw().chunks_exact(3).enumerate() {
+        for (c, v) in px.iter().enumerate() {
+            worst = worst.max((f32::from(*v) - theirs[c * plane + i] * 255.0).abs());
+        }
+    }
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("expected.json")).unwrap())
+            .unwrap();
+    eprintln!("GFPGAN vs upstream: max |Δ| {worst:.3}/255 ({expected})");
+    // The comparison can fail: the reference's output is an image, not a clamped flat colour.
+    assert!(
+        expected["clamped_fraction"].as_f64().unwrap() < 0.05,
+        "{expected}"
+    );
+    assert!(expected["std"].as_f64().unwrap() > 0.05, "{expected}");
+    assert!(worst <= 2.0, "max |Δ| {worst}/255");
+
+    // Any other size is refused, with exit 2.
+    let small = dir.path().join("small.png");
+    image::imageops::crop_imm(&rgb, 180, 60, 96, 96)
+        .to_image()
+        .save(&small)
+        .unwrap();
+    let o = enhance(&ck, &small, &dir.path().join("no.png"));
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("512x512 FFHQ template"), "{err}");
+    // Rendering does not apply it yet: serve stops at start-up and says so.
+    let data = dir.path().join("data");
+    let o = lipsync_bounded(
+        &[
+            &"serve",
+            &"--device",
+            &"echo",
+            &"--port",
+            &"0",
+            &"--data-dir",
+            &data,
+            &"--enhancer-checkpoint",
+            &ck,
+        ],
+        std::time::Duration::from_secs(120),
+    );
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("lipsync enhance"), "{err}");
 }

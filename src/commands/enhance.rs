@@ -72,6 +72,7 @@ fn run(a: &EnhanceArgs) -> Result<serde_json::Value, CliError> {
         "kind": e.kind(),
         "architecture": e.net.describe(),
         "scale": s,
+        "multiply_adds": e.net.multiply_adds(h, w),
         "input": { "width": w, "height": h },
         "output": { "width": enhanced.width, "height": enhanced.height, "path": a.out },
         "load_seconds": loaded,

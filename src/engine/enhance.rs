@@ -113,6 +113,14 @@ impl Enhancers {
                     enhancer.name
                 )));
             }
+            if enhancer.kind() == Kind::Gfpgan {
+                return Err(crate::model::Error::Settings(format!(
+                    "{}: GFPGAN restores whole faces aligned by their landmarks after the \
+                     paste, which rendering does not do yet; `lipsync enhance` runs it on a \
+                     face aligned to 512x512",
+                    path.display()
+                )));
+            }
             if let Some(twin) = list.iter().find(|l| l.enhancer.name == enhancer.name) {
                 return Err(crate::model::Error::Settings(format!(
                     "two enhancers named {:?} ({} and {}): requests pick enhancers by file \

@@ -8,8 +8,10 @@
 //! | kind | file | architectures |
 //! |---|---|---|
 //! | `esrgan` | [`esrgan`] | Real-ESRGAN's SRVGGNetCompact and RRDBNet |
+//! | `gfpgan` | [`gfpgan`] | GFPGAN v1.3 / v1.4 (`GFPGANv1Clean`, 512) |
 
 pub mod esrgan;
+pub mod gfpgan;
 #[cfg(test)]
 pub(crate) mod testing;
 
@@ -24,9 +26,10 @@ use super::{Error, Result};
 #[serde(rename_all = "lowercase")]
 pub enum Kind {
     Esrgan,
+    Gfpgan,
 }
 
-named_enum!(Kind, "an enhancer kind", { "esrgan" => Esrgan });
+named_enum!(Kind, "an enhancer kind", { "esrgan" => Esrgan, "gfpgan" => Gfpgan });
 
 impl Kind {
     pub fn name(self) -> &'static str {
@@ -78,7 +81,7 @@ pub const MAX_BATCH: usize = 32;
 pub type Recogniser = fn(&Checkpoint) -> Option<Result<Arc<dyn EnhancerNet>>>;
 
 /// Every kind's recogniser, in the order they are tried.
-const RECOGNISERS: &[Recogniser] = &[esrgan::recognise];
+const RECOGNISERS: &[Recogniser] = &[esrgan::recognise, gfpgan::recognise];
 
 /// A loaded enhancer file.
 #[derive(Clone)]

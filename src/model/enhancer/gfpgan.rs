@@ -1,0 +1,743 @@
+//! GFPGAN v1.3 / v1.4 (TencentARC/GFPGAN, Apache-2.0): `GFPGANv1Clean` with out_size 512,
+//! channel_multiplier 2, `sft_half`, `different_w` and `input_is_latent`, as the published
+//! `GFPGANv1.3.pth` / `GFPGANv1.4.pth` hold it (legacy `torch.save` of `params_ema`, 285
+//! tensors), recognised from its keys.
+//!
+//! It restores a face aligned to the FFHQ 512 template (see `media::face::align`):
+//! - **U-Net encoder**: a 1×1 convolution 3 → 32 and LeakyReLU(0.2), seven down ResBlocks to
+//!   4×4 (conv1 3×3 → LeakyReLU → bilinear ×½ → conv2 3×3 → LeakyReLU, plus a 1×1 convolution
+//!   without bias of the bilinear-resized input), `final_conv` 3×3 and LeakyReLU, then
+//!   `final_linear` (4096 → 16 × 512: one W+ latent per decoder layer, read in NCHW order).
+//! - **U-Net decoder**: the encoder's outputs added back level by level, seven up ResBlocks
+//!   (bilinear ×2), and at each level `condition_scale` and `condition_shift` (3×3, LeakyReLU,
+//!   3×3). The encoder's `toRGB` outputs are not needed and not run; the 8-layer `style_mlp`
+//!   is in the file but not run (the latents are given).
+//! - **StyleGAN2 decoder**: a constant 512×4×4; per level an upsampling StyleConv (bilinear ×2,
+//!   then a modulated 3×3 convolution), the SFT on the second half of the channels
+//!   (`x · scale + shift`), a second StyleConv, and a ToRGB (modulated 1×1 without
+//!   demodulation, plus bias, plus the previous RGB upsampled). A StyleConv is
+//!   `LeakyReLU(0.2)(√2 · modconv + noise_weight · noise + bias)` with the noise stored in the
+//!   file (never fresh noise: the same face gives the same output, no flicker).
+//!
+//! A modulated convolution with style `s` (a linear map of the latent) and demodulation
+//! `d[o] = 1 / √(Σ_{i,k} (W[o,i,k] · s[i])² + 10⁻⁸)` is run as the input channels scaled by
+//! `s`, one ordinary convolution with the shared weight, and the output channels scaled by
+//! `d`: the same sums, and batched like any convolution. The weights are used as stored (the
+//! clean architecture folds no equalised learning rate at run time).
+//!
+//! Input RGB in [0, 1] is `(x − 0.5) / 0.5`; the output is clamped to [−1, 1] and mapped
+//! back to [0, 1], as GFPGAN's own wrapper does. f32 on the CPU.
+
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use super::{dims, strict_tensors, DeviceNet, EnhancerNet, Kind};
+use crate::model::checkpoint::Checkpoint;
+use crate::model::cpu::{nchw_to_nhwc, nhwc_to_nchw, Act, Activation, Conv};
+use crate::model::{Error, Result};
+
+/// The face side GFPGAN takes and gives.
+pub const SIDE: usize = 512;
+const LOG_SIDE: usize = 9;
+/// Style (latent) width.
+const STYLE: usize = 512;
+/// Latents: one per decoder layer, `2 · log2(512) − 2`.
+const LATENTS: usize = 2 * LOG_SIDE - 2;
+/// Up/down levels between 4×4 and 512×512.
+const LEVELS: usize = LOG_SIDE - 2;
+const LEAKY: f32 = 0.2;
+const MODEL: &str = "GFPGANv1Clean";
+
+/// Decoder channels at side `2^i` (narrow 1, channel multiplier 2).
+fn decoder_channels(i: usize) -> usize {
+    match 1 << i {
+        4..=64 => 512,
+        128 => 256,
+        256 => 128,
+        512 => 64,
+        _ => unreachable!("side {}", 1 << i),
+    }
+}
+
+/// The U-Net's channels: half the decoder's.
+fn unet_channels(i: usize) -> usize {
+    decoder_channels(i) / 2
+}
+
+/// A GFPGAN network when the checkpoint has its keys.
+pub fn recognise(ck: &Checkpoint) -> Option<Result<Arc<dyn EnhancerNet>>> {
+    dims(ck, "stylegan_decoder.constant_input.weight")?;
+    dims(ck, "conv_body_first.weight")?;
+    Some(Gfpgan::load(ck).map(|n| Arc::new(n) as Arc<dyn EnhancerNet>))
+}
+
+/// Every tensor of the published files (key, shape), in a fixed order.
+pub(crate) fn keys() -> Vec<(String, Vec<usize>)> {
+    let mut k: Vec<(String, Vec<usize>)> = Vec::with_capacity(285);
+    let conv = |k: &mut Vec<(String, Vec<usize>)>, p: &str, o: usize, i: usize, s: usize| {
+        k.push((format!("{p}.weight"), vec![o, i, s, s]));
+        k.push((format!("{p}.bias"), vec![o]));
+    };
+    conv(&mut k, "conv_body_first", unet_channels(LOG_SIDE), 3, 1);
+    let resblock = |k: &mut Vec<(String, Vec<usize>)>, p: &str, i: usize, o: usize| {
+        k.push((format!("{p}.conv1.weight"), vec![i, i, 3, 3]));
+        k.push((format!("{p}.conv1.bias"), vec![i]));
+        k.push((format!("{p}.conv2.weight"), vec![o, i, 3, 3]));
+        k.push((format!("{p}.conv2.bias"), vec![o]));
+        k.push((format!("{p}.skip.weight"), vec![o, i, 1, 1]));
+    };
+    for (j, i) in (3..=LOG_SIDE).rev().enumerate() {
+        resblock(
+            &mut k,
+            &format!("conv_body_down.{j}"),
+            unet_channels(i),
+            unet_channels(i - 1),
+        );
+    }
+    conv(&mut k, "final_conv", unet_channels(2), unet_channels(2), 3);
+    for (j, i) in (3..=LOG_SIDE).enumerate() {
+        resblock(
+            &mut k,
+            &format!("conv_body_up.{j}"),
+            unet_channels(i - 1),
+            unet_channels(i),
+        );
+    }
+    for (j, i) in (3..=LOG_SIDE).enumerate() {
+        conv(&mut k, &format!("toRGB.{j}"), 3, unet_channels(i), 1);
+    }
+    k.push((
+        "final_linear.weight".into(),
+        vec![LATENTS * STYLE, unet_channels(2) * 16],
+    ));
+    k.push(("final_linear.bias".into(), vec![LATENTS * STYLE]));
+    let d = "stylegan_decoder";
+    for m in (1..=15).step_by(2) {
+        k.push((format!("{d}.style_mlp.{m}.weight"), vec![STYLE, STYLE]));
+        k.push((format!("{d}.style_mlp.{m}.bias"), vec![STYLE]));
+    }
+    k.push((
+        format!("{d}.constant_input.weight"),
+        vec![1, decoder_channels(2), 4, 4],
+    ));
+    let modulated = |k: &mut Vec<(String, Vec<usize>)>, p: &str, i: usize, o: usize, s: usize| {
+        k.push((format!("{p}.modulated_conv.weight"), vec![1, o, i, s, s]));
+        k.push((
+            format!("{p}.modulated_conv.modulation.weight"),
+            vec![i, STYLE],
+        ));
+        k.push((format!("{p}.modulated_conv.modulation.bias"), vec![i]));
+    };
+    let style_conv = |k: &mut Vec<(String, Vec<usize>)>, p: &str, i: usize, o: usize| {
+        modulated(k, p, i, o, 3);
+        k.push((format!("{p}.weight"), vec![1]));
+        k.push((format!("{p}.bias"), vec![1, o, 1, 1]));
+    };
+    let to_rgb = |k: &mut Vec<(String, Vec<usize>)>, p: &str, i: usize| {
+        modulated(k, p, i, 3, 1);
+        k.push((format!("{p}.bias"), vec![1, 3, 1, 1]));
+    };
+    style_conv(
+        &mut k,
+        &format!("{d}.style_conv1"),
+        decoder_channels(2),
+        decoder_channels(2),
+    );
+    to_rgb(&mut k, &format!("{d}.to_rgb1"), decoder_channels(2));
+    for (j, i) in (3..=LOG_SIDE).enumerate() {
+        let (cin, cout) = (decoder_channels(i - 1), decoder_channels(i));
+        style_conv(&mut k, &format!("{d}.style_convs.{}", 2 * j), cin, cout);
+        style_conv(
+            &mut k,
+            &format!("{d}.style_convs.{}", 2 * j + 1),
+            cout,
+            cout,
+        );
+        to_rgb(&mut k, &format!("{d}.to_rgbs.{j}"), cout);
+    }
+    for n in 0..(2 * LEVELS + 1) {
+        let side = 1usize << ((n + 5) / 2);
+        k.push((format!("{d}.noises.noise{n}"), vec![1, 1, side, side]));
+    }
+    for (j, i) in (3..=LOG_SIDE).enumerate() {
+        let c = unet_channels(i);
+        for which in ["condition_scale", "condition_shift"] {
+            conv(&mut k, &format!("{which}.{j}.0"), c, c, 3);
+            conv(&mut k, &format!("{which}.{j}.2"), c, c, 3);
+        }
+    }
+    k
+}
+
+/// A U-Net ResBlock (down: ×½, up: ×2).
+struct ResBlock {
+    conv1: Conv,
+    conv2: Conv,
+    skip: Conv,
+    up: bool,
+}
+
+impl ResBlock {
+    fn forward(&self, x: &Act) -> Act {
+        let resize = |a: &Act| {
+            if self.up {
+                upsample2(a)
+            } else {
+                downsample2(a)
+            }
+        };
+        let out = self.conv1.forward(x, None, Activation::Leaky(LEAKY));
+        let out = self
+            .conv2
+            .forward(&resize(&out), None, Activation::Leaky(LEAKY));
+        let skip = self.skip.forward(&resize(x), None, Activation::None);
+        add(out, &skip)
+    }
+
+    fn multiply_adds(&self, side_in: usize) -> usize {
+        let side_out = if self.up { 2 * side_in } else { side_in / 2 };
+        side_in * side_in * 9 * self.conv1.cin() * self.conv1.cout()
+            + side_out * side_out * (9 * self.conv2.cin() + self.skip.cin()) * self.conv2.cout()
+    }
+}
+
+/// A modulated convolution: the style's linear map, the shared weight as an ordinary
+/// convolution, and per (output, input) channel `Σ_k W²` for the demodulation.
+struct Modulated {
+    conv: Conv,
+    modulation_w: Vec<f32>,
+    modulation_b: Vec<f32>,
+    /// `[cout][cin]`: `Σ over the kernel of W[o, i, ·, ·]²`; `None`: no demodulation.
+    squares: Option<Vec<f32>>,
+}
+
+impl Modulated {
+    /// From the `[1, cout, cin, k, k]` weight and the modulation's `[cin, STYLE]` weight and
+    /// `[cin]` bias.
+    fn new(
+        weight: &[f32],
+        mod_w: Vec<f32>,
+        mod_b: Vec<f32>,
+        (cin, cout, k): (usize, usize, usize),
+        demodulate: bool,
+    ) -> Self {
+        let squares = demodulate.then(|| {
+            weight
+                .chunks_exact(k * k)
+                .map(|kernel| kernel.iter().map(|w| w * w).sum())
+                .collect()
+        });
+        Modulated {
+            conv: Conv::new(weight, &vec![0.0; cout], cin, cout, k),
+            modulation_w: mod_w,
+            modulation_b: mod_b,
+            squares,
+        }
+    }
+
+    /// `conv(x · s) · d` for each image's latent (`latents[b]`, `STYLE` values).
+    fn forward(&self, x: &Act, latents: &[&[f32]]) -> Act {
+        let (cin, cout) = (self.conv.cin(), self.conv.cout());
+        let styles: Vec<Vec<f32>> = latents
+            .iter()
+            .map(|w| {
+                (0..cin)
+                    .map(|i| {
+                        let row = &self.modulation_w[i * STYLE..(i + 1) * STYLE];
+                        row.iter().zip(*w).map(|(a, b)| a * b).sum::<f32>() + self.modulation_b[i]
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut scaled = x.clone();
+        let image = x.h * x.w * cin;
+        scaled
+            .data
+            .par_chunks_mut(image)
+            .zip(&styles)
+            .for_each(|(img, s)| {
+                for px in img.chunks_exact_mut(cin) {
+                    px.iter_mut().zip(s).for_each(|(v, s)| *v *= s);
+                }
+            });
+        let mut out = self.conv.forward(&scaled, None, Activation::None);
+        if let Some(squares) = &self.squares {
+            let image = out.h * out.w * cout;
+            out.data
+                .par_chunks_mut(image)
+                .zip(&styles)
+                .for_each(|(img, s)| {
+                    let d: Vec<f32> = squares
+                        .chunks_exact(cin)
+                        .map(|sq| {
+                            let sum: f32 = sq.iter().zip(s).map(|(q, s)| q * s * s).sum();
+                            1.0 / (sum + 1e-8).sqrt()
+                        })
+                        .collect();
+                    for px in img.chunks_exact_mut(cout) {
+                        px.iter_mut().zip(&d).for_each(|(v, d)| *v *= d);
+                    }
+                });
+        }
+        out
+    }
+}
+
+/// `LeakyReLU(√2 · modconv(x) + noise_weight · noise + bias)`, after a bilinear ×2 when
+/// `up`.
+struct StyleConv {
+    conv: Modulated,
+    noise_weight: f32,
+    bias: Vec<f32>,
+    up: bool,
+}
+
+impl StyleConv {
+    fn forward(&self, x: &Act, latents: &[&[f32]], noise: &[f32]) -> Act {
+        let mut out = if self.up {
+            self.conv.forward(&upsample2(x), latents)
+        } else {
+            self.conv.forward(x, latents)
+        };
+        let c = out.c;
+        let plane = out.h * out.w;
+        assert_eq!(noise.len(), plane, "noise of the layer's size");
+        let (nw, bias) = (self.noise_weight, &self.bias);
+        out.data.par_chunks_mut(plane * c).for_each(|img| {
+            for (px, n) in img.chunks_exact_mut(c).zip(noise) {
+                for (v, b) in px.iter_mut().zip(bias) {
+                    let y = std::f32::consts::SQRT_2 * *v + nw * n + b;
+                    *v = if y < 0.0 { LEAKY * y } else { y };
+                }
+            }
+        });
+        out
+    }
+}
+
+/// A modulated 1×1 convolution to RGB without demodulation, plus bias, plus the previous
+/// level's RGB upsampled.
+struct ToRgb {
+    conv: Modulated,
+    bias: Vec<f32>,
+}
+
+impl ToRgb {
+    fn forward(&self, x: &Act, latents: &[&[f32]], skip: Option<&Act>) -> Act {
+        let mut out = self.conv.forward(x, latents);
+        for px in out.data.chunks_exact_mut(3) {
+            px.iter_mut().zip(&self.bias).for_each(|(v, b)| *v += b);
+        }
+        match skip {
+            Some(s) => add(out, &upsample2(s)),
+            None => out,
+        }
+    }
+}
+
+/// The loaded network.
+pub struct Gfpgan {
+    first: Conv,
+    down: Vec<ResBlock>,
+    final_conv: Conv,
+    /// `[LATENTS · STYLE][4096]` and its bias.
+    final_linear: (Vec<f32>, Vec<f32>),
+    up: Vec<ResBlock>,
+    /// Per level: the two convolutions of `condition_scale`, then of `condition_shift`.
+    conditions: Vec<[Conv; 4]>,
+    constant: Act,
+    style_conv1: StyleConv,
+    to_rgb1: ToRgb,
+    /// Per level: the upsampling StyleConv, the second StyleConv, the ToRGB.
+    levels: Vec<(StyleConv, StyleConv, ToRgb)>,
+    /// `noise0` … `noise14`, each a square plane.
+    noises: Vec<Vec<f32>>,
+}
+
+/// The checkpoint's tensors in [`keys`]' order, taken one by one.
+type Tensors = std::vec::IntoIter<Vec<f32>>;
+
+fn take(t: &mut Tensors) -> Vec<f32> {
+    t.next().expect("one tensor per key")
+}
+
+fn conv(t: &mut Tensors, cin: usize, cout: usize, k: usize) -> Conv {
+    let (w, b) = (take(t), take(t));
+    Conv::new(&w, &b, cin, cout, k)
+}
+
+fn resblock(t: &mut Tensors, cin: usize, cout: usize, up: bool) -> ResBlock {
+    let conv1 = conv(t, cin, cin, 3);
+    let conv2 = conv(t, cin, cout, 3);
+    let skip = Conv::new(&take(t), &vec![0.0; cout], cin, cout, 1);
+    ResBlock {
+        conv1,
+        conv2,
+        skip,
+        up,
+    }
+}
+
+fn modulated(t: &mut Tensors, cin: usize, cout: usize, k: usize, demodulate: bool) -> Modulated {
+    let (w, mw, mb) = (take(t), take(t), take(t));
+    Modulated::new(&w, mw, mb, (cin, cout, k), demodulate)
+}
+
+fn style_conv(t: &mut Tensors, cin: usize, cout: usize, up: bool) -> StyleConv {
+    StyleConv {
+        conv: modulated(t, cin, cout, 3, true),
+        noise_weight: take(t)[0],
+        bias: take(t),
+        up,
+    }
+}
+
+fn to_rgb(t: &mut Tensors, cin: usize) -> ToRgb {
+    ToRgb {
+        conv: modulated(t, cin, 3, 1, false),
+        bias: take(t),
+    }
+}
+
+impl Gfpgan {
+    fn load(ck: &Checkpoint) -> Result<Gfpgan> {
+        let t = &mut strict_tensors(ck, MODEL, &keys())?.into_iter();
+        let first = conv(t, 3, unet_channels(LOG_SIDE), 1);
+        let down = (3..=LOG_SIDE)
+            .rev()
+            .map(|i| resblock(t, unet_channels(i), unet_channels(i - 1), false))
+            .collect();
+        let c4 = unet_channels(2);
+        let final_conv = conv(t, c4, c4, 3);
+        let up = (3..=LOG_SIDE)
+            .map(|i| resblock(t, unet_channels(i - 1), unet_channels(i), true))
+            .collect();
+        // The encoder's toRGB (not run: GFPGAN's wrapper asks for no intermediate RGB).
+        t.nth(2 * LEVELS - 1);
+        let final_linear = (take(t), take(t));
+        // The style MLP (not run: the latents come from final_linear).
+        t.nth(15);
+        let c = decoder_channels(2);
+        let constant = nchw_to_nhwc(&take(t), 1, c, 4, 4);
+        let style_conv1 = style_conv(t, c, c, false);
+        let to_rgb1 = to_rgb(t, c);
+        let levels = (3..=LOG_SIDE)
+            .map(|i| {
+                let (cin, cout) = (decoder_channels(i - 1), decoder_channels(i));
+                let a = style_conv(t, cin, cout, true);
+                let b = style_conv(t, cout, cout, false);
+                (a, b, to_rgb(t, cout))
+            })
+            .collect();
+        let noises = (0..2 * LEVELS + 1).map(|_| take(t)).collect();
+        let conditions = (3..=LOG_SIDE)
+            .map(|i| {
+                let c = unet_channels(i);
+                [(); 4].map(|_| conv(t, c, c, 3))
+            })
+            .collect();
+        assert!(t.next().is_none(), "every tensor used");
+        Ok(Gfpgan {
+            first,
+            down,
+            final_conv,
+            final_linear,
+            up,
+            conditions,
+            constant,
+            style_conv1,
+            to_rgb1,
+            levels,
+            noises,
+        })
+    }
+
+    /// The restored faces, `(n, 3, 512, 512)` in [−1, 1] before the clamp.
+    fn forward(&self, x: &Act) -> Act {
+        let n = x.n;
+        // Encoder.
+        let mut feat = self.first.forward(x, None, Activation::Leaky(LEAKY));
+        let mut skips = Vec::with_capacity(LEVELS);
+        for block in &self.down {
+            feat = block.forward(&feat);
+            skips.push(feat.clone());
+        }
+        let feat4 = self
+            .final_conv
+            .forward(&feat, None, Activation::Leaky(LEAKY));
+        // The latents: final_linear over the 4×4 features in NCHW order.
+        let flat = nhwc_to_nchw(&feat4);
+        let inputs = flat.len() / n;
+        let (w, b) = &self.final_linear;
+        let latents: Vec<Vec<f32>> = flat
+            .chunks_exact(inputs)
+            .map(|v| {
+                w.par_chunks_exact(inputs)
+                    .zip(b.par_iter())
+                    .map(|(row, b)| row.iter().zip(v).map(|(a, b)| a * b).sum::<f32>() + b)
+                    .collect()
+            })
+            .collect();
+        let latent = |j: usize| -> Vec<&[f32]> {
+            latents
+                .iter()
+                .map(|l| &l[j * STYLE..(j + 1) * STYLE])
+                .collect()
+        };
+        // U-Net decoder: the conditions of each level.
+        let mut feat = feat4;
+        let mut conditions = Vec::with_capacity(LEVELS);
+        for (level, block) in self.up.iter().enumerate() {
+            feat = add(feat, &skips[LEVELS - 1 - level]);
+            feat = block.forward(&feat);
+            let [s0, s1, h0, h1] = &self.conditions[level];
+            let scale = s1.forward(
+                &s0.forward(&feat, None, Activation::Leaky(LEAKY)),
+                None,
+                Activation::None,
+            );
+            let shift = h1.forward(
+                &h0.forward(&feat, None, Activation::Leaky(LEAKY)),
+                None,
+                Activation::None,
+            );
+            conditions.push((scale, shift));
+        }
+        drop(skips);
+        // StyleGAN2 decoder.
+        let mut constant = self.constant.clone();
+        constant.n = n;
+        constant.data = self.constant.data.repeat(n);
+        let mut out = self
+            .style_conv1
+            .forward(&constant, &latent(0), &self.noises[0]);
+        let mut rgb = self.to_rgb1.forward(&out, &latent(1), None);
+        for (level, (conv1, conv2, to_rgb)) in self.levels.iter().enumerate() {
+            let j = 2 * level + 1;
+            out = conv1.forward(&out, &latent(j), &self.noises[j]);
+            let (scale, shift) = &conditions[level];
+            sft_half(&mut out, scale, shift);
+            out = conv2.forward(&out, &latent(j + 1), &self.noises[j + 1]);
+            rgb = to_rgb.forward(&out, &latent(j + 2), Some(&rgb));
+        }
+        rgb
+    }
+}
+
+impl EnhancerNet for Gfpgan {
+    fn kind(&self) -> Kind {
+        Kind::Gfpgan
+    }
+
+    fn describe(&self) -> String {
+        "GFPGANv1Clean (512, channel multiplier 2)".into()
+    }
+
+    fn scale(&self) -> usize {
+        1
+    }
+
+    fn check_size(&self, height: usize, width: usize) -> Result<()> {
+        if (height, width) != (SIDE, SIDE) {
+            return Err(Error::BadInput(format!(
+                "GFPGAN restores a face aligned to the {SIDE}x{SIDE} FFHQ template, not a \
+                 {width}x{height} image"
+            )));
+        }
+        Ok(())
+    }
+
+    fn multiply_adds(&self, height: usize, width: usize) -> f64 {
+        if (height, width) != (SIDE, SIDE) {
+            return 0.0;
+        }
+        let conv = |c: &Conv, k: usize, side: usize| side * side * k * k * c.cin() * c.cout();
+        let mut total = conv(&self.first, 1, SIDE) + conv(&self.final_conv, 3, 4);
+        let mut side = SIDE;
+        for b in &self.down {
+            total += b.multiply_adds(side);
+            side /= 2;
+        }
+        total += self.final_linear.0.len();
+        for (level, b) in self.up.iter().enumerate() {
+            total += b.multiply_adds(side);
+            side *= 2;
+            total += self.conditions[level]
+                .iter()
+                .map(|c| conv(c, 3, side))
+                .sum::<usize>();
+        }
+        let modulated = |m: &Modulated, k: usize, side: usize| conv(&m.conv, k, side);
+        total += modulated(&self.style_conv1.conv, 3, 4) + modulated(&self.to_rgb1.conv, 1, 4);
+        let mut side = 4;
+        for (a, b, rgb) in &self.levels {
+            side *= 2;
+            total += modulated(&a.conv, 3, side)
+                + modulated(&b.conv, 3, side)
+                + modulated(&rgb.conv, 1, side);
+        }
+        total as f64
+    }
+
+    fn forward_cpu(&self, n: usize, height: usize, width: usize, rgb: &[f32]) -> Result<Vec<f32>> {
+        self.check_size(height, width)?;
+        if rgb.len() != n * 3 * height * width {
+            return Err(Error::BadInput(format!(
+                "{} values for {n} RGB images of {width}x{height}",
+                rgb.len()
+            )));
+        }
+        let mut x = nchw_to_nhwc(rgb, n, 3, height, width);
+        x.data.iter_mut().for_each(|v| *v = (*v - 0.5) / 0.5);
+        let out = self.forward(&x);
+        let mut y = nhwc_to_nchw(&out);
+        y.iter_mut()
+            .for_each(|v| *v = (v.clamp(-1.0, 1.0) + 1.0) / 2.0);
+        Ok(y)
+    }
+
+    fn on_device(&self, _device: &candle_core::Device) -> Result<Arc<dyn DeviceNet>> {
+        Err(Error::Unsupported(
+            "GFPGAN runs on the CPU only in this build (its device pass is not written yet)".into(),
+        ))
+    }
+}
+
+/// `a + b`, elementwise (same shape).
+fn add(mut a: Act, b: &Act) -> Act {
+    assert_eq!(
+        a.data.len(),
+        b.data.len(),
+        "sum of activations of one shape"
+    );
+    a.data
+        .par_iter_mut()
+        .zip(b.data.par_iter())
+        .for_each(|(x, y)| *x += y);
+    a
+}
+
+/// The SFT on the second half of the channels: `x · scale + shift`.
+fn sft_half(x: &mut Act, scale: &Act, shift: &Act) {
+    let (c, half) = (x.c, x.c / 2);
+    assert_eq!(scale.c, half, "SFT conditions of half the channels");
+    x.data
+        .par_chunks_mut(c)
+        .zip(scale.data.par_chunks(half))
+        .zip(shift.data.par_chunks(half))
+        .for_each(|((px, s), h)| {
+            for ((v, s), h) in px[half..].iter_mut().zip(s).zip(h) {
+                *v = *v * s + h;
+            }
+        });
+}
+
+/// PyTorch's `interpolate(scale_factor=0.5, mode='bilinear', align_corners=False)` on even
+/// sides: each output pixel the mean of a 2×2 block.
+fn downsample2(x: &Act) -> Act {
+    let (h, w, c) = (x.h / 2, x.w / 2, x.c);
+    let mut data = vec![0f32; x.n * h * w * c];
+    data.par_chunks_mut(w * c)
+        .enumerate()
+        .for_each(|(row, out)| {
+            let (b, y) = (row / h, row % h);
+            let at = |yy: usize, xx: usize| ((b * x.h + yy) * x.w + xx) * c;
+            for xo in 0..w {
+                let (p00, p01) = (at(2 * y, 2 * xo), at(2 * y, 2 * xo + 1));
+                let (p10, p11) = (at(2 * y + 1, 2 * xo), at(2 * y + 1, 2 * xo + 1));
+                for ch in 0..c {
+                    let top = 0.5 * x.data[p00 + ch] + 0.5 * x.data[p01 + ch];
+                    let bottom = 0.5 * x.data[p10 + ch] + 0.5 * x.data[p11 + ch];
+                    out[xo * c + ch] = 0.5 * top + 0.5 * bottom;
+                }
+            }
+        });
+    Act {
+        n: x.n,
+        h,
+        w,
+        c,
+        data,
+    }
+}
+
+/// PyTorch's `interpolate(scale_factor=2, mode='bilinear', align_corners=False)`: output
+/// `2i` reads `0.25·x[i−1] + 0.75·x[i]`, `2i+1` reads `0.75·x[i] + 0.25·x[i+1]`, the
+/// neighbours clamped at the edges.
+fn upsample2(x: &Act) -> Act {
+    let (h, w, c) = (2 * x.h, 2 * x.w, x.c);
+    // Source rows/columns and the weight of the second, per output position.
+    let taps = |n: usize, o: usize| -> (usize, usize, f32) {
+        let i = o / 2;
+        if o % 2 == 0 {
+            if i == 0 {
+                (0, 0, 0.0)
+            } else {
+                (i - 1, i, 0.75)
+            }
+        } else {
+            (i, (i + 1).min(n - 1), 0.25)
+        }
+    };
+    let mut data = vec![0f32; x.n * h * w * c];
+    data.par_chunks_mut(w * c)
+        .enumerate()
+        .for_each(|(row, out)| {
+            let (b, yo) = (row / h, row % h);
+            let (y0, y1, ly) = taps(x.h, yo);
+            let at = |yy: usize, xx: usize| ((b * x.h + yy) * x.w + xx) * c;
+            for xo in 0..w {
+                let (x0, x1, lx) = taps(x.w, xo);
+                let (p00, p01, p10, p11) = (at(y0, x0), at(y0, x1), at(y1, x0), at(y1, x1));
+                for ch in 0..c {
+                    let top = (1.0 - lx) * x.data[p00 + ch] + lx * x.data[p01 + ch];
+                    let bottom = (1.0 - lx) * x.data[p10 + ch] + lx * x.data[p11 + ch];
+                    out[xo * c + ch] = (1.0 - ly) * top + ly * bottom;
+                }
+            }
+        });
+    Act {
+        n: x.n,
+        h,
+        w,
+        c,
+        data,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_published_layout_has_285_tensors_and_86_million_parameters() {
+        let k = keys();
+        assert_eq!(k.len(), 285);
+        let params: usize = k
+            .iter()
+            .filter(|(name, _)| !name.contains(".noises."))
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum();
+        // 86.4 M parameters as published, besides the 15 noise buffers.
+        assert!((86_000_000..86_900_000).contains(&params), "{params}");
+    }
+
+    #[test]
+    fn bilinear_halving_and_doubling_follow_pytorch() {
+        let x = Act {
+            n: 1,
+            h: 2,
+            w: 2,
+            c: 1,
+            data: vec![0.0, 4.0, 8.0, 12.0],
+        };
+        assert_eq!(downsample2(&x).data, vec![6.0]);
+        let up = upsample2(&x);
+        // Row 0 of the 4x4: columns at x = 0, 0.25, 0.75, 1 of the first row.
+        assert_eq!(&up.data[..4], &[0.0, 1.0, 3.0, 4.0]);
+        // Row 1 (y = 0.25): a quarter of the way to the second row.
+        assert_eq!(&up.data[4..8], &[2.0, 3.0, 5.0, 6.0]);
+        assert_eq!(&up.data[12..], &[8.0, 9.0, 11.0, 12.0]);
+    }
+}
