@@ -299,6 +299,34 @@ fn face_alignment_matches_numpy_and_opencv_warp_affine() {
             assert_eq!(ours.len(), theirs.len());
             assert_eq!(max, 0, "case {i} {what}");
         }
+        // The restored face put back through the lower-face mask (the reference's stand-in
+        // restored face: the aligned face's negative), made once per avatar frame, against
+        // the same steps in numpy and OpenCV; outside the mask's region nothing changes.
+        let mask = face::restore::RestoreMask::new(l, photo.width, photo.height).unwrap();
+        assert_eq!(mask.aligned(&photo).rgb, aligned.rgb, "case {i}");
+        let restored = ::image::open(dir.path().join(format!("restored_{i}.png")))
+            .unwrap()
+            .to_rgb8();
+        let restored = img::Frame::new(512, 512, restored.into_raw());
+        let mut blended = photo.clone();
+        mask.blend_back(&mut blended, &restored);
+        let theirs = rgb(format!("blended_{i}.png"));
+        let max = blended
+            .rgb
+            .iter()
+            .zip(&theirs)
+            .map(|(a, b)| a.abs_diff(*b))
+            .max()
+            .unwrap();
+        let changed = blended
+            .rgb
+            .iter()
+            .zip(&photo.rgb)
+            .filter(|(a, b)| a != b)
+            .count();
+        eprintln!("case {i} blended: max {max} from the reference, {changed} values changed");
+        assert!(max <= 1, "case {i} blended: {max}");
+        assert!(changed > 1000, "case {i}: the restored face does not show");
         // The aligned face is the photo's: most of the 512x512 is not the border colour.
         let border = aligned
             .rgb

@@ -7,8 +7,12 @@ with its border colour), then the warp back into the photo with the inverted map
     python align_reference.py --photo P --out DIR --landmarks x1,y1,...,x5,y5 [--landmarks ...]
 
 Writes DIR/result.json ({"cases": [{"landmarks", "matrix", "inverse"}]}) and per case i
-DIR/aligned_i.png (512x512) and DIR/back_i.png (the photo's size: the aligned face warped back
-onto a grey canvas). Needs numpy and opencv-python-headless (scripts/torch-venv.sh has both).
+DIR/aligned_i.png (512x512), DIR/back_i.png (the photo's size: the aligned face warped back
+onto a grey canvas), DIR/restored_i.png (a stand-in for a restored face: the aligned face's
+negative) and DIR/blended_i.png: the photo with that face warped back (border (135,133,132))
+and blended through the lower-face mask of src/media/face/restore.rs, computed here in numpy
+(float32): round(photo + m * (back - photo)). Needs numpy and opencv-python-headless
+(scripts/torch-venv.sh has both).
 """
 import argparse
 import json
@@ -28,6 +32,21 @@ FFHQ_512 = np.array(
     ]
 )
 BORDER_RGB = (135, 133, 132)
+# The lower-face mask in template pixels (src/media/face/restore.rs).
+MASK_CENTRE = (256.0, 370.0)
+MASK_RADII = (130.0, 96.0)
+MASK_FEATHER = 0.25
+
+
+def lower_face_mask(to_template, w, h):
+    """The mask at every frame pixel: the template mask sampled through the frame-to-template map."""
+    ys, xs = np.mgrid[0:h, 0:w].astype(np.float64)
+    tx = (to_template[0, 0] * xs + to_template[0, 1] * ys + to_template[0, 2]).astype(np.float32)
+    ty = (to_template[1, 0] * xs + to_template[1, 1] * ys + to_template[1, 2]).astype(np.float32)
+    dx = (tx - np.float32(MASK_CENTRE[0])) / np.float32(MASK_RADII[0])
+    dy = (ty - np.float32(MASK_CENTRE[1])) / np.float32(MASK_RADII[1])
+    r = np.sqrt(dx * dx + dy * dy)
+    return np.clip((np.float32(1) - r) / np.float32(MASK_FEATHER), 0, 1).astype(np.float32)
 
 
 def similarity(src, dst):
@@ -71,6 +90,15 @@ def main():
         )
         cv2.imwrite(str(out / f"aligned_{i}.png"), aligned)
         cv2.imwrite(str(out / f"back_{i}.png"), back)
+        restored = 255 - aligned
+        restored_back = cv2.warpAffine(
+            restored, inverse, (w, h), flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_CONSTANT, borderValue=border_bgr
+        ).astype(np.float32)
+        mask = lower_face_mask(m, w, h)[..., None]
+        photo = bgr.astype(np.float32)
+        blended = np.floor(photo + mask * (restored_back - photo) + np.float32(0.5))
+        cv2.imwrite(str(out / f"restored_{i}.png"), restored)
+        cv2.imwrite(str(out / f"blended_{i}.png"), np.clip(blended, 0, 255).astype(np.uint8))
         cases.append({"landmarks": points.ravel().tolist(), "matrix": m.tolist(), "inverse": inverse.tolist()})
     (out / "result.json").write_text(json.dumps({"cases": cases}))
 

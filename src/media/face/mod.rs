@@ -7,6 +7,7 @@
 pub mod align;
 mod detect;
 mod landmarks;
+pub mod restore;
 
 use std::fmt;
 use std::str::FromStr;
