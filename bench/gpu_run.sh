@@ -722,8 +722,8 @@ rehearse() {
   say "rehearsal in $tmp: ${want[*]}"
 
   # What the GPU run carries, built for the CPU and packed the same way (xz, tar.xz): the
-  # release binary, the load client and the CPU test binary, all in the release profile, which
-  # scripts/test.sh's `cargo test --release` has built already.
+  # release binary, the load client and the CPU test binary, in the release profile without the
+  # fault hooks (on top of the dependencies scripts/test.sh built: about a minute on 2 cores).
   # LIPSYNC_REHEARSE_BUILD=0 takes the binaries already built (to rehearse script changes).
   say "building the CPU release binary, the load client and the CPU test binary"
   local build=${LIPSYNC_REHEARSE_BUILD:-1}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs lipsync's test suite: `cargo test --release` (after a release build, which the load suite
+# Runs lipsync's test suite: `cargo test --release --features test-faults` (after a release build, which the load suite
 # tests/load.rs and the browser tests run), then the OpenAPI contract test (schemathesis
 # against a running server), then the browser tests (the page at / in headless Chromium),
 # then the deployment tests (tests/deploy/run.sh: images, replicas, Kubernetes manifests).
@@ -48,9 +48,11 @@ cargo build --release --locked
 # (a second, dev-profile build of them took 8.7 min on 2 cores). Integer overflow checks and
 # debug assertions are therefore off in the tests, as in the binary users run; the feature
 # test-faults keeps the fault hooks (LIPSYNC_TEST_FAULTS) that the reliability tests use.
-cargo test --release --locked --features test-faults "$@"
 # That build's server binary carries the hooks; the release binary users run (which the stages
-# below test) has none: put it back (cargo keeps both, so this only relinks the file).
+# below test, and the deploy tests put in the image) has none: it is put back after the tests,
+# pass or fail (cargo keeps both, so this only relinks the file).
+trap 'cargo build --release --locked --quiet' EXIT
+cargo test --release --locked --features test-faults "$@"
 cargo build --release --locked
 tests/contract/schemathesis.sh
 # The page at / in headless Chromium against the release server (built above).

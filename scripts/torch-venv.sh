@@ -24,10 +24,13 @@ if ! "$venv/bin/python" -c 'import torch, numpy' 2>/dev/null; then
   "$venv/bin/python" -c 'import torch, numpy' >&2
 fi
 # OpenCV (headless) for the whole-frame reference (tests/reference/enhanced_frame_reference.py):
-# cv2.resize and cv2.imread as the original pipeline uses them.
-if ! "$venv/bin/python" -c 'import cv2' 2>/dev/null; then
-  echo "torch-venv: installing opencv-python-headless into $venv" >&2
-  "$venv/bin/pip" install -q --disable-pip-version-check opencv-python-headless >&2
+# cv2.resize and cv2.imread as the original pipeline uses them; and for the face alignment's
+# (tests/reference/align_reference.py), which tests/image.rs compares bit for bit: pinned, as
+# warpAffine's arithmetic changed in 4.11 (src/media/face/align.rs follows the new one).
+opencv=5.0.0.93
+if ! "$venv/bin/python" -c "import cv2, sys; sys.exit(cv2.__version__ != '${opencv%.*}')" 2>/dev/null; then
+  echo "torch-venv: installing opencv-python-headless $opencv into $venv" >&2
+  "$venv/bin/pip" install -q --disable-pip-version-check "opencv-python-headless==$opencv" >&2
 fi
 upstream=$venv/upstream
 if [ ! -f "$upstream/basicsr/archs/rrdbnet_arch.py" ] || [ ! -f "$upstream/realesrgan/archs/srvgg_arch.py" ] \

@@ -41,7 +41,8 @@ fn target_dir() -> PathBuf {
     }
 }
 
-/// The release binary under test (never the debug one the other tests use).
+/// The release binary under test: target/release/lipsync, which under scripts/test.sh is the
+/// tests' build (release, with the fault hooks, which the load suite does not use).
 fn release_binary() -> PathBuf {
     let bin = target_dir().join("release/lipsync");
     assert!(
@@ -717,8 +718,8 @@ async fn a_client_that_hangs_up_mid_stream_leaves_an_empty_queue_within_a_batch(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_mid_stream_completes_the_stream_and_exits_0() {
-    // On the model: the stream must still be being computed when SIGTERM comes (the release
-    // build has no fault hook that would slow echo down).
+    // On the model: the stream must still be being computed when SIGTERM comes (without
+    // relying on the fault hook that would slow echo down).
     let mut s = Server::start(&[]);
     s.wait_ready().await;
     let audio = media("arctic_a0007.wav");

@@ -35,7 +35,7 @@ fn long_speech(seconds: f64) -> Vec<u8> {
 /// model.
 const SLOW: &[(&str, &str)] = &[("LIPSYNC_TEST_FAULTS", "batch_delay_ms:200")];
 
-/// The debug build's fault hook set to `faults`.
+/// The test build's fault hook set to `faults`.
 fn faults(faults: &str) -> [(&str, &str); 1] {
     [("LIPSYNC_TEST_FAULTS", faults)]
 }

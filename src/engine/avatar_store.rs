@@ -43,7 +43,9 @@ use crate::media::image::Frame;
 
 /// The first bytes of every avatar file.
 pub const MAGIC: &[u8; 8] = b"LSAVATAR";
-/// The format version this build writes; it reads it and every earlier one.
+/// The newest format version this build writes; it reads it and every earlier one. An avatar
+/// without client landmarks is written as version 1, which replicas of earlier builds sharing
+/// the directory (or the job store) still read.
 pub const VERSION: u32 = 2;
 /// Magic, version, payload length, SHA-256.
 pub const HEADER_BYTES: usize = 8 + 4 + 8 + 32;
@@ -403,15 +405,17 @@ pub fn encode(a: &Avatar) -> Vec<u8> {
             w.f64(d.score);
         }
     }
-    match &a.given_landmarks {
-        None => w.u8(0),
+    // Version 2 adds the client's landmarks: a flag, then ten f64.
+    let version = match &a.given_landmarks {
+        None => 1,
         Some(l) => {
             w.u8(1);
             for v in l.to_array() {
                 w.f64(v);
             }
+            2
         }
-    }
+    };
     w.u32(a.frame.width);
     w.u32(a.frame.height);
     w.bytes(&a.frame.rgb);
@@ -434,7 +438,7 @@ pub fn encode(a: &Avatar) -> Vec<u8> {
     let payload_len = (out.len() - HEADER_BYTES) as u64;
     let sum = Sha256::digest(&out[HEADER_BYTES..]);
     out[..8].copy_from_slice(MAGIC);
-    out[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    out[8..12].copy_from_slice(&u32::to_le_bytes(version));
     out[12..20].copy_from_slice(&payload_len.to_le_bytes());
     out[20..HEADER_BYTES].copy_from_slice(&sum);
     out
@@ -763,25 +767,21 @@ mod tests {
     }
 
     #[test]
-    fn a_version_1_file_reads_with_landmarks_from_its_box() {
+    fn avatars_without_landmarks_are_written_as_version_1_and_read_with_box_landmarks() {
+        // What earlier builds (replicas sharing the directory, a job store) read.
         let a = photo(3);
-        let v2 = encode(&a);
-        // Version 1 had no landmarks flag after the detection: kind, blend, source size, two
-        // boxes, the detection (flag, two boxes, score).
-        let at = HEADER_BYTES + 1 + 1 + 8 + 16 + 16 + 1 + 16 + 16 + 8;
-        assert_eq!(v2[at], 0, "the landmarks flag");
-        let mut payload = v2[HEADER_BYTES..].to_vec();
-        payload.remove(at - HEADER_BYTES);
-        let mut v1 = Vec::new();
-        v1.extend_from_slice(MAGIC);
-        v1.extend_from_slice(&1u32.to_le_bytes());
-        v1.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-        v1.extend_from_slice(&Sha256::digest(&payload));
-        v1.extend_from_slice(&payload);
+        let v1 = encode(&a);
+        assert_eq!(&v1[8..12], &1u32.to_le_bytes());
         let b = decode(&v1).unwrap();
         assert_same(&a, &b);
         assert_eq!(b.landmarks_source().as_str(), "box");
         assert_eq!(b.source_landmarks(), Landmarks::from_box(a.source_face));
+        // With the client's landmarks: version 2.
+        let l: Landmarks = "30.25,20,70,21.5,50,40,35,60,66,61".parse().unwrap();
+        let marked = photo(3).with_landmarks(l).unwrap();
+        let v2 = encode(&marked);
+        assert_eq!(&v2[8..12], &VERSION.to_le_bytes());
+        assert_eq!(decode(&v2).unwrap().landmarks_source().as_str(), "client");
         let outside = photo(3).with_landmarks("130,20,70,21,50,40,35,60,66,61".parse().unwrap());
         assert_eq!(outside.unwrap_err().kind(), "bad_landmarks");
     }

@@ -233,10 +233,10 @@ impl Drop for Slot {
     }
 }
 
-/// The instances' batch cost as live sessions meet it, plus the stall a debug build's fault
+/// The instances' batch cost as live sessions meet it, plus the stall a test build's fault
 /// hook adds to every batch (`batch_delay_ms`, which tests use to slow the engine on purpose:
 /// the lag and the drawing rates must see that slower engine as they would a slower machine;
-/// release builds have no stall). `None` before it is measured.
+/// builds without the hook have no stall). `None` before it is measured.
 ///
 /// Where the model does not run on the CPU (cuda, echo): the warm-up's measurement scaled by
 /// recent batches ([`crate::engine::pool::PoolStatus::recent_batch_cost`]). On the CPU device

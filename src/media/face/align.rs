@@ -139,8 +139,9 @@ pub fn warp_rows(src: &Frame, inv: &Affine, out: &mut Frame, origin: (u32, u32),
                 }
             };
             for (ch, out) in px.iter_mut().enumerate() {
-                let (f00, f01) = (at(x0, y0, ch), at(x0 + 1, y0, ch));
-                let (f10, f11) = (at(x0, y0 + 1, ch), at(x0 + 1, y0 + 1, ch));
+                let (x1, y1) = (x0.saturating_add(1), y0.saturating_add(1));
+                let (f00, f01) = (at(x0, y0, ch), at(x1, y0, ch));
+                let (f10, f11) = (at(x0, y1, ch), at(x1, y1, ch));
                 let top = alpha * (f01 - f00) + f00;
                 let bottom = alpha * (f11 - f10) + f10;
                 let v = beta * (bottom - top) + top;

@@ -4,8 +4,8 @@
 //!
 //! Everything that depends only on the avatar frame is made once, in [`RestoreMask::new`]:
 //! the similarity from the frame's landmarks to the template, the region of the frame the
-//! mask reaches, and the mask's weights there (the template-space mask sampled through the
-//! inverse map, bilinear). Per generated frame there remain the warp to the template
+//! mask reaches, and the mask's weights there (the mask's formula evaluated at each frame
+//! pixel's position in the template). Per generated frame there remain the warp to the template
 //! ([`RestoreMask::aligned`]) and the warp back with the blend ([`RestoreMask::blend_back`]),
 //! both in OpenCV's `warpAffine` arithmetic ([`super::align`]).
 //!
