@@ -50,15 +50,7 @@ fn write_crops(dir: &Path) -> Vec<(String, u32, u32)> {
 /// The reference's checkpoints and outputs in `dir`, for `runs`.
 fn reference(python: &str, dir: &Path, crops: &[(String, u32, u32)], runs: &[(&str, &[&str])]) {
     let upstream = upstream(python);
-    let mut cmd = Command::new(python);
-    cmd.arg(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/reference/esrgan_reference.py"
-    ))
-    .arg("--upstream")
-    .arg(&upstream)
-    .arg("--out")
-    .arg(dir);
+    let mut cmd = reference_command(python, "esrgan_reference.py", &upstream, dir);
     for (name, w, h) in crops {
         cmd.arg("--input").arg(format!(
             "{name}={w}x{h}:{}",
@@ -79,6 +71,21 @@ fn upstream(python: &str) -> PathBuf {
     std::env::var_os("LIPSYNC_ESRGAN_UPSTREAM")
         .map(PathBuf::from)
         .unwrap_or_else(|| venv.join("upstream"))
+}
+
+/// `python tests/reference/<script> --upstream <upstream> --out <out>`, for more arguments.
+fn reference_command(python: &str, script: &str, upstream: &Path, out: &Path) -> Command {
+    let mut cmd = Command::new(python);
+    cmd.arg(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/reference")
+            .join(script),
+    )
+    .arg("--upstream")
+    .arg(upstream)
+    .arg("--out")
+    .arg(out);
+    cmd
 }
 
 fn run_reference(mut cmd: Command, upstream: &Path) {
@@ -477,19 +484,16 @@ fn every_enhanced_frame_matches_the_pytorch_opencv_reference() {
     const REFERENCE_FRAMES: usize = 30;
     let photo = common::media_path("astronaut.png");
     let upstream = upstream(&python);
-    let mut cmd = Command::new(&python);
-    cmd.arg(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/reference/enhanced_frame_reference.py"
-    ))
-    .arg("--upstream")
-    .arg(&upstream)
-    .arg("--out")
-    .arg(&reference)
-    .arg("--photo")
-    .arg(&photo)
-    .args(["--box", BOX, "--model", MODEL, "--frames"])
-    .arg(REFERENCE_FRAMES.to_string());
+    let mut cmd = reference_command(
+        &python,
+        "enhanced_frame_reference.py",
+        &upstream,
+        &reference,
+    );
+    cmd.arg("--photo")
+        .arg(&photo)
+        .args(["--box", BOX, "--model", MODEL, "--frames"])
+        .arg(REFERENCE_FRAMES.to_string());
     run_reference(cmd, &upstream);
     let ours = dir.path().join("frames");
     let o = echo_render(
@@ -734,17 +738,8 @@ fn gfpgan_matches_the_upstream_network_on_a_random_v14_checkpoint() {
     assert_eq!(rgb.dimensions(), (512, 512));
     std::fs::write(dir.path().join("face.rgb"), rgb.as_raw()).unwrap();
     let upstream = upstream(&python);
-    let mut cmd = Command::new(&python);
-    cmd.arg(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/reference/gfpgan_reference.py"
-    ))
-    .arg("--upstream")
-    .arg(&upstream)
-    .arg("--out")
-    .arg(dir.path())
-    .arg("--input")
-    .arg(dir.path().join("face.rgb"));
+    let mut cmd = reference_command(&python, "gfpgan_reference.py", &upstream, dir.path());
+    cmd.arg("--input").arg(dir.path().join("face.rgb"));
     run_reference(cmd, &upstream);
     let ck = dir.path().join("GFPGANv1.4.pth");
     assert_eq!(std::fs::metadata(&ck).unwrap().len(), 348_632_874);

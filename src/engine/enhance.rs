@@ -113,11 +113,13 @@ impl Enhancers {
                     enhancer.name
                 )));
             }
-            if enhancer.kind() == Kind::Gfpgan {
+            // Rendering runs enhancers on the generator's faces: one that cannot take them
+            // (GFPGAN takes whole aligned faces) is refused here, with its own reason.
+            if let Err(e) = enhancer.net.check_size(FACE_SIZE, FACE_SIZE) {
                 return Err(crate::model::Error::Settings(format!(
-                    "{}: GFPGAN restores whole faces aligned by their landmarks after the \
-                     paste, which rendering does not do yet; `lipsync enhance` runs it on a \
-                     face aligned to 512x512",
+                    "{}: {e}; rendering runs enhancers on the generator's \
+                     {FACE_SIZE}x{FACE_SIZE} faces (`lipsync enhance` runs it on an image it \
+                     takes)",
                     path.display()
                 )));
             }

@@ -457,15 +457,19 @@ impl Gfpgan {
     fn forward(&self, x: &Act) -> Act {
         let n = x.n;
         // Encoder.
-        let mut feat = self.first.forward(x, None, Activation::Leaky(LEAKY));
-        let mut skips = Vec::with_capacity(LEVELS);
+        let first = self.first.forward(x, None, Activation::Leaky(LEAKY));
+        // Each level's output is both the next level's input and the decoder's skip.
+        let mut skips: Vec<Act> = Vec::with_capacity(LEVELS);
         for block in &self.down {
-            feat = block.forward(&feat);
-            skips.push(feat.clone());
+            let next = block.forward(skips.last().unwrap_or(&first));
+            skips.push(next);
         }
-        let feat4 = self
-            .final_conv
-            .forward(&feat, None, Activation::Leaky(LEAKY));
+        drop(first);
+        let feat4 = self.final_conv.forward(
+            skips.last().expect("seven levels"),
+            None,
+            Activation::Leaky(LEAKY),
+        );
         // The latents: final_linear over the 4×4 features in NCHW order.
         let flat = nhwc_to_nchw(&feat4);
         let inputs = flat.len() / n;
@@ -506,9 +510,14 @@ impl Gfpgan {
         }
         drop(skips);
         // StyleGAN2 decoder.
-        let mut constant = self.constant.clone();
-        constant.n = n;
-        constant.data = self.constant.data.repeat(n);
+        let c = &self.constant;
+        let constant = Act {
+            n,
+            h: c.h,
+            w: c.w,
+            c: c.c,
+            data: c.data.repeat(n),
+        };
         let mut out = self
             .style_conv1
             .forward(&constant, &latent(0), &self.noises[0]);
