@@ -666,6 +666,207 @@ fn session_config(
     }
 }
 
+/// The engine directly, on the echo device: a sink with an audio lead (the fMP4 encoder's)
+/// gets the session's audio ahead of the frames as far as it is final, every frame's own
+/// share by the time the frame goes out. A `clear` ends the speech where the audio that went
+/// out ends, so the frames that carry it still speak and no frame speaks without its sound.
+/// When speech stops, the silence after it goes ahead once it is [`LATE_AUDIO`] late,
+/// without waiting for the utterance to close.
+#[test]
+fn audio_goes_ahead_of_the_frames_as_far_as_it_is_final_and_clear_keeps_it_with_its_frames() {
+    use clap::Parser;
+    use lipsync::engine::session::{Activity, Input, OutFrame, Session, Sink};
+    #[derive(Parser)]
+    struct Args {
+        #[command(flatten)]
+        engine: lipsync::config::EngineArgs,
+        #[command(flatten)]
+        media: lipsync::config::MediaArgs,
+    }
+    let args = Args::parse_from(["t", "--device", "echo", "--max-batch", "8"]);
+    let cfg = args.engine.resolve(&args.media);
+    let (engine, _) = args
+        .engine
+        .start_engine(&cfg, false, Default::default())
+        .unwrap();
+    engine.wait_ready().unwrap();
+    let avatar = Arc::new(
+        lipsync::engine::Avatar::prepare(
+            &media("astronaut.png"),
+            &args.media.image_limits(),
+            None,
+            Default::default(),
+            Default::default(),
+        )
+        .unwrap(),
+    );
+
+    const LEAD: Duration = Duration::from_millis(148); // 4 frames at 25 fps
+    const PER_FRAME: usize = 640;
+    /// What the sink got, in order.
+    enum Got {
+        /// A frame: its index, whether the avatar was speaking, its own audio.
+        Frame(u64, bool, Vec<f32>),
+        /// Audio ahead of the frames.
+        Ahead(Vec<f32>),
+    }
+    struct Lead {
+        got: Vec<Got>,
+        speaking: bool,
+        spoken: usize,
+        told: std::sync::mpsc::Sender<()>,
+    }
+    impl Sink for Lead {
+        fn event(
+            &mut self,
+            a: Activity,
+            _: u64,
+            _: f64,
+            _: &lipsync::engine::session::SessionStats,
+        ) -> Result<(), lipsync::engine::Error> {
+            self.speaking = a == Activity::Speaking;
+            if a == Activity::Idle && self.spoken > 0 {
+                let _ = self.told.send(());
+            }
+            Ok(())
+        }
+        fn frame(&mut self, f: OutFrame<'_>) -> Result<(), lipsync::engine::Error> {
+            self.got
+                .push(Got::Frame(f.index, self.speaking, f.audio.to_vec()));
+            if self.speaking {
+                self.spoken += 1;
+                // Ten speaking frames out: time for the clear.
+                if self.spoken == 10 {
+                    let _ = self.told.send(());
+                }
+            }
+            Ok(())
+        }
+        fn audio_lead(&self) -> Duration {
+            LEAD
+        }
+        fn audio(&mut self, audio: &[f32]) -> Result<(), lipsync::engine::Error> {
+            self.got.push(Got::Ahead(audio.to_vec()));
+            Ok(())
+        }
+    }
+    let (_, pcm) = speech_pcm();
+    let speech: Vec<f32> = pcm
+        .chunks_exact(2)
+        .map(|c| f32::from(i16::from_le_bytes([c[0], c[1]])) / 32_768.0)
+        .collect();
+    let mut scfg = session_config("25".parse().unwrap(), Default::default());
+    scfg.lag = Duration::from_millis(500);
+    let start = Instant::now();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (told, said) = std::sync::mpsc::channel();
+    let mut sink = Lead {
+        got: Vec::new(),
+        speaking: false,
+        spoken: 0,
+        told,
+    };
+    // Sends `pcm` in real time from `from` (after the session's start), in 40 ms pieces,
+    // until `said` has something.
+    let send = |pcm: &[u8], from: Duration| {
+        for (i, piece) in pcm.chunks(2 * PER_FRAME).enumerate() {
+            let at = start + from + Duration::from_millis(40 * i as u64);
+            std::thread::sleep(at.saturating_duration_since(Instant::now()));
+            if said.try_recv().is_ok() {
+                return;
+            }
+            tx.send(Input::Audio(piece.to_vec(), at)).unwrap();
+        }
+    };
+    let session = Session::new(&engine, avatar.clone(), &[0; 96 * 96 * 3], scfg, start);
+    let stats = std::thread::scope(|scope| {
+        let sink = &mut sink;
+        let run = scope.spawn(move || session.run(&rx, sink).unwrap());
+        // The second of speech from 0.4 s (frame 10 on), cut once ten speaking frames have
+        // gone out.
+        send(&pcm, Duration::from_millis(400));
+        tx.send(Input::Clear).unwrap();
+        said.recv_timeout(LIMIT).expect("idle after the clear");
+        // Then 0.6 s of it from 2 s (frame 50 on), and nothing more for a while: the
+        // utterance stays open (a 30 s gap) until `end`.
+        send(&pcm[..2 * 15 * PER_FRAME], Duration::from_secs(2));
+        std::thread::sleep(
+            (start + Duration::from_secs(4)).saturating_duration_since(Instant::now()),
+        );
+        tx.send(Input::End).unwrap();
+        run.join().unwrap()
+    });
+    engine.shutdown();
+    assert_eq!(stats.interrupted, 1, "{stats:?}");
+    assert_eq!(stats.utterances, 2, "{stats:?}");
+
+    // The audio stream as the sink wrote it, and how far it ran ahead of each frame.
+    let mut stream: Vec<f32> = Vec::new();
+    let mut frames: Vec<(u64, bool, usize)> = Vec::new(); // index, speaking, ahead (frames)
+    for g in &sink.got {
+        match g {
+            Got::Ahead(a) => {
+                assert_eq!(a.len() % PER_FRAME, 0, "whole frames go ahead");
+                stream.extend_from_slice(a);
+            }
+            Got::Frame(k, speaking, own) => {
+                assert!(own.is_empty() || own.len() == PER_FRAME);
+                stream.extend_from_slice(own);
+                let i = frames.len();
+                assert_eq!(*k, i as u64, "frames in order");
+                let own_end = (i + 1) * PER_FRAME;
+                assert!(
+                    stream.len() >= own_end,
+                    "frame {i} went out before its audio"
+                );
+                frames.push((*k, *speaking, (stream.len() - own_end) / PER_FRAME));
+            }
+        }
+    }
+    // A frame goes out with the audio of the next three frames in the sink already (the
+    // fourth follows it at once): no further, and that far.
+    let most = frames.iter().map(|f| f.2).max().unwrap();
+    assert_eq!(
+        most, 3,
+        "the audio went no further ahead than the lead, and that far"
+    );
+    // Two runs of speaking frames: from frame 10, and from frame 50.
+    let speaking: Vec<u64> = frames.iter().filter(|f| f.1).map(|f| f.0).collect();
+    let first = speaking[0];
+    let second = *speaking
+        .iter()
+        .find(|&&k| k >= 40)
+        .expect("the second utterance");
+    assert_eq!((first, second), (10, 50));
+    let spoken = speaking.iter().filter(|&&k| k < second).count();
+    assert_eq!(
+        speaking[..spoken],
+        (first..first + spoken as u64).collect::<Vec<_>>()[..]
+    );
+    assert!(
+        (11..=16).contains(&spoken),
+        "{spoken} speaking frames: the clear came after 10 (or one or two more drawn at \
+         once), with at most 4 frames of audio ahead"
+    );
+    assert_eq!(speaking[spoken..], (50..65).collect::<Vec<u64>>()[..]);
+    // What the stream should hold: the first speech up to the cut, the second whole, silence
+    // around them.
+    let mut want = vec![0.0; stream.len()];
+    let cut = spoken * PER_FRAME;
+    want[first as usize * PER_FRAME..][..cut].copy_from_slice(&speech[..cut]);
+    want[50 * PER_FRAME..][..15 * PER_FRAME].copy_from_slice(&speech[..15 * PER_FRAME]);
+    assert!(
+        stream == want,
+        "the audio stream is not the speech where its frames speak"
+    );
+    // The silence after the second speech went ahead before `end` closed the utterance: the
+    // frame after its last speaking frame, which waits for that close, had its audio out
+    // already, and three more.
+    let after = &frames[65];
+    assert!(!after.1);
+    assert_eq!(after.2, 3, "the pause's silence did not go ahead");
+}
+
 /// The engine directly: a session fed the clip in small pieces draws, for its utterance, the
 /// same faces as the file path's plan on the same 16 kHz audio (compared composited, pixel
 /// for pixel).

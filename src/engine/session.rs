@@ -22,8 +22,12 @@
 //!   that is held drops its queued work, so an overloaded engine does not keep drawing faces
 //!   nobody will see.
 //! - **Utterances.** Audio that arrives while idle starts an utterance at the next frame
-//!   boundary (`ceil((arrival − start) · fps)`, or the next frame not yet sent). It ends at
-//!   `end`, at `clear` (dropped), or after `utterance_gap` without audio. Its frames follow the
+//!   boundary (`ceil((arrival − start) · fps)`, or the next frame not yet sent, or the next
+//!   whose audio has not gone out ahead). It ends at `end`, at `clear` (dropped, but for
+//!   the frames whose audio has gone out), or after `utterance_gap` without audio.
+//! - **Audio ahead.** A sink with an audio lead ([`Sink::audio_lead`], the fMP4 encoder's)
+//!   gets the audio of the frames after those sent, up to the lead, as soon as it is final,
+//!   so that its encoder never holds a frame back waiting for the audio of its time. Its frames follow the
 //!   file rule ([`crate::media::audio::FramePlan`]): frame `j` uses mel columns
 //!   `⌊j · 80 / fps⌋ ..+16` of the utterance's own spectrogram, and its last frames the
 //!   windows the file rule gives for the end of its audio; like a file's video, it then has
@@ -61,6 +65,10 @@ use crate::media::yuv::Region;
 pub const AUDIO_LOOKAHEAD: Duration = Duration::from_micros(
     (((WINDOW - 1) * HOP + mel::N_FFT / 2) as u64 * 1_000_000) / SAMPLE_RATE as u64,
 );
+
+/// A frame's audio that has not come this long after the frame's time, in an utterance, is
+/// taken as a pause, for a sink with an audio lead ([`Sink::audio_lead`]).
+pub const LATE_AUDIO: Duration = Duration::from_millis(30);
 
 /// How often a session waiting for faces looks for them.
 const POLL: Duration = Duration::from_millis(2);
@@ -207,7 +215,9 @@ pub struct OutFrame<'a> {
     /// region (the rest is always the photo); `None` (a video avatar): anywhere. A sink that
     /// keeps a converted copy of the frame converts only this part again.
     pub region: Option<Region>,
-    /// This frame's share of the session's audio (16 kHz mono; silence while idle).
+    /// This frame's share of the session's audio (16 kHz mono; silence while idle), or
+    /// nothing when it went out ahead of the frame through [`Sink::audio`]. Over a session
+    /// the two give the session's audio, in order, once.
     pub audio: &'a [f32],
     /// The idle frame (the same image every time: sinks may cache its encoding).
     pub idle: bool,
@@ -225,6 +235,19 @@ pub trait Sink {
         so_far: &SessionStats,
     ) -> Result<(), Error>;
     fn frame(&mut self, frame: OutFrame<'_>) -> Result<(), Error>;
+    /// How far ahead of the frames this sink wants the session's audio (an encoder whose
+    /// audio codec holds samples back before it gives out a packet, which the video would
+    /// otherwise wait for). Whole frames' audio goes ahead through [`Sink::audio`] once it is
+    /// final: all of it has come; or it is silence between utterances (a new utterance then
+    /// starts after it); or it is a pause in an utterance that has lasted [`LATE_AUDIO`] past
+    /// the frame's time (the silence goes out, and audio that comes later follows it).
+    fn audio_lead(&self) -> Duration {
+        Duration::ZERO
+    }
+    /// Audio of the frames after those sent, in order (only for a sink with a lead).
+    fn audio(&mut self, _audio: &[f32]) -> Result<(), Error> {
+        Ok(())
+    }
     /// Called after each run of frames sent together (a batch drawn, or idle frames due):
     /// a sink that buffers sends what it has.
     fn flush(&mut self) -> Result<(), Error> {
@@ -461,6 +484,8 @@ struct Utterance {
     planned: usize,
     /// All its frames, once closed.
     total: Option<usize>,
+    /// Cut short by `clear`: `total` and `planned` stay as the cut left them.
+    cut: bool,
     /// The frames handed to the engine, in order: `(utterance frame, its submission)`.
     draws: VecDeque<(usize, Submission)>,
     /// The next frame at or after which one is drawn.
@@ -609,7 +634,11 @@ pub struct Session<'a> {
     utts: VecDeque<Utterance>,
     carry: Vec<u8>,
     ending: bool,
-    silence: Vec<f32>,
+    /// Frames whose audio has gone to the sink: `next` and, with an audio lead, up to
+    /// `lead` frames more.
+    audio_until: u64,
+    /// [`Sink::audio_lead`] in frames.
+    lead: u64,
     scratch: Frame,
     stats: SessionStats,
     /// A video avatar: idles on its raw frames, speaks on the frame it is at.
@@ -656,7 +685,8 @@ impl<'a> Session<'a> {
             utts: VecDeque::new(),
             carry: Vec::new(),
             ending: false,
-            silence: Vec::new(),
+            audio_until: 0,
+            lead: 0,
             stats: SessionStats::default(),
         }
     }
@@ -706,6 +736,7 @@ impl<'a> Session<'a> {
         inputs: &Receiver<Input>,
         sink: &mut dyn Sink,
     ) -> Result<SessionStats, Error> {
+        self.lead = (sink.audio_lead().as_secs_f64() * self.fps()).ceil() as u64;
         loop {
             let wait = self.wait_time();
             match inputs.recv_timeout(wait) {
@@ -727,6 +758,7 @@ impl<'a> Session<'a> {
             self.close_quiet_utterances();
             self.plan()?;
             self.emit(sink)?;
+            self.send_audio_ahead(sink)?;
             if self.ending && self.utts.is_empty() {
                 if self.shown != Some(Activity::Idle) {
                     self.send_idle(sink)?;
@@ -750,6 +782,18 @@ impl<'a> Session<'a> {
             } else {
                 Duration::ZERO
             };
+        // A pause in an utterance whose audio would go ahead.
+        let ahead = self.audio_until;
+        if ahead < self.next + self.lead
+            && self
+                .utts
+                .iter()
+                .rev()
+                .find(|u| u.first <= ahead)
+                .is_some_and(|u| !u.closed)
+        {
+            until = until.min(self.audio_late_at(ahead));
+        }
         for u in &self.utts {
             if !u.closed {
                 until = until.min(u.last_audio + self.cfg.utterance_gap);
@@ -771,7 +815,24 @@ impl<'a> Session<'a> {
                 if !self.utts.is_empty() {
                     self.stats.interrupted += 1;
                 }
-                self.utts.clear(); // dropping the submissions cancels their queued frames
+                // Speech ends where the audio that went out ends: the frames sent, and those
+                // whose audio went ahead of them (an audio lead), which keep their faces so
+                // that lips and sound stay together. Dropping the submissions of the rest
+                // cancels their queued frames.
+                let until = self.audio_until;
+                self.utts.retain(|u| u.first < until);
+                let starts: Vec<(usize, usize)> = self
+                    .utts
+                    .iter()
+                    .map(|u| {
+                        let frames = (until - u.first) as usize;
+                        let samples = self.sample_at(until) - self.sample_at(u.first);
+                        (frames, samples as usize)
+                    })
+                    .collect();
+                for (u, (frames, samples)) in self.utts.iter_mut().zip(starts) {
+                    cut(u, frames, samples);
+                }
                 self.carry.clear();
             }
             Input::End => {
@@ -823,7 +884,10 @@ impl<'a> Session<'a> {
         // Audio while idle (or after the last utterance closed) starts a new utterance.
         if self.utts.back().is_none_or(|u| u.closed) {
             let t = arrived.saturating_duration_since(self.start).as_secs_f64();
-            let mut first = ((t * self.fps()).ceil() as u64).max(self.next);
+            // Not before audio that went out ahead of its frames as silence.
+            let mut first = ((t * self.fps()).ceil() as u64)
+                .max(self.next)
+                .max(self.audio_until);
             if let Some(prev) = self.utts.back() {
                 first = first.max(prev.first + prev.total.unwrap_or(0) as u64);
             }
@@ -840,6 +904,7 @@ impl<'a> Session<'a> {
                 last_audio: arrived,
                 planned: 0,
                 total: None,
+                cut: false,
                 draws: VecDeque::new(),
                 next_draw: 0.0,
                 sent: 0,
@@ -848,7 +913,15 @@ impl<'a> Session<'a> {
             });
             self.stats.utterances += 1;
         }
+        // Silence that went out ahead of the frames in a pause of this utterance stays in it:
+        // this audio follows it.
+        let (rate, first) = (fmt.rate, self.utts.back().expect("an utterance").first);
+        let gone = (self.sample_at(self.audio_until.max(first)) - self.sample_at(first)) as usize;
         let u = self.utts.back_mut().expect("an open utterance");
+        if u.samples.len() < gone {
+            flush_resampler(u, rate)?;
+            u.samples.resize(gone, 0.0);
+        }
         u.last_audio = arrived;
         let at = u.samples.len();
         match &mut u.resampler {
@@ -892,6 +965,9 @@ impl<'a> Session<'a> {
         self.stride.others_missed(now, self.cfg.lag);
         for i in 0..self.utts.len() {
             let u = &self.utts[i];
+            if u.cut {
+                continue;
+            }
             let (total, plan) = if u.closed {
                 let cols = 1 + u.samples.len() / HOP;
                 let plan = FramePlan::new(cols, self.cfg.fps)?;
@@ -966,24 +1042,73 @@ impl<'a> Session<'a> {
         Ok(())
     }
 
-    fn audio_of(&mut self, k: u64) -> Vec<f32> {
+    /// The utterance that frame `k` is in (`None`: silence).
+    fn utterance_at(&self, k: u64) -> Option<&Utterance> {
+        let u = self.utts.iter().rev().find(|u| u.first <= k)?;
+        let j = (k - u.first) as usize;
+        u.total.is_none_or(|t| j < t).then_some(u)
+    }
+
+    /// Appends frame `k`'s share of the session's audio to `out`.
+    fn audio_of(&self, k: u64, out: &mut Vec<f32>) {
         let len = (self.sample_at(k + 1) - self.sample_at(k)) as usize;
-        match self.utts.front() {
-            Some(u) if k >= u.first => {
-                let base = self.sample_at(u.first);
-                let from = (self.sample_at(k) - base) as usize;
-                let mut a: Vec<f32> = u
-                    .samples
-                    .get(from..(from + len).min(u.samples.len()))
-                    .unwrap_or(&[])
-                    .to_vec();
-                a.resize(len, 0.0);
-                a
-            }
-            _ => {
-                self.silence.resize(len, 0.0);
-                self.silence.clone()
-            }
+        let at = out.len();
+        if let Some(u) = self.utterance_at(k) {
+            let from = (self.sample_at(k) - self.sample_at(u.first)) as usize;
+            let to = (from + len).min(u.samples.len());
+            out.extend_from_slice(u.samples.get(from..to).unwrap_or(&[]));
+        }
+        out.resize(at + len, 0.0);
+    }
+
+    /// When frame `k`'s audio, not come, counts as a pause ([`LATE_AUDIO`] after its time).
+    fn audio_late_at(&self, k: u64) -> Instant {
+        self.start + Duration::from_secs_f64(self.pts(k + 1)) + LATE_AUDIO
+    }
+
+    /// Whether frame `k`'s audio can no longer change (see [`Sink::audio_lead`]). A pause
+    /// first takes out what the utterance's resampler holds, which comes before it.
+    fn settle(&mut self, k: u64, now: Instant) -> Result<bool, Error> {
+        let Some(i) = self.utts.iter().rposition(|u| u.first <= k) else {
+            return Ok(true);
+        };
+        let u = &self.utts[i];
+        if u.closed {
+            return Ok(u.total.is_some());
+        }
+        if self.heard(u, (k - u.first) as usize) {
+            return Ok(true);
+        }
+        if now < self.audio_late_at(k) {
+            return Ok(false);
+        }
+        flush_resampler(&mut self.utts[i], self.cfg.audio.rate)?;
+        Ok(true)
+    }
+
+    /// Frame `k`'s own audio, unless it went out ahead of it ([`OutFrame::audio`]).
+    fn audio_out(&mut self, k: u64) -> Vec<f32> {
+        let mut out = Vec::new();
+        while self.audio_until <= k {
+            self.audio_of(self.audio_until, &mut out);
+            self.audio_until += 1;
+        }
+        out
+    }
+
+    /// Hands the sink the audio of the frames after those sent, up to its lead, as far as
+    /// that audio is final.
+    fn send_audio_ahead(&mut self, sink: &mut dyn Sink) -> Result<(), Error> {
+        let now = Instant::now();
+        let mut out = Vec::new();
+        while self.audio_until < self.next + self.lead && self.settle(self.audio_until, now)? {
+            self.audio_of(self.audio_until, &mut out);
+            self.audio_until += 1;
+        }
+        if out.is_empty() {
+            Ok(())
+        } else {
+            sink.audio(&out)
         }
     }
 
@@ -993,7 +1118,7 @@ impl<'a> Session<'a> {
             sink.event(Activity::Idle, k, self.pts(k), &self.stats)?;
             self.shown = Some(Activity::Idle);
         }
-        let audio = self.audio_of(k);
+        let audio = self.audio_out(k);
         let raw;
         let image = if self.clip {
             let i = self.avatar.select(k as usize, self.cfg.loop_mode);
@@ -1078,7 +1203,7 @@ impl<'a> Session<'a> {
             }
             // A photo avatar's held frame repeats `scratch` as it is: the last face drawn,
             // or the idle face before any.
-            let audio = self.audio_of(k);
+            let audio = self.audio_out(k);
             let image = std::mem::replace(&mut self.scratch, Frame::new(0, 0, Vec::new()));
             let r = sink.frame(OutFrame {
                 index: k,
@@ -1166,6 +1291,33 @@ impl<'a> Session<'a> {
         }
         Ok(())
     }
+}
+
+/// `clear`: `u` ends after its first `frames` frames (`samples` of its audio), whatever it
+/// has drawn or been sent beyond them.
+fn cut(u: &mut Utterance, frames: usize, samples: usize) {
+    let frames = u.total.map_or(frames, |t| t.min(frames));
+    u.samples.truncate(samples);
+    u.resampler = None;
+    u.closed = true;
+    u.cut = true;
+    u.total = Some(frames);
+    // Frames not yet decided are held.
+    u.planned = frames;
+    u.draws.retain(|(j, _)| *j < frames);
+    u.arrivals.retain(|(s, _)| *s < samples);
+    if u.sent >= frames {
+        u.ready = None;
+    }
+}
+
+/// Everything `u`'s resampler holds into its samples (the resampler starts again).
+fn flush_resampler(u: &mut Utterance, rate: u32) -> Result<(), Error> {
+    if let Some(r) = &mut u.resampler {
+        r.finish(rate, &mut u.samples);
+        *r = StreamResampler::new(rate)?;
+    }
+    Ok(())
 }
 
 /// No more audio for `u`: the rest of its resampled audio, and at least one mel window.

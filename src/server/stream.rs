@@ -1121,10 +1121,7 @@ impl Sink for JpegSink {
         msg.extend_from_slice(&f.pts.to_le_bytes());
         msg.extend_from_slice(&(jpeg.len() as u32).to_le_bytes());
         msg.extend_from_slice(jpeg);
-        for s in f.audio {
-            let v = (s.clamp(-1.0, 1.0) * 32_767.0).round() as i16;
-            msg.extend_from_slice(&v.to_le_bytes());
-        }
+        msg.extend_from_slice(&s16le(f.audio));
         self.send(Out::Binary(msg))
     }
 }
@@ -1259,16 +1256,23 @@ impl Sink for Fmp4Sink {
     }
 
     fn frame(&mut self, f: OutFrame<'_>) -> Result<(), engine::Error> {
-        let audio: Vec<u8> = f
-            .audio
-            .iter()
-            .flat_map(|s| ((s.clamp(-1.0, 1.0) * 32_767.0).round() as i16).to_le_bytes())
-            .collect();
         let enc = self
             .encoder
             .as_mut()
             .ok_or_else(|| engine::Error::Inference("the encoder is closed".into()))?;
-        Ok(enc.write(self.converted.update(f.image, f.region), audio)?)
+        Ok(enc.write(self.converted.update(f.image, f.region), s16le(f.audio))?)
+    }
+
+    fn audio_lead(&self) -> Duration {
+        live::AUDIO_LEAD
+    }
+
+    fn audio(&mut self, audio: &[f32]) -> Result<(), engine::Error> {
+        let enc = self
+            .encoder
+            .as_mut()
+            .ok_or_else(|| engine::Error::Inference("the encoder is closed".into()))?;
+        Ok(enc.write_audio(s16le(audio))?)
     }
 
     fn drawn(&mut self, frame: u64, arrived: Instant) -> Option<f64> {
@@ -1278,6 +1282,14 @@ impl Sink for Fmp4Sink {
             .push_back((frame, arrived));
         None
     }
+}
+
+/// 16 kHz samples as the live encoder takes them.
+fn s16le(audio: &[f32]) -> Vec<u8> {
+    audio
+        .iter()
+        .flat_map(|s| ((s.clamp(-1.0, 1.0) * 32_767.0).round() as i16).to_le_bytes())
+        .collect()
 }
 
 /// Waits (at most `limit`, plus a second for the last close frames) until every live session
@@ -1311,6 +1323,14 @@ impl Sink for Metered<'_> {
     fn frame(&mut self, frame: OutFrame<'_>) -> Result<(), engine::Error> {
         self.meter.frame_sent(self.pixels);
         self.inner.frame(frame)
+    }
+
+    fn audio_lead(&self) -> Duration {
+        self.inner.audio_lead()
+    }
+
+    fn audio(&mut self, audio: &[f32]) -> Result<(), engine::Error> {
+        self.inner.audio(audio)
     }
 
     fn flush(&mut self) -> Result<(), engine::Error> {

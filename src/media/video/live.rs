@@ -42,6 +42,15 @@ pub struct LiveEncoder {
 /// filter trims it again.
 pub const PRIME_SAMPLES: usize = 1024;
 
+/// How far ahead of the video a session's audio should reach the encoder. ffmpeg writes a
+/// frame's fragment once it has the AAC packet of the frame's time, and its AAC encoder gives
+/// out a packet of 1024 samples 1024 samples late: 128 ms at 16 kHz, when audio and video come
+/// in step. Audio that runs this far ahead (with 20 ms to spare) lets a frame's fragment go
+/// out as soon as it is encoded: measured at 25 fps on a 512×512 stream, 47 ms from a frame
+/// written to its fragment out (p50; 51 ms p90), against 170 ms (210 ms) in step. The client
+/// then has each frame's sound before or with the frame.
+pub const AUDIO_LEAD: Duration = Duration::from_millis(148);
+
 /// How long ffmpeg may take to start.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -190,7 +199,8 @@ impl LiveEncoder {
         }
     }
 
-    /// The next frame and its audio (16 kHz mono s16le).
+    /// The next frame and the audio that goes with it (16 kHz mono s16le; any length: the
+    /// audio is one stream, which may run ahead of the frames, see [`AUDIO_LEAD`]).
     pub fn write(&mut self, frame: &Yuv420, audio_s16le: Vec<u8>) -> Result<(), Error> {
         let data = self.settings.coded_frame(frame)?.to_vec();
         let gone = || Error::Encoder("the live encoder stopped".into());
@@ -205,6 +215,15 @@ impl LiveEncoder {
             .send(audio_s16le)
             .map_err(|_| gone())?;
         Ok(())
+    }
+
+    /// Audio alone (16 kHz mono s16le), after what went before.
+    pub fn write_audio(&mut self, audio_s16le: Vec<u8>) -> Result<(), Error> {
+        self.audio
+            .as_ref()
+            .ok_or_else(|| Error::Encoder("the live encoder stopped".into()))?
+            .send(audio_s16le)
+            .map_err(|_| Error::Encoder("the live encoder stopped".into()))
     }
 
     /// Closes both inputs and waits for ffmpeg to write the rest.
