@@ -799,6 +799,8 @@ fn audio_goes_ahead_of_the_frames_as_far_as_it_is_final_and_clear_keeps_it_with_
     engine.shutdown();
     assert_eq!(stats.interrupted, 1, "{stats:?}");
     assert_eq!(stats.utterances, 2, "{stats:?}");
+    // Every speaking frame drawn, those kept by the clear included (the echo draws at once).
+    assert_eq!(stats.held_frames, 0, "{stats:?}");
 
     // The audio stream as the sink wrote it, and how far it ran ahead of each frame.
     let mut stream: Vec<f32> = Vec::new();

@@ -920,7 +920,8 @@ impl<'a> Session<'a> {
         let u = self.utts.back_mut().expect("an open utterance");
         if u.samples.len() < gone {
             flush_resampler(u, rate)?;
-            u.samples.resize(gone, 0.0);
+            let len = u.samples.len().max(gone);
+            u.samples.resize(len, 0.0);
         }
         u.last_audio = arrived;
         let at = u.samples.len();
@@ -965,10 +966,11 @@ impl<'a> Session<'a> {
         self.stride.others_missed(now, self.cfg.lag);
         for i in 0..self.utts.len() {
             let u = &self.utts[i];
-            if u.cut {
-                continue;
-            }
-            let (total, plan) = if u.closed {
+            let (total, plan) = if u.cut {
+                // Its frames not yet decided are drawn from the audio that went out, then
+                // silence: what the client hears.
+                (u.total.unwrap_or(u.planned), None)
+            } else if u.closed {
                 let cols = 1 + u.samples.len() / HOP;
                 let plan = FramePlan::new(cols, self.cfg.fps)?;
                 // As a file: the frames that cover all of its audio, those past the model's
@@ -980,7 +982,9 @@ impl<'a> Session<'a> {
             } else {
                 let cols = final_columns(u.samples.len());
                 let mut n = u.planned;
-                while ((n as f64 * step) as usize) + WINDOW <= cols {
+                // (Below 5 fps a frame's window can be final before all of its own audio has
+                // come: a frame never goes out with part of its speech.)
+                while ((n as f64 * step) as usize) + WINDOW <= cols && self.heard(u, n) {
                     n += 1;
                 }
                 // A frame whose own audio has come but not all of its window's (the speech
@@ -1069,6 +1073,12 @@ impl<'a> Session<'a> {
     /// Whether frame `k`'s audio can no longer change (see [`Sink::audio_lead`]). A pause
     /// first takes out what the utterance's resampler holds, which comes before it.
     fn settle(&mut self, k: u64, now: Instant) -> Result<bool, Error> {
+        // Ending: nothing goes ahead past the last utterance (the last frame carries its own
+        // audio, so the audio does not run on past the video).
+        let past_last = |u: &Utterance| u.total.is_some_and(|t| k >= u.first + t as u64);
+        if self.ending && self.utts.back().is_none_or(past_last) {
+            return Ok(false);
+        }
         let Some(i) = self.utts.iter().rposition(|u| u.first <= k) else {
             return Ok(true);
         };
@@ -1302,8 +1312,7 @@ fn cut(u: &mut Utterance, frames: usize, samples: usize) {
     u.closed = true;
     u.cut = true;
     u.total = Some(frames);
-    // Frames not yet decided are held.
-    u.planned = frames;
+    u.planned = u.planned.min(frames);
     u.draws.retain(|(j, _)| *j < frames);
     u.arrivals.retain(|(s, _)| *s < samples);
     if u.sent >= frames {
