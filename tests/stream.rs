@@ -617,6 +617,18 @@ async fn sessions_are_bounded_and_a_vanished_client_frees_its_slot() {
 /// The engine with the test weights, as `serve` would start it (small batches), and the media
 /// settings that go with it.
 fn test_engine() -> (lipsync::engine::Engine, lipsync::config::MediaArgs) {
+    engine_from(&[
+        "--checkpoint",
+        common::checkpoint("zip_bare.pt").to_str().unwrap(),
+        "--max-batch",
+        "8",
+        "--first-batch",
+        "2",
+    ])
+}
+
+/// The engine and media settings `serve` would make of these flags.
+fn engine_from(flags: &[&str]) -> (lipsync::engine::Engine, lipsync::config::MediaArgs) {
     use clap::Parser;
     #[derive(Parser)]
     struct Args {
@@ -625,15 +637,7 @@ fn test_engine() -> (lipsync::engine::Engine, lipsync::config::MediaArgs) {
         #[command(flatten)]
         media: lipsync::config::MediaArgs,
     }
-    let args = Args::parse_from([
-        "t",
-        "--checkpoint",
-        common::checkpoint("zip_bare.pt").to_str().unwrap(),
-        "--max-batch",
-        "8",
-        "--first-batch",
-        "2",
-    ]);
+    let args = Args::parse_from(std::iter::once(&"t").chain(flags));
     let cfg = args.engine.resolve(&args.media);
     let (engine, _) = args
         .engine
@@ -674,26 +678,12 @@ fn session_config(
 /// without waiting for the utterance to close.
 #[test]
 fn audio_goes_ahead_of_the_frames_as_far_as_it_is_final_and_clear_keeps_it_with_its_frames() {
-    use clap::Parser;
     use lipsync::engine::session::{Activity, Input, OutFrame, Session, Sink};
-    #[derive(Parser)]
-    struct Args {
-        #[command(flatten)]
-        engine: lipsync::config::EngineArgs,
-        #[command(flatten)]
-        media: lipsync::config::MediaArgs,
-    }
-    let args = Args::parse_from(["t", "--device", "echo", "--max-batch", "8"]);
-    let cfg = args.engine.resolve(&args.media);
-    let (engine, _) = args
-        .engine
-        .start_engine(&cfg, false, Default::default())
-        .unwrap();
-    engine.wait_ready().unwrap();
+    let (engine, media_args) = engine_from(&["--device", "echo", "--max-batch", "8"]);
     let avatar = Arc::new(
         lipsync::engine::Avatar::prepare(
             &media("astronaut.png"),
-            &args.media.image_limits(),
+            &media_args.image_limits(),
             None,
             Default::default(),
             Default::default(),
