@@ -89,9 +89,15 @@ impl EncoderSettings {
         // stalled, so the AAC stays at the session's 16 kHz.)
         a.extend(strings(&["-af"]));
         a.push(format!("atrim=start_sample={}", 1024 + PRIME_SAMPLES));
+        // ffmpeg's fast AAC coder: a fifth of the default (twoloop) coder's CPU, which was
+        // 15 % of all the CPU with 16 sessions speaking on 2 cores, at the same quality for
+        // speech at 64 kb/s (SNR 32.2 against 31.9 dB on the ARCTIC clip) and the same
+        // framing and delay.
         a.extend(strings(&[
             "-c:a",
             "aac",
+            "-aac_coder",
+            "fast",
             "-b:a",
             "64k",
             "-avoid_negative_ts",
