@@ -627,6 +627,20 @@ fn test_engine() -> (lipsync::engine::Engine, lipsync::config::MediaArgs) {
     ])
 }
 
+/// The astronaut photo prepared as an avatar, as `serve` would with these settings.
+fn astronaut(media_args: &lipsync::config::MediaArgs) -> Arc<lipsync::engine::Avatar> {
+    Arc::new(
+        lipsync::engine::Avatar::prepare(
+            &media("astronaut.png"),
+            &media_args.image_limits(),
+            None,
+            Default::default(),
+            Default::default(),
+        )
+        .unwrap(),
+    )
+}
+
 /// The engine and media settings `serve` would make of these flags.
 fn engine_from(flags: &[&str]) -> (lipsync::engine::Engine, lipsync::config::MediaArgs) {
     use clap::Parser;
@@ -680,16 +694,7 @@ fn session_config(
 fn audio_goes_ahead_of_the_frames_as_far_as_it_is_final_and_clear_keeps_it_with_its_frames() {
     use lipsync::engine::session::{Activity, Input, OutFrame, Session, Sink};
     let (engine, media_args) = engine_from(&["--device", "echo", "--max-batch", "8"]);
-    let avatar = Arc::new(
-        lipsync::engine::Avatar::prepare(
-            &media("astronaut.png"),
-            &media_args.image_limits(),
-            None,
-            Default::default(),
-            Default::default(),
-        )
-        .unwrap(),
-    );
+    let avatar = astronaut(&media_args);
 
     const LEAD: Duration = Duration::from_millis(148); // 4 frames at 25 fps
     const PER_FRAME: usize = 640;
@@ -867,16 +872,7 @@ fn a_session_draws_the_file_paths_frames() {
     use lipsync::engine::session::{self, Activity, Input, OutFrame, Session, Sink};
 
     let (engine, media_args) = test_engine();
-    let avatar = Arc::new(
-        lipsync::engine::Avatar::prepare(
-            &media("astronaut.png"),
-            &media_args.image_limits(),
-            None,
-            Default::default(),
-            Default::default(),
-        )
-        .unwrap(),
-    );
+    let avatar = astronaut(&media_args);
     let (samples, pcm) = speech_pcm();
     let fps = "25".parse().unwrap();
 
