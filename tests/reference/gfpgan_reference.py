@@ -28,7 +28,6 @@ the CPU (after the first) and reports the median seconds per face on stderr and 
 expected.json (`seconds_per_face`), for docs/BENCHMARKS.md.
 """
 import argparse
-import importlib.util
 import json
 import math
 import pathlib
@@ -38,6 +37,8 @@ import types
 
 import numpy as np
 import torch
+
+from upstream_module import load
 
 
 def load_upstream(root: pathlib.Path):
@@ -70,15 +71,8 @@ def load_upstream(root: pathlib.Path):
     stubs["gfpgan.archs"].__path__ = [str(root / "gfpgan" / "archs")]
     sys.modules.update(stubs)
 
-    def module(name, path):
-        spec = importlib.util.spec_from_file_location(name, path)
-        m = importlib.util.module_from_spec(spec)
-        sys.modules[name] = m
-        spec.loader.exec_module(m)
-        return m
-
-    module("gfpgan.archs.stylegan2_clean_arch", root / "gfpgan" / "archs" / "stylegan2_clean_arch.py")
-    return module("gfpgan.archs.gfpganv1_clean_arch", root / "gfpgan" / "archs" / "gfpganv1_clean_arch.py")
+    load("gfpgan.archs.stylegan2_clean_arch", root / "gfpgan" / "archs" / "stylegan2_clean_arch.py")
+    return load("gfpgan.archs.gfpganv1_clean_arch", root / "gfpgan" / "archs" / "gfpganv1_clean_arch.py")
 
 
 def main():
