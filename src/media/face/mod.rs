@@ -263,21 +263,37 @@ pub fn model_input(crop_bgr: &[u8]) -> Vec<f32> {
     out
 }
 
+/// `v / 255` for every 8-bit value, computed as the division (the same `f32`s).
+const UNIT: [f32; 256] = {
+    let mut t = [0f32; 256];
+    let mut i = 0;
+    while i < 256 {
+        t[i] = i as f32 / 255.0;
+        i += 1;
+    }
+    t
+};
+
 /// [`model_input`] appended to `out` (a batch being built).
 pub fn model_input_into(crop_bgr: &[u8], batch: &mut Vec<f32>) {
     let n = FACE_SIZE * FACE_SIZE;
     let start = batch.len();
     batch.resize(start + 6 * n, 0.0);
     let out = &mut batch[start..];
-    for (i, px) in crop_bgr.chunks_exact(3).take(n).enumerate() {
-        let lower = i / FACE_SIZE >= FACE_SIZE / 2;
-        for c in 0..3 {
-            let v = f32::from(px[c]) / 255.0;
-            out[(3 + c) * n + i] = v;
-            if !lower {
-                out[c * n + i] = v;
-            }
+    let pixels = &crop_bgr[..3 * n];
+    // Channels 3–5: the crop, plane by plane.
+    for c in 0..3 {
+        for (o, px) in out[(3 + c) * n..(4 + c) * n]
+            .iter_mut()
+            .zip(pixels.chunks_exact(3))
+        {
+            *o = UNIT[usize::from(px[c])];
         }
+    }
+    // Channels 0–2: its upper half (the lower half stays zero).
+    let upper = FACE_SIZE / 2 * FACE_SIZE;
+    for c in 0..3 {
+        out.copy_within((3 + c) * n..(3 + c) * n + upper, c * n);
     }
 }
 
@@ -292,11 +308,13 @@ pub fn face_side(face_bgr: &[u8]) -> usize {
 
 pub fn prediction_to_bgr(pred: &[f32]) -> Vec<u8> {
     let n = FACE_SIZE * FACE_SIZE;
-    let mut out = Vec::with_capacity(3 * n);
-    for i in 0..n {
-        for c in 0..3 {
-            out.push((pred[c * n + i] * 255.0).clamp(0.0, 255.0) as u8);
-        }
+    let (b, g, r) = (&pred[..n], &pred[n..2 * n], &pred[2 * n..3 * n]);
+    let mut out = vec![0u8; 3 * n];
+    let to_u8 = |v: f32| (v * 255.0).clamp(0.0, 255.0) as u8;
+    for (((o, &b), &g), &r) in out.chunks_exact_mut(3).zip(b).zip(g).zip(r) {
+        o[0] = to_u8(b);
+        o[1] = to_u8(g);
+        o[2] = to_u8(r);
     }
     out
 }
@@ -537,6 +555,20 @@ mod tests {
                 f32::from(crop[bottom * 3 + c]) / 255.0
             );
         }
+        // Every element, against the per-pixel formula (the division itself, bit for bit).
+        for i in 0..n {
+            let lower = i / FACE_SIZE >= FACE_SIZE / 2;
+            for c in 0..3 {
+                let v = f32::from(crop[i * 3 + c]) / 255.0;
+                assert_eq!(x[(3 + c) * n + i].to_bits(), v.to_bits());
+                assert_eq!(x[c * n + i].to_bits(), if lower { 0.0 } else { v }.to_bits());
+            }
+        }
+        // Appended after what a batch already holds.
+        let mut batch = vec![7.0f32; 3];
+        model_input_into(&crop, &mut batch);
+        assert_eq!(&batch[..3], &[7.0; 3]);
+        assert_eq!(&batch[3..], &x[..]);
     }
 
     #[test]
@@ -584,7 +616,11 @@ mod tests {
         let mut pred = vec![0.5f32; 3 * n];
         pred[0] = 0.999_99; // B of pixel 0
         pred[n] = 0.003_92; // G of pixel 0 -> 0.99996 -> 0
+        pred[3 * n - 1] = 1.5; // R of the last pixel, clamped
+        pred[2 * n - 1] = -0.2; // G of the last pixel, clamped
         let bgr = prediction_to_bgr(&pred);
         assert_eq!(&bgr[..3], &[254, 0, 127]);
+        assert_eq!(&bgr[3 * n - 3..], &[127, 0, 255]);
+        assert_eq!(bgr.len(), 3 * n);
     }
 }
