@@ -7,7 +7,8 @@
 //! megapixel of live frame, as a moving average of samples: the process tree's CPU time
 //! (this process's threads, its reaped children and its live children, i.e. the session
 //! encoders), less the model instances' threads (the model's side of the offer counts them),
-//! over the live pixels sent in the same second. Until live frames have gone out it uses
+//! over the live pixels sent in the same second ([`metered_pixels`]: a video avatar's pixels
+//! count [`CLIP_FRAME_COST`] times). Until live frames have gone out it uses
 //! [`PRIOR_SECONDS_PER_MEGAPIXEL`], measured on a 2-core VM.
 //!
 //! The limit applies where the model does not run on the CPU (cuda, echo). On the CPU device
@@ -28,6 +29,26 @@ use std::time::{Duration, Instant};
 /// time (0.010–0.013 s per megapixel; 2-core VM, 2026-11-27, `lipsync bench --sections
 /// media`, docs/BENCHMARKS.md), rounded up to leave room for larger avatars' compositing.
 pub const PRIOR_SECONDS_PER_MEGAPIXEL: f64 = 0.014;
+
+/// What a video avatar's live frame costs the cores against a photo's of the same size: the
+/// stored frame decoded, converted whole and encoded with its motion, where a photo's frame
+/// converts only the face's region and x264 finds the rest unchanged. Measured with `lipsync
+/// bench --sections media` on the echo device (fMP4, 25 fps, speaking half the time; 2-vCPU
+/// VM, 2026-11-28): 40.6 ms of CPU per 1280×720 frame of the bench's clip (a pan with film
+/// grain) against 5.3 ms per 512×512 photo frame, 44 against 20 ms per megapixel.
+pub const CLIP_FRAME_COST: f64 = 2.2;
+
+/// The pixels the meter counts for a live frame of `width` × `height`, of a photo or of a
+/// video avatar (`clip`): its pixels, weighed by [`CLIP_FRAME_COST`] for a clip, so one
+/// figure per megapixel serves both kinds and a clip's sessions are offered what they take.
+pub fn metered_pixels(width: u32, height: u32, clip: bool) -> u64 {
+    let pixels = u64::from(width) * u64::from(height);
+    if clip {
+        (pixels as f64 * CLIP_FRAME_COST).round() as u64
+    } else {
+        pixels
+    }
+}
 
 /// Share of the cores live sessions may fill: the rest absorbs bursts (a batch's frames
 /// composited at once, an utterance's first frames) and the server's other work.
@@ -277,6 +298,17 @@ pub fn reaped_children_seconds() -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_clip_frame_counts_its_cost_against_a_photo_frames() {
+        assert_eq!(metered_pixels(512, 512, false), 512 * 512);
+        assert_eq!(metered_pixels(1280, 720, true), 2_027_520);
+        // With the prior on two cores: 17 sessions of a 512² photo, 2 of a 720p clip.
+        let meter = CpuMeter::new(2);
+        let fps = |p| meter.frames_per_second(p) / 25.0;
+        assert_eq!(fps(metered_pixels(512, 512, false)).floor(), 17.0);
+        assert_eq!(fps(metered_pixels(1280, 720, true)).floor(), 2.0);
+    }
 
     #[test]
     fn stat_lines_give_the_parent_and_the_cpu_of_the_process_and_its_reaped_children() {

@@ -19,7 +19,7 @@ use axum::response::{IntoResponse, Response};
 use tokio::sync::mpsc;
 
 use super::error::ApiError;
-use super::live_cpu::CpuMeter;
+use super::live_cpu::{self, CpuMeter};
 use super::{avatars, constant_time_eq, App};
 use crate::engine::metrics as m;
 use crate::engine::session::{
@@ -760,7 +760,11 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
         Ok(e) => e,
         Err(e) => return fail(&mut socket, TRY_LATER, e.kind, &e.message).await,
     };
-    let pixels = u64::from(avatar.frame.width) * u64::from(avatar.frame.height);
+    let pixels = live_cpu::metered_pixels(
+        avatar.frame.width,
+        avatar.frame.height,
+        avatar.clip.is_some(),
+    );
     let fps = opened.fps.value();
     let enhancer_seconds = enhance.as_ref().map_or(0.0, |e| e.seconds_per_face);
     let claimed = slot.claim(
@@ -981,6 +985,7 @@ fn session_thread(
         }
     };
     let (w, h) = (avatar.frame.width, avatar.frame.height);
+    let clip = avatar.clip.is_some();
     let mut settings = app.args.media.encoder(w, h, cfg.fps, 1);
     // One x264 thread per session unless --encoder-threads says otherwise: the sessions give
     // the parallelism, and x264's own threads only add their overhead beside them.
@@ -1021,7 +1026,7 @@ fn session_thread(
     let sink = &mut Metered {
         inner,
         meter: &app.sessions.cpu,
-        pixels: u64::from(w) * u64::from(h),
+        pixels: live_cpu::metered_pixels(w, h, clip),
     };
     let result = session.run(&inputs, sink).and_then(|mut stats| {
         if let Some(f) = fmp4.take() {
