@@ -373,8 +373,10 @@ fn bench_media_measures_the_service_on_echo_against_its_encoders_floor() {
         "| clip 1280x720 |",
         "### One core against two",
         "### Live sessions",
-        "| fmp4 | 1 |",
-        "| jpeg | 1 |",
+        "| photo 512x512 | fmp4 | 1 |",
+        "| photo 512x512 | jpeg | 1 |",
+        "| clip 1280x720 | fmp4 | 1 |",
+        "| clip 1280x720 | jpeg | 1 |",
         "Largest number of sessions that holds",
     ] {
         assert!(out.contains(line), "{line} missing:\n{out}");
@@ -416,13 +418,22 @@ fn bench_media_measures_the_service_on_echo_against_its_encoders_floor() {
     assert_eq!(cores[0]["cpus"], "0");
     assert!(cores.iter().all(|c| c["wall_s"].as_f64().unwrap() > 0.0));
 
-    // One live level per output, measured from the client and the server's process tree.
+    // One live level per avatar and output, measured from the client and the server's
+    // process tree.
     let levels = m["live"]["levels"].as_array().unwrap();
     let outputs: Vec<_> = levels
         .iter()
-        .map(|l| l["output"].as_str().unwrap())
+        .map(|l| (l["avatar"].as_str().unwrap(), l["output"].as_str().unwrap()))
         .collect();
-    assert_eq!(outputs, ["fmp4", "jpeg"]);
+    assert_eq!(
+        outputs,
+        [
+            ("photo 512x512", "fmp4"),
+            ("photo 512x512", "jpeg"),
+            ("clip 1280x720", "fmp4"),
+            ("clip 1280x720", "jpeg")
+        ]
+    );
     for l in levels {
         assert_eq!(l["sessions"], 1);
         assert!(l["frames_received"].as_u64().unwrap() > 50, "{l}");
@@ -431,11 +442,24 @@ fn bench_media_measures_the_service_on_echo_against_its_encoders_floor() {
         assert!(l["cpu_ms_per_frame"].as_f64().unwrap() > 0.0, "{l}");
         assert!(l["sessions_stats"][0]["held_frames"].is_u64(), "{l}");
     }
-    // The fMP4 session's encoder was seen.
+    // The fMP4 sessions' encoders were seen.
+    for l in [&levels[0], &levels[2]] {
+        assert!(l["encoders_pss_mb"].as_f64().unwrap() > 0.0, "{l}");
+    }
+    for avatar in ["photo 512x512", "clip 1280x720"] {
+        assert!(
+            m["live"]["largest_holding"][avatar].get("fmp4").is_some(),
+            "{m}"
+        );
+    }
+    // What x264 alone allows per avatar, from the floors: fewer sessions of the larger clip.
+    let bound = |a: &str| {
+        m["live"]["x264_floor_sessions"][a]["sessions"]
+            .as_f64()
+            .unwrap()
+    };
     assert!(
-        levels[0]["encoders_pss_mb"].as_f64().unwrap() > 0.0,
-        "{}",
-        levels[0]
+        bound("clip 1280x720") > 0.0 && bound("clip 1280x720") < bound("photo 512x512"),
+        "{m}"
     );
-    assert!(m["live"]["largest_holding"].get("fmp4").is_some());
 }

@@ -15,10 +15,10 @@
 //!   CPU is that ffmpeg's alone (not the decoder's); the row shows tree ÷ floor.
 //! - **Cores.** The first row again with the server pinned to one core and to two
 //!   (`taskset`).
-//! - **Live.** N sessions at 25 fps (fMP4, then JPEG), each speaking 2 s (20 ms chunks paced
-//!   in real time) then silent 2 s (nothing sent: the utterance ends after the server's gap and
-//!   the session idles), for `--live-seconds`. Levels of `--live-sessions` run on a fresh
-//!   server each, until one does not hold.
+//! - **Live.** N sessions at 25 fps on the photo, then on the clip (fMP4, then JPEG), each
+//!   speaking 2 s (20 ms chunks paced in real time) then silent 2 s (nothing sent: the
+//!   utterance ends after the server's gap and the session idles), for `--live-seconds`.
+//!   Levels of `--live-sessions` run on a fresh server each, until one does not hold.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -1082,7 +1082,7 @@ struct Level {
 fn live_level(
     http: &Http,
     ffmpeg: &Path,
-    image: &[u8],
+    avatar: &LiveAvatar,
     speech: &Arc<Vec<u8>>,
     output: Output,
     n: usize,
@@ -1090,7 +1090,8 @@ fn live_level(
     bound_ms: f64,
 ) -> Result<Level, CliError> {
     let server = Server::start(ffmpeg, None, http)?;
-    let avatar = http.upload(&server.base, "image", image, None)?;
+    let label = &avatar.label;
+    let avatar = (avatar.upload)(http, &server.base)?;
     let rss0 = proc_kb(&format!("/proc/{}/status", server.pid), "VmRSS:").unwrap_or(0);
     let cpu0 = server.quiet_cpu();
     let sampler = Sampler::start(server.pid);
@@ -1187,7 +1188,7 @@ fn live_level(
         format!("no ({})", why.join(", "))
     };
     let row = format!(
-        "| {} | {n} | {verdict} | {received} / {due:.0} ({:+.1} %) | {held} / {speaking} | {p50:.0} | {p99:.0} | {first:.0} → {last:.0} | {cpu_per_frame_ms:.2} | {rss_per_session:.1} | {} |",
+        "| {label} | {} | {n} | {verdict} | {received} / {due:.0} ({:+.1} %) | {held} / {speaking} | {p50:.0} | {p99:.0} | {first:.0} → {last:.0} | {cpu_per_frame_ms:.2} | {rss_per_session:.1} | {} |",
         output.name(),
         (received as f64 / due.max(1.0) - 1.0) * 100.0,
         pss.map_or("n/a".to_string(), |(t, each)| format!(
@@ -1196,7 +1197,7 @@ fn live_level(
         )),
     );
     let json = serde_json::json!({
-        "output": output.name(), "sessions": n, "holds": holds, "refused": refused,
+        "avatar": label, "output": output.name(), "sessions": n, "holds": holds, "refused": refused,
         "failed": failed, "frames_received": received, "frames_due": due,
         "held_frames": held, "speaking_frames": speaking,
         "latency_ms": {"p50": p50, "p99": p99, "p50_first_utterance": first,
@@ -1209,6 +1210,12 @@ fn live_level(
         "sessions_ready": sessions.iter().map(|s| s.ready.clone()).collect::<Vec<_>>(),
     });
     Ok(Level { json, row, holds })
+}
+
+/// The avatar of a live level, uploaded to each level's fresh server.
+struct LiveAvatar<'a> {
+    label: String,
+    upload: Box<dyn Fn(&Http, &str) -> Result<String, CliError> + 'a>,
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1395,9 +1402,9 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
             .collect(),
     );
     println!(
-        "\n### Live sessions ({}, 25 fps, {:.0} s each: 2 s of speech in 20 ms chunks paced in \
-         real time, then 2 s with nothing sent; a fresh server per level)\n",
-        avatars[0].0, f.live_seconds
+        "\n### Live sessions ({} and {}, 25 fps, {:.0} s each: 2 s of speech in 20 ms chunks \
+         paced in real time, then 2 s with nothing sent; a fresh server per level)\n",
+        avatars[0].0, avatars[2].0, f.live_seconds
     );
     println!(
         "A level holds when no session is refused or fails, every session receives its frames \
@@ -1411,45 +1418,80 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
         RISE_SHARE * 100.0
     );
     println!(
-        "| output | sessions | holds | frames received / due | held / speaking | latency p50 ms | \
-         p99 ms | p50 first → last utterance ms | CPU ms per frame | server RSS MB per session | \
-         encoders' PSS MB |"
+        "| avatar | output | sessions | holds | frames received / due | held / speaking | \
+         latency p50 ms | p99 ms | p50 first → last utterance ms | CPU ms per frame | \
+         server RSS MB per session | encoders' PSS MB |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let live_avatars = [
+        LiveAvatar {
+            label: avatars[0].0.clone(),
+            upload: Box::new(|http: &Http, base: &str| http.upload(base, "image", &photo, None)),
+        },
+        LiveAvatar {
+            label: avatars[2].0.clone(),
+            upload: Box::new(|http: &Http, base: &str| {
+                upload_clip(http, base, &a.ffmpeg, &clip_path, &clip_bytes)
+            }),
+        },
+    ];
     let mut levels = Vec::new();
     let mut largest = serde_json::Map::new();
-    for output in [Output::Fmp4, Output::Jpeg] {
-        let mut best = None;
-        for &n in &f.live_sessions {
-            let level = live_level(
-                &http,
-                &a.ffmpeg,
-                &photo,
-                &pcm,
-                output,
-                n as usize,
-                f.live_seconds,
-                f.live_latency_bound_ms,
-            )?;
-            println!("{}", level.row);
-            levels.push(level.json);
-            if !level.holds {
-                break;
+    for avatar in &live_avatars {
+        let mut by_output = serde_json::Map::new();
+        for output in [Output::Fmp4, Output::Jpeg] {
+            let mut best = None;
+            for &n in &f.live_sessions {
+                let level = live_level(
+                    &http,
+                    &a.ffmpeg,
+                    avatar,
+                    &pcm,
+                    output,
+                    n as usize,
+                    f.live_seconds,
+                    f.live_latency_bound_ms,
+                )?;
+                println!("{}", level.row);
+                levels.push(level.json);
+                if !level.holds {
+                    break;
+                }
+                best = Some(n);
             }
-            best = Some(n);
+            by_output.insert(output.name().into(), serde_json::json!(best));
         }
-        largest.insert(output.name().into(), serde_json::json!(best));
+        largest.insert(avatar.label.clone(), by_output.into());
     }
     println!(
-        "\nLargest number of sessions that holds: fMP4 {}, JPEG {} (of --live-sessions {}).",
-        largest["fmp4"],
-        largest["jpeg"],
+        "\nLargest number of sessions that holds: {} (of --live-sessions {}).",
+        largest
+            .iter()
+            .map(|(label, l)| format!("{label}: fMP4 {}, JPEG {}", l["fmp4"], l["jpeg"]))
+            .collect::<Vec<_>>()
+            .join("; "),
         f.live_sessions
             .iter()
             .map(|n| n.to_string())
             .collect::<Vec<_>>()
             .join(",")
     );
+    // What x264 alone allows: the floor's CPU per frame (the file rows above, the same
+    // x264 options as the live encoder) at 25 fps per session, on every core.
+    let mut floor_bound = serde_json::Map::new();
+    for (avatar, row) in [(&avatars[0].0, &rows[0]), (&avatars[2].0, &rows[2])] {
+        let per_frame = row["floor_cpu_s"].as_f64().unwrap_or(f64::NAN) / frames.max(1) as f64;
+        let sessions = cores as f64 / (per_frame * FPS);
+        println!(
+            "{avatar}: x264 alone takes {:.2} ms of CPU per frame (the floor above), so {cores} \
+             core(s) encode at most {sessions:.1} sessions at 25 fps.",
+            per_frame * 1e3
+        );
+        floor_bound.insert(
+            avatar.clone(),
+            serde_json::json!({"floor_ms_per_frame": per_frame * 1e3, "sessions": sessions}),
+        );
+    }
     Ok(serde_json::json!({
         "device": "echo", "host_cpus": cores, "speech_seconds": f.media_seconds,
         "frames": frames, "repeats": f.media_repeats,
@@ -1458,7 +1500,8 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
                   "crf": encoder.crf},
         "rows": rows, "cores": pinned, "problems": problems,
         "live": {"seconds": f.live_seconds, "latency_bound_ms": f.live_latency_bound_ms,
-                 "levels": levels, "largest_holding": largest},
+                 "levels": levels, "largest_holding": largest,
+                 "x264_floor_sessions": floor_bound},
     }))
 }
 
