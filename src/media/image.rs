@@ -494,7 +494,14 @@ mod tests {
     use super::*;
 
     /// The implementation before the one-buffer rewrite, kept as its oracle.
-    fn resize_linear_before(src: &[u8], sw: usize, sh: usize, cn: usize, dw: usize, dh: usize) -> Vec<u8> {
+    fn resize_linear_before(
+        src: &[u8],
+        sw: usize,
+        sh: usize,
+        cn: usize,
+        dw: usize,
+        dh: usize,
+    ) -> Vec<u8> {
         assert_eq!(src.len(), sw * sh * cn, "resize_linear source size");
         if dw == 0 || dh == 0 {
             return Vec::new();
@@ -510,7 +517,9 @@ mod tests {
             for &(sx, [a0, a1]) in &xs {
                 let sx1 = (sx + 1).min(sw - 1);
                 for c in 0..cn {
-                    out.push(i32::from(line[sx * cn + c]) * a0 + i32::from(line[sx1 * cn + c]) * a1);
+                    out.push(
+                        i32::from(line[sx * cn + c]) * a0 + i32::from(line[sx1 * cn + c]) * a1,
+                    );
                 }
             }
             out
@@ -537,7 +546,9 @@ mod tests {
     fn the_rewrite_gives_the_same_bytes_as_before_for_every_shape() {
         let mut seed = 12345u64;
         let mut next = move |m: usize| {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((seed >> 33) as usize) % m
         };
         for _ in 0..300 {

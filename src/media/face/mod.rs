@@ -561,7 +561,10 @@ mod tests {
             for c in 0..3 {
                 let v = f32::from(crop[i * 3 + c]) / 255.0;
                 assert_eq!(x[(3 + c) * n + i].to_bits(), v.to_bits());
-                assert_eq!(x[c * n + i].to_bits(), if lower { 0.0 } else { v }.to_bits());
+                assert_eq!(
+                    x[c * n + i].to_bits(),
+                    if lower { 0.0 } else { v }.to_bits()
+                );
             }
         }
         // Appended after what a batch already holds.
