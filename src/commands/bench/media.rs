@@ -1212,10 +1212,13 @@ fn live_level(
     Ok(Level { json, row, holds })
 }
 
+/// Uploads an avatar to the server at a base URL; its id.
+type Upload<'a> = Box<dyn Fn(&Http, &str) -> Result<String, CliError> + 'a>;
+
 /// The avatar of a live level, uploaded to each level's fresh server.
 struct LiveAvatar<'a> {
     label: String,
-    upload: Box<dyn Fn(&Http, &str) -> Result<String, CliError> + 'a>,
+    upload: Upload<'a>,
 }
 
 // ---------------------------------------------------------------------------------------
