@@ -54,13 +54,10 @@ pub const PRIME_SAMPLES: usize = 1024;
 /// then has each frame's sound before or with the frame.
 pub const AUDIO_LEAD: Duration = Duration::from_millis(148);
 
-/// Frames queued for the encoder's stdin, at most, besides the one being written. A session
-/// sends a drawn batch's frames together, up to its lag ahead of their due times (about 6
-/// frames at 25 fps); a queue of 2 blocked the session's thread on those bursts and with it the
-/// audio it sends ahead (4 sessions of a 512² photo: latency p50 302 ms, against 257 ms with 8
-/// and 258 ms unbounded; `bench --sections media`, 2026-11-28). A session whose x264 falls
-/// behind finds out within this many frames instead of piling up seconds of them.
-pub const VIDEO_QUEUE: usize = 8;
+/// Frames queued for the encoder's stdin, at most, besides the one being written (two frame
+/// intervals at 25 fps): enough to ride out one slow frame (a keyframe), little enough that a
+/// session whose encoder falls behind finds out within a frame or two.
+pub const VIDEO_QUEUE: usize = 2;
 
 /// How long ffmpeg may take to start.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
@@ -518,11 +515,7 @@ mod tests {
         // The frame in the stdin writer's hands (larger than the pipe) and the queue: the
         // next write waits. Unbounded, all 50 would be in memory by now.
         let n = accepted.load(Ordering::SeqCst);
-        assert_eq!(
-            n,
-            VIDEO_QUEUE + 1,
-            "frames accepted by an encoder that reads none"
-        );
+        assert_eq!(n, VIDEO_QUEUE + 1, "frames accepted by an encoder that reads none");
         assert!(!writer.is_finished());
         // The encoder dies: the waiting write fails instead of waiting for ever.
         let pid = std::fs::read_to_string(&pid).unwrap();
