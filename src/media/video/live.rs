@@ -4,10 +4,7 @@
 //! the init segment and `moof`+`mdat` fragments, and counts the video frames they hold.
 //!
 //! Video and audio are written by two threads, so ffmpeg, which reads its inputs in turn, can
-//! never block on one pipe while the caller waits on the other. The video's queue is bounded
-//! ([`VIDEO_QUEUE`] frames): when x264 cannot keep up, [`LiveEncoder::write`] blocks, so the
-//! session sees itself late (and holds frames, as it does when the model is behind) instead of
-//! frames piling up in memory seconds ahead of the encoder.
+//! never block on one pipe while the caller waits on the other.
 //!
 //! [`LiveEncoder::spawn`] returns once ffmpeg has started (it has opened the audio input,
 //! its first, which the writer primes with [`PRIME_SAMPLES`] of silence that the filter trims
@@ -17,7 +14,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::mpsc::{self, Sender, SyncSender};
+use std::sync::mpsc::{self, Sender};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -33,7 +30,7 @@ pub type StdoutConsumer = Box<dyn FnMut(Option<&[u8]>) + Send>;
 pub struct LiveEncoder {
     settings: EncoderSettings,
     process: Process,
-    video: Option<SyncSender<Vec<u8>>>,
+    video: Option<Sender<Vec<u8>>>,
     audio: Option<Sender<Vec<u8>>>,
     writers: Vec<JoinHandle<()>>,
     fifo: PathBuf,
@@ -53,11 +50,6 @@ pub const PRIME_SAMPLES: usize = 1024;
 /// written to its fragment out (p50; 51 ms p90), against 170 ms (210 ms) in step. The client
 /// then has each frame's sound before or with the frame.
 pub const AUDIO_LEAD: Duration = Duration::from_millis(148);
-
-/// Frames queued for the encoder's stdin, at most, besides the one being written (two frame
-/// intervals at 25 fps): enough to ride out one slow frame (a keyframe), little enough that a
-/// session whose encoder falls behind finds out within a frame or two.
-pub const VIDEO_QUEUE: usize = 2;
 
 /// How long ffmpeg may take to start.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
@@ -147,7 +139,7 @@ impl LiveEncoder {
         let mut stdin = process
             .take_stdin()
             .ok_or_else(|| Error::Encoder("the live encoder has no stdin".into()))?;
-        let (vtx, vrx) = mpsc::sync_channel::<Vec<u8>>(VIDEO_QUEUE);
+        let (vtx, vrx) = mpsc::channel::<Vec<u8>>();
         let (atx, arx) = mpsc::channel::<Vec<u8>>();
         let video = spawn_thread("live-video", move || {
             for data in vrx {
@@ -214,21 +206,19 @@ impl LiveEncoder {
     }
 
     /// The next frame and the audio that goes with it (16 kHz mono s16le; any length: the
-    /// audio is one stream, which may run ahead of the frames, see [`AUDIO_LEAD`]). Blocks
-    /// while [`VIDEO_QUEUE`] frames wait for the encoder.
+    /// audio is one stream, which may run ahead of the frames, see [`AUDIO_LEAD`]).
     pub fn write(&mut self, frame: &Yuv420, audio_s16le: Vec<u8>) -> Result<(), Error> {
         let data = self.settings.coded_frame(frame)?.to_vec();
         let gone = || Error::Encoder("the live encoder stopped".into());
-        // The audio first: ffmpeg may need the frame's sound before it takes more frames.
-        self.audio
-            .as_ref()
-            .ok_or_else(gone)?
-            .send(audio_s16le)
-            .map_err(|_| gone())?;
         self.video
             .as_ref()
             .ok_or_else(gone)?
             .send(data)
+            .map_err(|_| gone())?;
+        self.audio
+            .as_ref()
+            .ok_or_else(gone)?
+            .send(audio_s16le)
             .map_err(|_| gone())?;
         Ok(())
     }
@@ -469,62 +459,6 @@ mod tests {
             .max()
             .unwrap();
         assert!(most <= 5, "a fragment holds {most} frames (over 200 ms)");
-    }
-
-    #[test]
-    fn frames_wait_for_an_encoder_that_falls_behind_instead_of_piling_up() {
-        use std::os::unix::fs::PermissionsExt;
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        // A stand-in ffmpeg that opens (and drains) the audio input, as ffmpeg does when it
-        // starts, but never reads a frame: an x264 that has fallen behind.
-        let dir = tempfile::tempdir().unwrap();
-        let fake = dir.path().join("ffmpeg");
-        let pid = dir.path().join("pid");
-        std::fs::write(
-            &fake,
-            format!(
-                "#!/bin/sh\necho $$ > {}\nwhile [ \"$1\" != -i ]; do shift; done\n\
-                 exec 3<\"$2\"\ncat <&3 >/dev/null &\nexec sleep 30\n",
-                pid.display()
-            ),
-        )
-        .unwrap();
-        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let mut s = EncoderSettings::new(512, 512, crate::media::audio::Fps::DEFAULT);
-        s.ffmpeg = fake;
-        let mut enc = LiveEncoder::spawn(s, Box::new(|_| {})).unwrap();
-        let frame = Yuv420::from_rgb(&crate::media::image::Frame::new(
-            512,
-            512,
-            vec![90; 512 * 512 * 3],
-        ));
-        let accepted = std::sync::Arc::new(AtomicUsize::new(0));
-        let counter = accepted.clone();
-        let writer = std::thread::spawn(move || {
-            let mut outcome = Ok(());
-            for _ in 0..50 {
-                outcome = enc.write(&frame, vec![0u8; 1280]);
-                if outcome.is_err() {
-                    break;
-                }
-                counter.fetch_add(1, Ordering::SeqCst);
-            }
-            (enc, outcome)
-        });
-        std::thread::sleep(Duration::from_millis(700));
-        // The frame in the stdin writer's hands (larger than the pipe) and the queue: the
-        // next write waits. Unbounded, all 50 would be in memory by now.
-        let n = accepted.load(Ordering::SeqCst);
-        assert_eq!(n, VIDEO_QUEUE + 1, "frames accepted by an encoder that reads none");
-        assert!(!writer.is_finished());
-        // The encoder dies: the waiting write fails instead of waiting for ever.
-        let pid = std::fs::read_to_string(&pid).unwrap();
-        let killed = Command::new("kill").arg(pid.trim()).status().unwrap();
-        assert!(killed.success());
-        let (enc, outcome) = writer.join().unwrap();
-        assert!(outcome.is_err(), "a write to a dead encoder succeeded");
-        assert_eq!(accepted.load(Ordering::SeqCst), VIDEO_QUEUE + 1);
-        drop(enc);
     }
 
     #[test]
