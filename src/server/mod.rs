@@ -86,6 +86,8 @@ pub struct App {
     jobs: Arc<crate::jobs::worker::Jobs>,
     /// The enhancers loaded at start-up (`--enhancer-checkpoint`), also the engine's.
     enhancers: Arc<crate::engine::enhance::Enhancers>,
+    /// Encoder processes started ahead of the renders (every door's renders share them).
+    spares: media::video::Spares,
 }
 
 impl App {
@@ -102,7 +104,9 @@ impl App {
     fn render_settings(&self) -> crate::engine::pipeline::Settings {
         let media = &self.args.media;
         crate::engine::pipeline::Settings::new(media.max_audio_seconds, |w, h, fps| {
-            media.encoder(w, h, fps, self.cfg.encoder_workers)
+            let mut s = media.encoder(w, h, fps, self.cfg.encoder_workers);
+            s.spares = Some(self.spares.clone());
+            s
         })
     }
 
@@ -677,6 +681,7 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
         started: Instant::now(),
         jobs,
         enhancers,
+        spares: media::video::Spares::new(),
     });
     app.jobs.start(app.clone());
     // The live offer's CPU figure follows the frames that go out (one sample a second); the

@@ -132,18 +132,26 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 // ---------------------------------------------------------------------------------------
 // Processes: CPU of a tree, memory.
 
-/// Waits until `root` has no descendants left (its encoders have exited and been reaped),
-/// at most `limit`: whether it got there.
+/// Waits until `root`'s encoders are done, at most `limit`: whether it got there. What stays
+/// are the encoder processes the service starts ahead of the next render (its spares,
+/// [`lipsync::media::video::Spares`]), blocked on their input: the tree is quiet once its CPU
+/// has not grown for 200 ms and no more processes are left than the spares may be. (The
+/// spares' start is counted where it happens: a render's tree CPU includes the start of the
+/// processes that replace the ones it took.)
 fn wait_quiet(root: u32, limit: Duration) -> bool {
     let until = Instant::now() + limit;
+    let mut last = None;
     loop {
-        if tree(root).len() <= 1 {
+        let procs = tree(root);
+        let ticks: u64 = procs.iter().map(|p| p.ticks).sum();
+        if procs.len() <= 1 + lipsync::media::video::spares::MAX_IDLE && last == Some(ticks) {
             return true;
         }
+        last = Some(ticks);
         if Instant::now() >= until {
             return false;
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(200));
     }
 }
 

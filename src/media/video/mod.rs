@@ -24,9 +24,12 @@ mod process;
 mod remux;
 mod segmented;
 mod single;
+pub mod spares;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+
+use process::{Launch, Process, StdoutConsumer};
 
 use crate::media::audio::Fps;
 use crate::media::image::Frame;
@@ -36,6 +39,7 @@ use crate::media::Error;
 pub use remux::faststart;
 pub use segmented::SegmentedEncoder;
 pub use single::FfmpegEncoder;
+pub use spares::Spares;
 
 /// No stream probing for an input that is described exactly: by default ffmpeg reads up to
 /// 5 MB of it first (13 frames of 512², or a second and more of a live session), holding the
@@ -107,6 +111,9 @@ pub struct EncoderSettings {
     /// caller's priority): batch jobs' encoders run niced ([`BACKGROUND_NICE`]), so the CPU
     /// goes to interactive requests' and live sessions' encoders first.
     pub nice: i32,
+    /// Processes started ahead for these settings' command lines (none: every process starts
+    /// when its encoder does). The service keeps one pool for all its renders.
+    pub spares: Option<Spares>,
 }
 
 /// The niceness added to a background render's encoder processes.
@@ -151,6 +158,7 @@ impl EncoderSettings {
             threads: None,
             workers: 1,
             nice: 0,
+            spares: None,
         }
     }
 
@@ -252,23 +260,79 @@ impl EncoderSettings {
         a
     }
 
-    /// The audio file as a second input, and the stream mapping.
-    fn audio_input_args(&self) -> Vec<String> {
+    /// How ffmpeg reads the speech: its argument to `-i`, and the file to copy into descriptor
+    /// 3 when that argument is `pipe:3`. Through the pipe, the command line is the same for
+    /// every render of a shape, so its process can be started ahead ([`Spares`]); by name only
+    /// where the container needs seeking (MP4/M4A, whose index may be at the end).
+    fn speech_input(&self) -> Option<(String, Option<&Path>)> {
+        let audio = self.audio.as_deref()?;
+        let mut head = [0u8; 8];
+        let mp4 = std::fs::File::open(audio)
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head))
+            .is_ok_and(|_| &head[4..8] == b"ftyp");
+        Some(if mp4 {
+            (audio.display().to_string(), None)
+        } else {
+            ("pipe:3".into(), Some(audio))
+        })
+    }
+
+    /// The speech as a second input (`-i speech`), and the stream mapping.
+    fn audio_input_args(&self, speech: Option<&str>) -> Vec<String> {
         let mut a = Vec::new();
-        if let Some(audio) = &self.audio {
-            a.extend(["-i".into(), audio.display().to_string()]);
+        if let Some(speech) = speech {
+            a.extend(["-i".into(), speech.to_string()]);
         }
         a.extend(strings(&["-map", "0:v:0"]));
-        if self.audio.is_some() {
+        if speech.is_some() {
             a.extend(strings(&["-map", "1:a:0"]));
         }
         a
     }
 
+    /// Starts (or takes from the spares) the process `args_for(speech input)` describes, with
+    /// the speech fed to it through descriptor 3 where the arguments say `pipe:3`.
+    fn start_with_speech(
+        &self,
+        args_for: impl FnOnce(Option<&str>) -> Vec<String>,
+        role: &str,
+        consume: StdoutConsumer,
+    ) -> Result<Process, Error> {
+        let speech = self.speech_input();
+        let feed = speech.as_ref().and_then(|(_, f)| *f);
+        let launch = Launch {
+            ffmpeg: self.ffmpeg.clone(),
+            nice: self.nice,
+            args: args_for(speech.as_ref().map(|(arg, _)| arg.as_str())),
+            fd3: feed.is_some(),
+        };
+        let mut process = Process::spawn(&launch, self.spares.as_ref(), role, consume)?;
+        if let Some(file) = feed {
+            process.feed_fd3(file)?;
+        }
+        Ok(process)
+    }
+
+    /// Starts ffmpeg with `args` (no speech), or takes a spare started with them.
+    fn start(
+        &self,
+        args: Vec<String>,
+        role: &str,
+        consume: StdoutConsumer,
+    ) -> Result<Process, Error> {
+        let launch = Launch {
+            ffmpeg: self.ffmpeg.clone(),
+            nice: self.nice,
+            args,
+            fd3: false,
+        };
+        Process::spawn(&launch, self.spares.as_ref(), role, consume)
+    }
+
     /// AAC audio (if any) and fragmented MP4 on stdout.
-    fn mp4_output_args(&self) -> Vec<String> {
+    fn mp4_output_args(&self, speech: bool) -> Vec<String> {
         let mut a = Vec::new();
-        if self.audio.is_some() {
+        if speech {
             // ffmpeg's AAC encoder starts with 1024 samples of priming, which a fragmented MP4
             // written up front (empty_moov) cannot mark with an edit list: they would play,
             // and the speech would lag the lips by 1024 samples. Trimming the same amount
@@ -297,12 +361,18 @@ impl EncoderSettings {
         a
     }
 
-    /// The single-process encoder: raw frames in, MP4 out.
+    /// The single-process encoder: raw frames in, MP4 out, the speech read by name.
     fn single_args(&self) -> Vec<String> {
+        let speech = self.audio.as_ref().map(|a| a.display().to_string());
+        self.single_args_with(speech.as_deref())
+    }
+
+    /// The single-process encoder, the speech read from `speech` (an `-i` argument).
+    fn single_args_with(&self, speech: Option<&str>) -> Vec<String> {
         let mut a = self.raw_input_args();
-        a.extend(self.audio_input_args());
+        a.extend(self.audio_input_args(speech));
         a.extend(self.x264_args(self.threads));
-        a.extend(self.mp4_output_args());
+        a.extend(self.mp4_output_args(speech.is_some()));
         a
     }
 
@@ -331,8 +401,9 @@ impl EncoderSettings {
     }
 
     /// The muxer of the segmented encoder: the joined H.264 stream (Annex B, timestamps
-    /// rewritten to frame index / fps) copied into MP4, plus the audio.
-    fn muxer_args(&self) -> Vec<String> {
+    /// rewritten to frame index / fps) copied into MP4, plus the speech read from `speech`
+    /// (an `-i` argument).
+    fn muxer_args_with(&self, speech: Option<&str>) -> Vec<String> {
         let (num, den) = self.fps.ratio();
         // Read the stream as it comes rather than probing seconds of it first.
         let mut a: Vec<String> = strings(&QUIET)
@@ -341,7 +412,7 @@ impl EncoderSettings {
             .collect();
         a.extend(["-framerate".into(), format!("{num}/{den}")]);
         a.extend(strings(&["-i", "pipe:0"]));
-        a.extend(self.audio_input_args());
+        a.extend(self.audio_input_args(speech));
         // Raw H.264 carries no timestamps: picture N is at N/fps, in the raw demuxer's time
         // base (TB, 1/1200000), which the MP4 keeps. (Setting another track timescale here
         // makes ffmpeg 5 apply the expression in the wrong time base.)
@@ -349,7 +420,7 @@ impl EncoderSettings {
         a.push(format!(
             "setts=pts=N*{den}/({num}*TB):dts=N*{den}/({num}*TB)"
         ));
-        a.extend(self.mp4_output_args());
+        a.extend(self.mp4_output_args(speech.is_some()));
         a
     }
 }

@@ -2,12 +2,14 @@
 //! thread (so ffmpeg can never block on a full pipe), the tail of stderr kept for error
 //! messages, and the child killed and reaped if it is dropped unfinished.
 
+use std::fs::File;
 use std::io::{Read, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::thread::JoinHandle;
 
 use super::missing;
+use super::spares::Spares;
 use crate::media::Error;
 
 /// Keeps the last 16 KiB of ffmpeg's stderr for error messages.
@@ -23,6 +25,12 @@ pub(super) struct Process {
     stdin: Option<ChildStdin>,
     stdout: Option<JoinHandle<u64>>,
     stderr: Option<JoinHandle<Vec<u8>>>,
+    /// The write end of descriptor 3's pipe until it is fed.
+    fd3: Option<File>,
+    /// Copies a file into descriptor 3: a read error, or none.
+    fd3_feeder: Option<JoinHandle<std::io::Result<()>>>,
+    /// Where a replacement is started once this process ends.
+    refill: Option<(Spares, Launch)>,
 }
 
 /// Makes `command`'s process start `steps` nicer than this one (nothing for 0 or less: an
@@ -64,24 +72,150 @@ pub(super) fn spawn_thread<T: Send + 'static>(
         .map_err(|e| Error::Internal(format!("cannot start a thread: {e}")))
 }
 
-impl Process {
-    /// Starts `ffmpeg` with `args`, `nice` added to its niceness (see
-    /// [`super::EncoderSettings::nice`]).
-    pub(super) fn spawn(
-        ffmpeg: &Path,
-        nice: i32,
-        args: &[String],
-        role: &str,
-        mut consume: StdoutConsumer,
-    ) -> Result<Self, Error> {
-        let mut command = Command::new(ffmpeg);
+/// What one ffmpeg process is started with; equal launches are interchangeable (see
+/// [`Spares`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(super) struct Launch {
+    pub ffmpeg: PathBuf,
+    /// Added to the niceness (see [`super::EncoderSettings::nice`]).
+    pub nice: i32,
+    pub args: Vec<String>,
+    /// The process reads a second input from a pipe on its descriptor 3 (`pipe:3` in the
+    /// arguments), which the caller feeds ([`Process::feed_fd3`]).
+    pub fd3: bool,
+}
+
+/// A started process whose pipes nobody reads yet; killed and reaped if dropped.
+pub(super) struct Started {
+    child: Option<Child>,
+    fd3: Option<File>,
+}
+
+impl Started {
+    /// Whether the process still runs.
+    pub(super) fn running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+}
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A pipe, both ends close-on-exec: (read end, write end).
+#[cfg(unix)]
+fn pipe() -> std::io::Result<(File, File)> {
+    use std::os::fd::FromRawFd;
+
+    extern "C" {
+        /// pipe2(2) (libc, which the standard library links).
+        fn pipe2(fds: *mut std::ffi::c_int, flags: std::ffi::c_int) -> std::ffi::c_int;
+    }
+    /// `O_CLOEXEC` on Linux.
+    const O_CLOEXEC: std::ffi::c_int = 0o2_000_000;
+
+    let mut fds = [0 as std::ffi::c_int; 2];
+    // SAFETY: pipe2 writes two descriptors into the array it is given, which has room for
+    // them; on success both are new and owned by nothing else, so each becomes one File.
+    unsafe {
+        if pipe2(fds.as_mut_ptr(), O_CLOEXEC) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok((File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])))
+    }
+}
+
+#[cfg(not(unix))]
+fn pipe() -> std::io::Result<(File, File)> {
+    Err(std::io::Error::other("pipes to descriptor 3 need Unix"))
+}
+
+/// Makes `reader` the child's descriptor 3 (the read end of the pipe `pipe:3` names).
+#[cfg(unix)]
+fn pass_as_fd3(command: &mut Command, reader: File) {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+
+    extern "C" {
+        fn dup2(old: std::ffi::c_int, new: std::ffi::c_int) -> std::ffi::c_int;
+        fn fcntl(fd: std::ffi::c_int, cmd: std::ffi::c_int, ...) -> std::ffi::c_int;
+    }
+    const F_SETFD: std::ffi::c_int = 2;
+
+    // SAFETY: dup2(2) and fcntl(2) are system calls, async-signal-safe, between fork and
+    // exec. The reader (close-on-exec, see `pipe`) lives in the closure, so its descriptor is open in the child until exec; the copy
+    // at 3 is not close-on-exec (dup2 clears the flag; if the reader already is 3, the flag
+    // is cleared by hand).
+    unsafe {
+        command.pre_exec(move || {
+            let fd = reader.as_raw_fd();
+            let r = if fd == 3 {
+                fcntl(3, F_SETFD, 0)
+            } else {
+                dup2(fd, 3)
+            };
+            if r < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(unix))]
+fn pass_as_fd3(_: &mut Command, _: File) {}
+
+impl Launch {
+    /// Starts the process, its stdio piped (and descriptor 3, see [`Self::fd3`]).
+    pub(super) fn start(&self) -> Result<Started, Error> {
+        let mut command = Command::new(&self.ffmpeg);
         command
-            .args(args)
+            .args(&self.args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        lower_priority(&mut command, nice);
-        let mut child = command.spawn().map_err(|e| missing(ffmpeg, &e))?;
+        lower_priority(&mut command, self.nice);
+        let fd3 = if self.fd3 {
+            let (reader, writer) =
+                pipe().map_err(|e| Error::Internal(format!("cannot make a pipe: {e}")))?;
+            pass_as_fd3(&mut command, reader);
+            Some(writer)
+        } else {
+            None
+        };
+        let child = command.spawn().map_err(|e| missing(&self.ffmpeg, &e))?;
+        // The parent's copy of the read end goes with `command`, so the child's exit
+        // breaks the pipe for the writer.
+        drop(command);
+        Ok(Started {
+            child: Some(child),
+            fd3,
+        })
+    }
+}
+
+impl Process {
+    /// Starts `launch` (or takes a process already started for it from `spares`); its
+    /// stdout goes to `consume` on a thread of its own.
+    pub(super) fn spawn(
+        launch: &Launch,
+        spares: Option<&Spares>,
+        role: &str,
+        mut consume: StdoutConsumer,
+    ) -> Result<Self, Error> {
+        let mut started = match spares.and_then(|s| s.take(launch)) {
+            Some(s) => s,
+            None => launch.start()?,
+        };
+        let mut child = started.child.take().expect("a started child");
+        let fd3 = started.fd3.take();
         let stdin = child.stdin.take();
         let mut out = child.stdout.take().expect("piped stdout");
         let mut err = child.stderr.take().expect("piped stderr");
@@ -127,9 +261,28 @@ impl Process {
             stdin,
             stdout: Some(stdout),
             stderr: None,
+            fd3,
+            fd3_feeder: None,
+            refill: spares.map(|s| (s.clone(), launch.clone())),
         };
         p.stderr = Some(stderr?); // on error, Drop kills and reaps the child
         Ok(p)
+    }
+
+    /// Copies the file at `path` into the process's descriptor 3 on a thread of its own,
+    /// then closes it (the end of that input).
+    pub(super) fn feed_fd3(&mut self, path: &Path) -> Result<(), Error> {
+        let mut pipe = self
+            .fd3
+            .take()
+            .ok_or_else(|| Error::Internal(format!("{} has no descriptor 3", self.role)))?;
+        let mut file = std::fs::File::open(path)
+            .map_err(|e| Error::Encoder(format!("cannot read {}: {e}", path.display())))?;
+        let feeder = spawn_thread("ffmpeg-fd3", move || {
+            std::io::copy(&mut file, &mut pipe).map(|_| ())
+        })?;
+        self.fd3_feeder = Some(feeder);
+        Ok(())
     }
 
     /// Hands the stdin pipe to someone else (closing it is then their business).
@@ -155,6 +308,7 @@ impl Process {
     /// Closes stdin, waits for ffmpeg and its stdout consumer; returns the bytes it wrote.
     pub(super) fn finish(&mut self) -> Result<u64, Error> {
         drop(self.stdin.take());
+        drop(self.fd3.take());
         let status = self.child.take().map(|mut c| c.wait());
         let bytes = self.stdout.take().map_or(0, |t| t.join().unwrap_or(0));
         let stderr = self
@@ -162,8 +316,23 @@ impl Process {
             .take()
             .map(|t| t.join().unwrap_or_default())
             .unwrap_or_default();
+        // The child has exited, so its end of the pipe is closed and the feeder is done.
+        let fed = self.fd3_feeder.take().map(|t| {
+            t.join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("the feeder panicked")))
+        });
+        if let Some((spares, launch)) = self.refill.take() {
+            spares.refill_later(launch);
+        }
         match status {
-            Some(Ok(s)) if s.success() => Ok(bytes),
+            // A broken pipe means ffmpeg stopped reading that input: its own choice, as it
+            // succeeded.
+            Some(Ok(s)) if s.success() => match fed {
+                Some(Err(e)) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(Error::Encoder(
+                    format!("feeding the second input of {}: {e}", self.role),
+                )),
+                _ => Ok(bytes),
+            },
             Some(Ok(s)) => Err(Error::Encoder(format!(
                 "{} exited with {s}: {}",
                 self.role,
@@ -213,17 +382,77 @@ mod tests {
         fields[16].parse().unwrap()
     }
 
+    fn cat(nice: i32, args: &[&str]) -> Launch {
+        Launch {
+            ffmpeg: "cat".into(),
+            nice,
+            args: args.iter().map(|a| a.to_string()).collect(),
+            fd3: false,
+        }
+    }
+
+    /// What a process wrote to its stdout, gathered by its consumer.
+    fn collector() -> (StdoutConsumer, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
+        let out = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let o = out.clone();
+        let consume: StdoutConsumer = Box::new(move |d| {
+            if let Some(d) = d {
+                o.lock().unwrap().extend_from_slice(d);
+            }
+        });
+        (consume, out)
+    }
+
+    #[test]
+    fn descriptor_3_carries_a_file_and_spares_are_the_same_processes() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("speech.bin");
+        // More than a pipe holds, so the feeder has to wait for the reader.
+        let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        std::fs::write(&file, &data).unwrap();
+        // `cat - /dev/fd/3`: stdin, then descriptor 3.
+        let mut launch = cat(0, &["-", "/dev/fd/3"]);
+        launch.fd3 = true;
+        let spares = Spares::new();
+        spares.refill(&launch);
+        assert_eq!(spares.idle(), 1);
+        for round in 0..2 {
+            let (consume, out) = collector();
+            let mut p = Process::spawn(&launch, Some(&spares), "cat", consume).unwrap();
+            // The first takes the spare; its end starts a replacement for the next.
+            assert_eq!(spares.idle(), 0, "round {round}");
+            p.feed_fd3(&file).unwrap();
+            p.write_all(b"head:").unwrap();
+            assert_eq!(p.finish().unwrap(), 5 + data.len() as u64);
+            assert_eq!(out.lock().unwrap()[..5], *b"head:");
+            assert!(out.lock().unwrap()[5..] == data[..]);
+            // The replacement comes a moment later, on the pool's thread.
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while spares.idle() == 0 && std::time::Instant::now() < until {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            assert_eq!(spares.idle(), 1, "round {round}");
+        }
+        // A killed process does not leave its feeder waiting on a full pipe.
+        let (consume, _) = collector();
+        let mut p = Process::spawn(&launch, Some(&spares), "cat", consume).unwrap();
+        p.feed_fd3(&file).unwrap();
+        let t = std::time::Instant::now();
+        p.kill();
+        assert!(t.elapsed() < std::time::Duration::from_secs(5));
+    }
+
     #[test]
     fn a_niced_process_runs_at_a_lower_priority() {
         let own = nice_of("self");
         for steps in [0, 7] {
             // `cat` waits on its stdin, like an encoder waiting for frames.
-            let p = Process::spawn(Path::new("cat"), steps, &[], "cat", Box::new(|_| {})).unwrap();
+            let p = Process::spawn(&cat(steps, &[]), None, "cat", Box::new(|_| {})).unwrap();
             let pid = p.child.as_ref().unwrap().id().to_string();
             assert_eq!(nice_of(&pid), (own + steps).min(19), "nice {steps}");
         }
         // Never more priority than the caller.
-        let p = Process::spawn(Path::new("cat"), -5, &[], "cat", Box::new(|_| {})).unwrap();
+        let p = Process::spawn(&cat(-5, &[]), None, "cat", Box::new(|_| {})).unwrap();
         assert_eq!(nice_of(&p.child.as_ref().unwrap().id().to_string()), own);
     }
 }

@@ -78,10 +78,8 @@ impl SegmentedEncoder {
         .clamp(2, segment_len);
 
         let sink_error = SinkError::default();
-        let mut muxer = Process::spawn(
-            &settings.ffmpeg,
-            settings.nice,
-            &settings.muxer_args(),
+        let mut muxer = settings.start_with_speech(
+            |speech| settings.muxer_args_with(speech),
             "the ffmpeg muxer",
             sink_error.consumer(sink),
         )?;
@@ -115,10 +113,8 @@ impl SegmentedEncoder {
 
     /// Starts worker `i`'s ffmpeg and the thread that feeds it.
     fn start_worker(&self, i: usize) -> Result<Worker, Error> {
-        let mut process = Process::spawn(
-            &self.settings.ffmpeg,
-            self.settings.nice,
-            &self.settings.worker_args(),
+        let mut process = self.settings.start(
+            self.settings.worker_args(),
             &format!("encoder worker {i}"),
             flv_consumer(self.outputs[i].clone()),
         )?;

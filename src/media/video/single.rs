@@ -55,10 +55,8 @@ impl FfmpegEncoder {
     pub fn spawn(settings: EncoderSettings, sink: Sink) -> Result<Self, Error> {
         settings.validate()?;
         let sink_error = SinkError::default();
-        let process = Process::spawn(
-            &settings.ffmpeg,
-            settings.nice,
-            &settings.single_args(),
+        let process = settings.start_with_speech(
+            |speech| settings.single_args_with(speech),
             "ffmpeg",
             sink_error.consumer(sink),
         )?;

@@ -1,0 +1,186 @@
+//! ffmpeg processes started ahead of the renders that will use them.
+//!
+//! Starting Debian's ffmpeg costs about 0.07–0.1 s of CPU (most of it the dynamic linker
+//! binding some 200 libraries), and a render starts two or three of them just when its first
+//! frames are being drawn: on a small machine that is most of the time to the first byte. A
+//! [`Spares`] pool keeps, for each command line recently used, up to [`PER_LAUNCH`] processes
+//! that have already started and wait on their empty stdin. A render takes one instead of
+//! starting its own; when a process ends, a replacement is started for the next render,
+//! [`REFILL_DELAY`] later on the pool's own thread (the CPU is spent after the render, not
+//! during its last frames). Only what is the same for every render of a
+//! shape can be started ahead: the command lines take the speech through a pipe (`pipe:3`),
+//! never a file name.
+//!
+//! An idle spare costs a process that is blocked on read (a few MB of its own memory; the
+//! libraries are shared). Spares idle longer than [`MAX_IDLE_AGE`] are ended, at most
+//! [`MAX_IDLE`] are kept, and every spare ends by itself when the service exits (its stdin
+//! closes).
+
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use super::process::{Launch, Started};
+
+/// Spares kept per command line: a render takes at most two processes with the same one at
+/// its start (a segmented encoder's first two workers), and later workers start a second
+/// and more into the video, off the first byte's path.
+pub const PER_LAUNCH: usize = 2;
+/// Spares kept in all (the oldest go first).
+pub const MAX_IDLE: usize = 12;
+/// A spare unused this long is ended.
+pub const MAX_IDLE_AGE: Duration = Duration::from_secs(600);
+/// How long after a process ends its replacement starts: a render's processes end within
+/// moments of each other, and its last bytes go out meanwhile.
+pub const REFILL_DELAY: Duration = Duration::from_millis(150);
+
+/// A pool of started ffmpeg processes; clones share it.
+#[derive(Clone, Default)]
+pub struct Spares(Arc<Pool>);
+
+#[derive(Default)]
+struct Pool {
+    idle: Mutex<Vec<Spare>>,
+    /// The refill thread's queue, once it runs (it ends with the pool).
+    refills: Mutex<Option<Sender<Launch>>>,
+}
+
+struct Spare {
+    launch: Launch,
+    started: Started,
+    born: Instant,
+}
+
+impl std::fmt::Debug for Spares {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Spares({} idle)", self.idle())
+    }
+}
+
+impl Spares {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Spare>> {
+        self.0.idle.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// [`Self::refill`] [`REFILL_DELAY`] from now, on the pool's thread.
+    pub(super) fn refill_later(&self, launch: Launch) {
+        let mut refills = self.0.refills.lock().unwrap_or_else(|p| p.into_inner());
+        if refills.is_none() {
+            let (tx, rx) = channel();
+            let pool = Arc::downgrade(&self.0);
+            let started = std::thread::Builder::new()
+                .name("encoder-spares".into())
+                .spawn(move || refill_loop(&pool, &rx));
+            if started.is_err() {
+                return; // no thread, no spares: renders start their own processes
+            }
+            *refills = Some(tx);
+        }
+        if let Some(tx) = refills.as_ref() {
+            let _ = tx.send(launch);
+        }
+    }
+
+    /// Spares waiting now.
+    pub fn idle(&self) -> usize {
+        let mut idle = self.lock();
+        expire(&mut idle);
+        idle.len()
+    }
+
+    /// A started process for `launch`, if one waits.
+    pub(super) fn take(&self, launch: &Launch) -> Option<Started> {
+        let mut idle = self.lock();
+        expire(&mut idle);
+        let i = idle.iter().position(|s| &s.launch == launch)?;
+        Some(idle.remove(i).started)
+    }
+
+    /// Starts one spare for `launch` unless [`PER_LAUNCH`] already wait. A spare that cannot
+    /// start is not an error (the next render starts its own and reports why).
+    pub(super) fn refill(&self, launch: &Launch) {
+        {
+            let mut idle = self.lock();
+            expire(&mut idle);
+            if idle.iter().filter(|s| &s.launch == launch).count() >= PER_LAUNCH {
+                return;
+            }
+        }
+        // Started outside the lock: renders taking spares do not wait for this fork.
+        let Ok(started) = launch.start() else {
+            return;
+        };
+        let mut idle = self.lock();
+        idle.push(Spare {
+            launch: launch.clone(),
+            started,
+            born: Instant::now(),
+        });
+        // Oldest first: the ones used longest ago go when there are too many.
+        while idle.len() > MAX_IDLE {
+            idle.remove(0);
+        }
+    }
+}
+
+/// Starts the spares asked for, a while after each request, until the pool is dropped.
+fn refill_loop(pool: &Weak<Pool>, requests: &Receiver<Launch>) {
+    while let Ok(first) = requests.recv() {
+        std::thread::sleep(REFILL_DELAY);
+        let launches: Vec<Launch> = std::iter::once(first).chain(requests.try_iter()).collect();
+        let Some(pool) = pool.upgrade() else {
+            return;
+        };
+        let spares = Spares(pool);
+        for launch in &launches {
+            spares.refill(launch);
+        }
+    }
+}
+
+/// Drops (ends and reaps) the spares that exited by themselves or waited too long.
+fn expire(idle: &mut Vec<Spare>) {
+    idle.retain_mut(|s| s.born.elapsed() < MAX_IDLE_AGE && s.started.running());
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+
+    fn cat(arg: &str) -> Launch {
+        Launch {
+            ffmpeg: "cat".into(),
+            nice: 0,
+            args: vec![arg.to_string()],
+            fd3: false,
+        }
+    }
+
+    #[test]
+    fn spares_are_kept_per_command_line_and_bounded() {
+        let spares = Spares::new();
+        let a = cat("-");
+        for _ in 0..3 {
+            spares.refill(&a);
+        }
+        assert_eq!(spares.idle(), PER_LAUNCH);
+        assert!(spares.take(&cat("-u")).is_none());
+        assert!(spares.take(&a).is_some());
+        assert_eq!(spares.idle(), PER_LAUNCH - 1);
+        for i in 0..2 * MAX_IDLE {
+            spares.refill(&cat(&format!("/dev/null{}", "/".repeat(i))));
+        }
+        // `cat /dev/null` exits at once: exited spares are never handed out.
+        assert!(spares.idle() <= MAX_IDLE);
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(
+            spares.idle(),
+            PER_LAUNCH - 1,
+            "only the waiting cat is left"
+        );
+    }
+}
