@@ -37,10 +37,40 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
+# What the later stages install mostly waits on the network: PyTorch (scripts/torch-venv.sh),
+# the contract, browser and client tests' venvs, and the deployment tests' Debian base and
+# balancer and job store images. It is made in the background while cargo builds (two
+# chains: the Python venvs, and Docker), and waited for before any test runs, so the tests
+# never share the CPU with it. Its output goes to target/test-prepare-*.log, shown if it fails.
+mkdir -p target
+prepare() {
+  local name=$1; shift
+  ( set -e; "$@" ) >"target/test-prepare-$name.log" 2>&1
+}
+torch=(true)
+if [ -z "${LIPSYNC_TORCH_PYTHON:-}" ]; then
+  torch=(scripts/torch-venv.sh)
+  LIPSYNC_TORCH_PYTHON=$PWD/target/torch-venv/bin/python
+fi
 # PyTorch for the tests that run the PyTorch yardstick (tests/bench.rs): with the variable set,
 # they fail rather than skip when torch is missing.
-LIPSYNC_TORCH_PYTHON=${LIPSYNC_TORCH_PYTHON:-$(scripts/torch-venv.sh)}
 export LIPSYNC_TORCH_PYTHON
+prepare_venvs() {
+  "${torch[@]}" >/dev/null
+  tests/contract/schemathesis.sh --prepare
+  tests/browser/run.sh --prepare
+  tests/clients/run.sh --prepare
+}
+prepare venvs prepare_venvs &
+venvs=$!
+prepare docker tests/deploy/run.sh --prepare &
+images=$!
+prepared() {
+  local ok=0
+  wait $venvs || { echo "test.sh: preparing the Python venvs failed:" >&2; cat target/test-prepare-venvs.log >&2; ok=1; }
+  wait $images || { echo "test.sh: preparing the deployment tests failed:" >&2; cat target/test-prepare-docker.log >&2; ok=1; }
+  return $ok
+}
 
 # The load and fault suite (tests/load.rs) runs against the release server binary.
 cargo build --release --locked
@@ -52,6 +82,8 @@ cargo build --release --locked
 # below test, and the deploy tests put in the image) has none: it is put back after the tests,
 # pass or fail (cargo keeps both, so this only relinks the file).
 trap 'cargo build --release --locked --quiet' EXIT
+cargo test --release --locked --features test-faults --no-run "$@"
+prepared
 cargo test --release --locked --features test-faults "$@"
 cargo build --release --locked
 tests/contract/schemathesis.sh

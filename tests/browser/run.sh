@@ -7,6 +7,7 @@
 # Also here: examples/stream_client.py run against that server (test_stream_example.py).
 #
 #   tests/browser/run.sh [pytest args, e.g. -k avatars]     (scripts/test.sh runs it)
+#   tests/browser/run.sh --prepare                          (only installs Playwright)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -17,5 +18,6 @@ if ! "$venv/bin/python" -c 'import playwright, pytest, websockets' 2>/dev/null; 
   "$venv/bin/pip" install -q --disable-pip-version-check "playwright==1.65.2" "pytest==8.3.4" \
     "websockets==17.4"
 fi
+if [ "${1:-}" = --prepare ]; then exit 0; fi
 # Every wait in the tests has its own deadline; this bounds the whole run.
 PYTHONDONTWRITEBYTECODE=1 exec timeout 900 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/browser "$@"

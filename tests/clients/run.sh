@@ -10,6 +10,7 @@
 # installs the package from the tree into it on every run. Starts nothing global.
 #
 #   tests/clients/run.sh [pytest args, e.g. -k pipecat]     (scripts/test.sh runs it)
+#   tests/clients/run.sh --prepare                          (only makes the venv)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 t0=$(date +%s)
@@ -29,6 +30,7 @@ if ! cmp -s "$pins" "$venv/.constraints.txt" || ! "$venv/bin/python" -c 'import 
     "./clients/python[pipecat,livekit]" pytest pytest-timeout mypy setuptools
   cp "$pins" "$venv/.constraints.txt"
 fi
+if [ "${1:-}" = --prepare ]; then exit 0; fi
 # The package as the tree has it now, built from a copy (the build leaves files behind).
 rm -rf "$venv/client-src" && mkdir "$venv/client-src"
 cp -r clients/python/pyproject.toml clients/python/README.md clients/python/src "$venv/client-src"

@@ -8,6 +8,7 @@
 # bytes are not speech or a photo: those correctly get 4xx answers.
 #
 #   tests/contract/schemathesis.sh        (scripts/test.sh runs it after cargo test)
+#   tests/contract/schemathesis.sh --prepare   (only installs schemathesis)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -16,6 +17,7 @@ if [ ! -x "$venv/bin/schemathesis" ]; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check "schemathesis==4.32.5"
 fi
+if [ "${1:-}" = --prepare ]; then exit 0; fi
 
 cargo build --release --locked --quiet --bin lipsync
 log=$(mktemp)
