@@ -870,3 +870,86 @@ async fn half_precision_overflow_is_recomputed_in_f32() {
         .unwrap();
     assert_eq!(info["compute_dtype"], "f16");
 }
+
+/// The ffmpeg processes among `pid`'s children whose command line holds `arg`.
+fn children_with_arg(pid: u32, arg: &str) -> usize {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    dir.filter_map(Result::ok)
+        .filter(|e| {
+            let p = e.path();
+            let stat = std::fs::read_to_string(p.join("stat")).unwrap_or_default();
+            let ppid = stat
+                .rfind(')')
+                .and_then(|i| stat[i + 2..].split(' ').nth(1))
+                .and_then(|x| x.parse::<u32>().ok());
+            let cmdline = std::fs::read(p.join("cmdline")).unwrap_or_default();
+            ppid == Some(pid) && cmdline.split(|&b| b == 0).any(|a| a == arg.as_bytes())
+        })
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn encoder_processes_started_ahead_serve_the_next_requests_with_any_speech() {
+    // Two encoder workers: a request starts a muxer and two workers.
+    let s = Server::start_echo_as_cpu(&["--encoder-workers", "2"], &[]);
+    s.wait_ready().await;
+    let id = s.upload_avatar().await;
+    let pid = s.child.id();
+    let dir = tempfile::tempdir().unwrap();
+    let client = reqwest::Client::new();
+    // WAV, MP3 and FLAC go to ffmpeg through a pipe (`pipe:3`), the processes started ahead;
+    // M4A by name (its index may be at the end, which a pipe cannot seek to).
+    for (round, audio) in [
+        "arctic_a0007.wav",
+        "arctic_a0007_44k_stereo.mp3",
+        "arctic_a0007_44k_stereo.m4a",
+        "arctic_a0007_44k_stereo.flac",
+        "arctic_a0007.wav",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let form = Form::new()
+            .text("avatar_id", id.clone())
+            .part("audio", Part::bytes(media(audio)).file_name(audio));
+        let res = client
+            .post(s.url("/v1/lipsync"))
+            .multipart(form)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200, "{audio}");
+        let bytes = res.bytes().await.unwrap();
+        let mp4 = dir.path().join(format!("{round}.mp4"));
+        std::fs::write(&mp4, &bytes).unwrap();
+        let p = common::probe(&mp4);
+        // The whole speech (4 s) is in the video, with its 100 frames.
+        let a = common::num(&common::stream(&p, "audio")["duration"]);
+        let v = common::num(&common::stream(&p, "video")["nb_read_frames"]);
+        assert!((a - 4.0).abs() < 0.1, "{audio}: {a} s of audio");
+        assert_eq!(v, 100.0, "{audio}");
+        // After each request, replacements are started and wait for the next one: the muxer
+        // (speech through the pipe) and the workers (no speech).
+        let until = Instant::now() + Duration::from_secs(10);
+        while children_with_arg(pid, "pipe:3") == 0 && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(children_with_arg(pid, "pipe:3"), 1, "after {audio}");
+        assert!(children_with_arg(pid, "flv") >= 1, "after {audio}");
+    }
+    // At most two per command line: the workers' processes, all alike, stay at two; none
+    // was started for the M4A request's command line, which names its file.
+    let until = Instant::now() + Duration::from_secs(10);
+    while children_with_arg(pid, "flv") < 2 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(children_with_arg(pid, "flv"), 2);
+    assert_eq!(
+        children_with_arg(pid, "-hide_banner"),
+        3,
+        "the muxer and the two workers"
+    );
+}

@@ -306,7 +306,10 @@ impl EncoderSettings {
             args: args_for(speech.as_ref().map(|(arg, _)| arg.as_str())),
             fd3: feed.is_some(),
         };
-        let mut process = Process::spawn(&launch, self.spares.as_ref(), role, consume)?;
+        // A command line naming the speech file is never started ahead: no spare would match.
+        let named = speech.as_ref().is_some_and(|(_, f)| f.is_none());
+        let spares = self.spares.as_ref().filter(|_| !named);
+        let mut process = Process::spawn(&launch, spares, role, consume)?;
         if let Some(file) = feed {
             process.feed_fd3(file)?;
         }

@@ -16,7 +16,7 @@
 //! [`MAX_IDLE`] are kept, and every spare ends by itself when the service exits (its stdin
 //! closes).
 
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -127,11 +127,19 @@ impl Spares {
     }
 }
 
-/// Starts the spares asked for, a while after each request, until the pool is dropped.
+/// Starts the spares asked for, a while after each request, and ends the ones idle too long
+/// (checked every minute), until the pool is dropped.
 fn refill_loop(pool: &Weak<Pool>, requests: &Receiver<Launch>) {
-    while let Ok(first) = requests.recv() {
-        std::thread::sleep(REFILL_DELAY);
-        let launches: Vec<Launch> = std::iter::once(first).chain(requests.try_iter()).collect();
+    loop {
+        let first = match requests.recv_timeout(Duration::from_secs(60)) {
+            Ok(launch) => Some(launch),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
+        if first.is_some() {
+            std::thread::sleep(REFILL_DELAY);
+        }
+        let launches: Vec<Launch> = first.into_iter().chain(requests.try_iter()).collect();
         let Some(pool) = pool.upgrade() else {
             return;
         };
@@ -139,6 +147,7 @@ fn refill_loop(pool: &Weak<Pool>, requests: &Receiver<Launch>) {
         for launch in &launches {
             spares.refill(launch);
         }
+        expire(&mut spares.lock());
     }
 }
 
