@@ -150,9 +150,9 @@ fn pass_as_fd3(command: &mut Command, reader: File) {
     const F_SETFD: std::ffi::c_int = 2;
 
     // SAFETY: dup2(2) and fcntl(2) are system calls, async-signal-safe, between fork and
-    // exec. The reader (close-on-exec, see `pipe`) lives in the closure, so its descriptor is open in the child until exec; the copy
-    // at 3 is not close-on-exec (dup2 clears the flag; if the reader already is 3, the flag
-    // is cleared by hand).
+    // exec. The reader (close-on-exec, see `pipe`) lives in the closure, so its descriptor is
+    // open in the child until exec; the copy at 3 is not close-on-exec (dup2 clears the flag;
+    // if the reader already is 3, the flag is cleared by hand).
     unsafe {
         command.pre_exec(move || {
             let fd = reader.as_raw_fd();
