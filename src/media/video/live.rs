@@ -18,7 +18,7 @@ use std::sync::mpsc::{self, Sender};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::process::{spawn_thread, Launch, Process};
+use super::process::{spawn_thread, Process};
 use super::{strings, EncoderSettings, NO_PROBE, QUIET};
 use crate::media::yuv::Yuv420;
 use crate::media::Error;
@@ -130,12 +130,7 @@ impl LiveEncoder {
         }
         let fifo_arg = fifo.display().to_string();
         // Never from the spares: the command line names this session's FIFO.
-        let launch = Launch {
-            ffmpeg: settings.ffmpeg.clone(),
-            nice: settings.nice,
-            args: settings.live_args(&fifo_arg),
-            fd3: false,
-        };
+        let launch = settings.launch(settings.live_args(&fifo_arg), false);
         let mut process = Process::spawn(&launch, None, "live encoder", consume)?;
         let mut stdin = process
             .take_stdin()

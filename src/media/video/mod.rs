@@ -290,6 +290,16 @@ impl EncoderSettings {
         a
     }
 
+    /// This encoder's ffmpeg with `args`, reading descriptor 3 if `fd3`.
+    fn launch(&self, args: Vec<String>, fd3: bool) -> Launch {
+        Launch {
+            ffmpeg: self.ffmpeg.clone(),
+            nice: self.nice,
+            args,
+            fd3,
+        }
+    }
+
     /// Starts (or takes from the spares) the process `args_for(speech input)` describes, with
     /// the speech fed to it through descriptor 3 where the arguments say `pipe:3`.
     fn start_with_speech(
@@ -298,17 +308,16 @@ impl EncoderSettings {
         role: &str,
         consume: StdoutConsumer,
     ) -> Result<Process, Error> {
-        let speech = self.speech_input();
-        let feed = speech.as_ref().and_then(|(_, f)| *f);
-        let launch = Launch {
-            ffmpeg: self.ffmpeg.clone(),
-            nice: self.nice,
-            args: args_for(speech.as_ref().map(|(arg, _)| arg.as_str())),
-            fd3: feed.is_some(),
+        let (arg, feed) = match self.speech_input() {
+            Some((arg, feed)) => (Some(arg), feed),
+            None => (None, None),
         };
         // A command line naming the speech file is never started ahead: no spare would match.
-        let named = speech.as_ref().is_some_and(|(_, f)| f.is_none());
-        let spares = self.spares.as_ref().filter(|_| !named);
+        let spares = match (&arg, feed) {
+            (Some(_), None) => None,
+            _ => self.spares.as_ref(),
+        };
+        let launch = self.launch(args_for(arg.as_deref()), feed.is_some());
         let mut process = Process::spawn(&launch, spares, role, consume)?;
         if let Some(file) = feed {
             process.feed_fd3(file)?;
@@ -323,13 +332,12 @@ impl EncoderSettings {
         role: &str,
         consume: StdoutConsumer,
     ) -> Result<Process, Error> {
-        let launch = Launch {
-            ffmpeg: self.ffmpeg.clone(),
-            nice: self.nice,
-            args,
-            fd3: false,
-        };
-        Process::spawn(&launch, self.spares.as_ref(), role, consume)
+        Process::spawn(
+            &self.launch(args, false),
+            self.spares.as_ref(),
+            role,
+            consume,
+        )
     }
 
     /// AAC audio (if any) and fragmented MP4 on stdout.

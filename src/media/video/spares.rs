@@ -53,7 +53,8 @@ struct Spare {
 
 impl std::fmt::Debug for Spares {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Spares({} idle)", self.idle())
+        // Only counted: formatting ends no process.
+        write!(f, "Spares({} idle)", self.lock().len())
     }
 }
 
