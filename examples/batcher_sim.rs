@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use lipsync::engine::batcher::{Limits, Overloaded, RequestId};
 use lipsync::engine::pool::{self, BatchCost};
-use lipsync::engine::scheduler::{FrameResult, FrameWork, Scheduler};
+use lipsync::engine::scheduler::{Drawn, FrameResult, FrameWork, Scheduler};
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "The real batcher/scheduler driven by simulated model instances")]
@@ -115,6 +115,7 @@ fn admit(s: &Scheduler, n: usize) -> Result<(RequestId, Receiver<FrameResult>), 
             mel: Vec::new(),
             face: face.clone(),
             enhance: None,
+            restore: None,
             due: None,
         })
         .collect();
@@ -223,7 +224,9 @@ fn run(args: &Args, rate: f64) -> Row {
                         r.last_frame = Some(Instant::now());
                     }
                     for item in batch {
-                        let _ = item.reply.send(Ok((item.work.index, Vec::new())));
+                        let _ = item
+                            .reply
+                            .send(Ok((item.work.index, Drawn::face(Vec::new()))));
                     }
                 }
             })

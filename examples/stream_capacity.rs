@@ -177,6 +177,7 @@ fn run(args: &Args, sessions: usize) -> String {
             mel: Vec::new(),
             face: face.clone(),
             enhance: None,
+            restore: None,
             due: None,
         };
         // Register the deadline before the frame can be taken.

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
+use lipsync::engine::scheduler::Drawn;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::{self, Message};
@@ -773,7 +774,13 @@ fn audio_goes_ahead_of_the_frames_as_far_as_it_is_final_and_clear_keeps_it_with_
             tx.send(Input::Audio(piece.to_vec(), at)).unwrap();
         }
     };
-    let session = Session::new(&engine, avatar.clone(), &[0; 96 * 96 * 3], scfg, start);
+    let session = Session::new(
+        &engine,
+        avatar.clone(),
+        &Drawn::face(vec![0; 96 * 96 * 3]),
+        scfg,
+        start,
+    );
     let stats = std::thread::scope(|scope| {
         let sink = &mut sink;
         let run = scope.spawn(move || session.run(&rx, sink).unwrap());
@@ -908,7 +915,7 @@ fn a_session_draws_the_file_paths_frames() {
     while want.len() < sub.total() {
         if let Some(face) = sub.next_face(Duration::from_millis(100)).unwrap() {
             let mut f = avatar.frame.clone();
-            lipsync::media::face::paste(&mut f, &avatar.face, &face, &avatar.mask);
+            lipsync::media::face::paste(&mut f, &avatar.face, &face.face, &avatar.mask);
             want.push(f.rgb);
         }
     }
@@ -1619,8 +1626,8 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
     let mut last_face = Vec::new();
     while want.len() < sub.total() {
         if let Some(face) = sub.next_face(Duration::from_millis(100)).unwrap() {
-            want.push(composite(want.len(), &face));
-            last_face = face;
+            want.push(composite(want.len(), &face.face));
+            last_face = face.face;
         }
     }
     // The frames past the model's last one, to the end of the audio's second: its last face
@@ -1656,9 +1663,15 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
     }
     tx.send(Input::End).unwrap();
     let mut sink = Collect(Vec::new(), Vec::new());
-    let stats = Session::new(&engine, avatar.clone(), &[], scfg, start)
-        .run(&rx, &mut sink)
-        .unwrap();
+    let stats = Session::new(
+        &engine,
+        avatar.clone(),
+        &Drawn::face(Vec::new()),
+        scfg,
+        start,
+    )
+    .run(&rx, &mut sink)
+    .unwrap();
     assert_eq!(sink.1[0], Activity::Speaking, "speech starts at frame 0");
     assert_eq!(stats.speaking_frames as usize, want.len());
     assert_eq!(

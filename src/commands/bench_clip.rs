@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use lipsync::engine::clip::{self, ClipOptions, Loop};
 use lipsync::engine::compositor::Compositor;
+use lipsync::engine::scheduler::Drawn;
 use lipsync::engine::Avatar;
 use lipsync::media::face::{Blend, Pads};
 use lipsync::media::image::{Frame, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE};
@@ -119,7 +120,9 @@ pub fn bench_clip(a: &BenchArgs, path: &std::path::Path) -> Result<serde_json::V
                 let mut out =
                     Compositor::new(avatar, Loop::PingPong, enc.as_mut(), &Default::default())?;
                 for &i in &order {
-                    out.push(avatar.crop_bgr(i.min(avatar.frame_count() - 1)))?;
+                    out.push(&Drawn::face(
+                        avatar.crop_bgr(i.min(avatar.frame_count() - 1)).to_vec(),
+                    ))?;
                 }
             }
             enc.finish()?;

@@ -65,7 +65,9 @@ pub struct RenderArgs {
     #[arg(long)]
     pub frames_dir: Option<PathBuf>,
     /// Run an enhancer loaded with --enhancer-checkpoint on every predicted face: its kind
-    /// (esrgan) when one of that kind is loaded, or its name (the file's stem); none for none.
+    /// (esrgan, gfpgan) when one of that kind is loaded, or its name (the file's stem); none
+    /// for none. GFPGAN restores the pasted face aligned by the avatar's landmarks
+    /// (--landmarks, or placed in the box).
     #[arg(long, default_value = "none")]
     pub enhance: String,
     /// Run many renders with the model loaded once: a JSON Lines file, one object per line with

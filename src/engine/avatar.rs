@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use super::clip::{Clip, Loop};
 use crate::media::audio::Fps;
+use crate::media::face::restore::RestoreMask;
 use crate::media::face::{
     self, Blend, BlendMask, Detection, FaceBox, LandmarkSource, Landmarks, Pads,
 };
@@ -18,6 +19,22 @@ use crate::media::Error;
 /// once each (see [`Avatar::paste_at`]).
 #[derive(Default)]
 pub struct BlendMasks(std::collections::HashMap<(u32, u32), BlendMask>);
+
+/// Restore masks of an avatar's frames, made on first use (see [`Avatar::restore_mask`]).
+#[derive(Default)]
+pub struct RestoreMasks(
+    std::sync::Mutex<std::collections::HashMap<usize, Option<Arc<RestoreMask>>>>,
+);
+
+impl std::fmt::Debug for RestoreMasks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0.lock().map_or(0, |m| m.len());
+        write!(f, "RestoreMasks({n} made)")
+    }
+}
+
+/// Restore masks an avatar keeps at most (a long clip's are made again after this many).
+const MAX_RESTORE_MASKS: usize = 256;
 
 /// A photo or a clip ready to be animated. The fields describe the photo, or a clip's first
 /// frame; per-frame access goes through the methods.
@@ -44,6 +61,8 @@ pub struct Avatar {
     pub blend: Blend,
     /// The clip, for a video avatar.
     pub clip: Option<Arc<Clip>>,
+    /// Each avatar frame's restore mask, once made (shared by the avatar's copies).
+    pub restore_masks: Arc<RestoreMasks>,
 }
 
 impl Avatar {
@@ -108,6 +127,7 @@ impl Avatar {
     pub fn with_landmarks(mut self, l: Landmarks) -> Result<Avatar, Error> {
         l.check(self.source_size.0, self.source_size.1)?;
         self.given_landmarks = Some(l);
+        self.restore_masks = Arc::default();
         Ok(self)
     }
 
@@ -200,6 +220,41 @@ impl Avatar {
         Region::around(b.x1, b.y1, b.x2, b.y2, self.frame.width, self.frame.height)
     }
 
+    /// What restoring a face on avatar frame `i` needs (the alignment of its landmarks to the
+    /// template and the lower-face mask), made once per frame; `None` when its landmarks give
+    /// no usable alignment.
+    pub fn restore_mask(&self, i: usize) -> Option<Arc<RestoreMask>> {
+        let mut made = self
+            .restore_masks
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = made.get(&i) {
+            return m.clone();
+        }
+        let m = RestoreMask::new(&self.landmarks_at(i), self.frame.width, self.frame.height)
+            .map(Arc::new);
+        if made.len() >= MAX_RESTORE_MASKS {
+            made.clear();
+        }
+        made.insert(i, m.clone());
+        m
+    }
+
+    /// The even-aligned region of avatar frame `i` that a drawn frame changes: the face box's
+    /// ([`Avatar::face_region`]), and with face restoration (`restoring`) also what the
+    /// restore mask reaches.
+    pub fn drawn_region(&self, i: usize, restoring: bool) -> Region {
+        let b = self.face_at(i);
+        let (mut x1, mut y1, mut x2, mut y2) = (b.x1, b.y1, b.x2, b.y2);
+        if let Some(m) = restoring.then(|| self.restore_mask(i)).flatten() {
+            let (left, top, w, h) = m.region();
+            (x1, y1) = (x1.min(left), y1.min(top));
+            (x2, y2) = (x2.max(left + w), y2.max(top + h));
+        }
+        Region::around(x1, y1, x2, y2, self.frame.width, self.frame.height)
+    }
+
     /// Avatar frame `i`'s 96×96 BGR crop.
     pub fn crop_bgr(&self, i: usize) -> &[u8] {
         match &self.clip {
@@ -262,6 +317,7 @@ impl Avatar {
             mask,
             blend,
             clip: None,
+            restore_masks: Arc::default(),
         }
     }
 

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use super::avatar::BlendMasks;
 use super::clip::{Clip, Loop};
+use super::scheduler::Drawn;
 use super::{Avatar, Error};
 use crate::media::face;
 use crate::media::image::Frame;
@@ -78,9 +79,11 @@ impl<'a> Compositor<'a> {
         })
     }
 
-    /// The next frame's predicted face, 96×96 BGR (or larger and square, enhanced).
-    pub fn push(&mut self, face_bgr: &[u8]) -> Result<(), Error> {
+    /// The next frame's predicted face, 96×96 BGR (or larger and square, enhanced), or its
+    /// restored region.
+    pub fn push(&mut self, drawn: &Drawn) -> Result<(), Error> {
         let t = Instant::now();
+        let face_bgr = drawn.face.as_slice();
         if let Some(dir) = &self.keep.faces {
             save_face(dir, self.frames, face_bgr)?;
         }
@@ -91,11 +94,25 @@ impl<'a> Compositor<'a> {
                 Some(Ok(f)) => f?,
                 _ => a.background(i)?.into_owned(),
             };
-            a.paste_at(&mut frame, (0, 0), i, face_bgr, &mut self.masks);
+            match &drawn.restored {
+                Some(patch) => patch.write_into(&mut frame, (0, 0)),
+                None => a.paste_at(&mut frame, (0, 0), i, face_bgr, &mut self.masks),
+            }
             if let Some(dir) = &self.keep.frames {
                 save_frame(dir, self.frames, &frame)?;
             }
             yuv::convert_into(&mut self.last, &frame)
+        } else if let Some(restored) = &drawn.restored {
+            // The region a restored face changed, ready: written as it is.
+            if let Some(dir) = &self.keep.frames {
+                let mut whole = a.frame.clone();
+                restored.write_into(&mut whole, (0, 0));
+                save_frame(dir, self.frames, &whole)?;
+            }
+            let kept = self.last.get_or_insert_with(|| Yuv420::from_rgb(&a.frame));
+            let r = restored.region;
+            kept.write_rgb(r.x, r.y, &restored.rgb);
+            kept
         } else {
             let region = a.face_region(i);
             let patch = match &self.keep.frames {

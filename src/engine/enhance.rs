@@ -18,7 +18,7 @@ use candle_core::Device;
 use super::Error;
 use crate::media::face;
 use crate::model::arch::FACE_SIZE;
-use crate::model::enhancer::{self, DeviceNet, Enhancer, EnhancerNet, Kind};
+use crate::model::enhancer::{self, Applies, DeviceNet, Enhancer, EnhancerNet, Kind};
 
 /// The enhancer a frame asks for.
 #[derive(Clone)]
@@ -27,7 +27,8 @@ pub struct EnhanceWith {
     pub net: Arc<dyn EnhancerNet>,
     /// Its weights on the GPU, where the engine runs on one (else the CPU pass runs).
     pub on_device: Option<Arc<dyn DeviceNet>>,
-    /// One 96×96 face, measured at start-up (what live admission weighs its faces by).
+    /// One face (96×96, or one aligned face for a restorer), measured at start-up (what live
+    /// admission weighs its faces by).
     pub seconds_per_face: f64,
 }
 
@@ -38,12 +39,38 @@ impl std::fmt::Debug for EnhanceWith {
 }
 
 impl EnhanceWith {
-    /// `n` RGB faces `(n, 3, 96, 96)` in [0, 1] through the enhancer, on its device.
+    /// `n` RGB faces `(n, 3, side, side)` in [0, 1] through the enhancer, on its device
+    /// (`side` is [`EnhanceWith::side`]).
     pub fn forward(&self, n: usize, rgb: &[f32]) -> crate::model::Result<Vec<f32>> {
+        let side = self.side();
         match &self.on_device {
-            Some(d) => d.forward(n, FACE_SIZE, FACE_SIZE, rgb),
-            None => self.net.forward_cpu(n, FACE_SIZE, FACE_SIZE, rgb),
+            Some(d) => d.forward(n, side, side, rgb),
+            None => self.net.forward_cpu(n, side, side, rgb),
         }
+    }
+
+    /// Where a render applies it.
+    pub fn applies(&self) -> Applies {
+        self.net.applies()
+    }
+
+    /// Whether it restores the pasted face aligned to a template (GFPGAN) rather than the
+    /// generator's face.
+    pub fn restores(&self) -> bool {
+        matches!(self.applies(), Applies::AlignedFace(_))
+    }
+
+    /// The side of the faces it takes: the generator's 96, or the template's.
+    pub fn side(&self) -> usize {
+        side_of(self.applies())
+    }
+}
+
+/// The side of the square faces an enhancer applied so takes.
+fn side_of(applies: Applies) -> usize {
+    match applies {
+        Applies::Face => FACE_SIZE,
+        Applies::AlignedFace(side) => side,
     }
 }
 
@@ -113,13 +140,12 @@ impl Enhancers {
                     enhancer.name
                 )));
             }
-            // Rendering runs enhancers on the generator's faces: one that cannot take them
-            // (GFPGAN takes whole aligned faces) is refused here, with its own reason.
-            if let Err(e) = enhancer.net.check_size(FACE_SIZE, FACE_SIZE) {
+            // Rendering runs an enhancer on the generator's faces or on the pasted face
+            // aligned to its template: one that cannot take that size is refused here.
+            let side = side_of(enhancer.net.applies());
+            if let Err(e) = enhancer.net.check_size(side, side) {
                 return Err(crate::model::Error::Settings(format!(
-                    "{}: {e}; rendering runs enhancers on the generator's \
-                     {FACE_SIZE}x{FACE_SIZE} faces (`lipsync enhance` runs it on an image it \
-                     takes)",
+                    "{}: {e}; rendering runs it on {side}x{side} faces",
                     path.display()
                 )));
             }
@@ -134,7 +160,16 @@ impl Enhancers {
             }
             let on_device = match device {
                 Device::Cpu => None,
-                gpu => Some(enhancer.net.on_device(gpu)?),
+                gpu => match enhancer.net.on_device(gpu) {
+                    Ok(net) => Some(net),
+                    // A network without a device pass yet (GFPGAN) runs its CPU pass on
+                    // the enhancer instances' threads, and `/info` says so.
+                    Err(crate::model::Error::Unsupported(why)) => {
+                        tracing::warn!("enhancer {}: {why}; it runs on the CPU", enhancer.name);
+                        None
+                    }
+                    Err(e) => return Err(e),
+                },
             };
             let copies = match on_device {
                 None => Vec::new(),
@@ -149,7 +184,7 @@ impl Enhancers {
                 on_device,
                 seconds_per_face: 0.0,
             };
-            let grey = vec![0.5f32; 3 * FACE_SIZE * FACE_SIZE];
+            let grey = vec![0.5f32; 3 * side * side];
             // The first pass on a GPU loads kernels and picks algorithms: time the second.
             if with.on_device.is_some() {
                 with.forward(1, &grey)?;
@@ -157,8 +192,12 @@ impl Enhancers {
             let t = Instant::now();
             with.forward(1, &grey)?;
             with.seconds_per_face = t.elapsed().as_secs_f64();
+            if with.restores() {
+                // A restored face also costs its warps and blend on the CPU.
+                with.seconds_per_face += super::restore::warp_seconds(side);
+            }
             tracing::info!(
-                "enhancer {} ({}, {}): {:.1} ms per 96x96 face on the {}",
+                "enhancer {} ({}, {}): {:.1} ms per {side}x{side} face on the {}",
                 enhancer.name,
                 enhancer.kind().name(),
                 enhancer.net.describe(),
@@ -276,10 +315,10 @@ impl Enhancers {
         let each: Vec<(u64, u64)> = self
             .list
             .iter()
-            .filter_map(|l| l.with.on_device.as_ref())
-            .map(|d| {
-                let weights = d.bytes(0, FACE_SIZE, FACE_SIZE);
-                (weights, d.bytes(n, FACE_SIZE, FACE_SIZE) - weights)
+            .filter_map(|l| Some((l.with.on_device.as_ref()?, l.with.side())))
+            .map(|(d, side)| {
+                let weights = d.bytes(0, side, side);
+                (weights, d.bytes(n, side, side) - weights)
             })
             .collect();
         let per_instance =
@@ -299,6 +338,7 @@ impl Enhancers {
             .map(|l| {
                 let e = &l.enhancer;
                 let seconds_per_face = l.with.seconds_per_face;
+                let side = l.with.side();
                 serde_json::json!({
                     "name": e.name,
                     "kind": e.kind(),
@@ -311,7 +351,12 @@ impl Enhancers {
                     "instances": self.instances,
                     "ms_per_face": seconds_per_face * 1e3,
                     "faces_per_second": 1.0 / seconds_per_face.max(1e-9),
-                    "multiply_adds_per_face": e.net.multiply_adds(FACE_SIZE, FACE_SIZE),
+                    "multiply_adds_per_face": e.net.multiply_adds(side, side),
+                    "applies_to": match l.with.applies() {
+                        Applies::Face => "face",
+                        Applies::AlignedFace(_) => "aligned_face",
+                    },
+                    "face_side": side,
                 })
             })
             .collect()

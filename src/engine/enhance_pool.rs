@@ -32,7 +32,9 @@ use std::time::Instant;
 use super::batcher::RequestId;
 use super::enhance::{EnhanceWith, Enhancers, CHUNK};
 use super::metrics as m;
-use super::scheduler::{Class, FrameResult};
+use super::restore::Restore;
+use super::scheduler::{Class, Drawn, FrameResult};
+use crate::model::enhancer::DeviceNet;
 
 /// One face waiting for its enhancer.
 pub struct Handed {
@@ -41,6 +43,8 @@ pub struct Handed {
     /// The frame's number in its request (what its answer carries).
     pub index: usize,
     pub with: EnhanceWith,
+    /// Where the face is restored, for a restorer ([`super::restore`]).
+    pub restore: Option<Restore>,
     /// The predicted face, `(3, 96, 96)` planar BGR in [0, 1], as the generator drew it.
     pub pred: Vec<f32>,
     pub reply: Sender<FrameResult>,
@@ -177,11 +181,11 @@ impl EnhancePool {
             let t = Instant::now();
             let with = batch[0].with.clone();
             let net = enhancers.instance_net(&with, k);
-            let faces: Vec<&[f32]> = batch.iter().map(|h| h.pred.as_slice()).collect();
-            let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                super::enhance::run_batch(&with, net.as_deref(), &faces)
-            }))
-            .unwrap_or_else(|p| Err(format!("panicked: {}", super::pool::panic_message(&p))));
+            let result =
+                std::panic::catch_unwind(AssertUnwindSafe(|| run(&with, net.as_deref(), &batch)))
+                    .unwrap_or_else(|p| {
+                        Err(format!("panicked: {}", super::pool::panic_message(&p)))
+                    });
             m::stage("enhance", t.elapsed());
             match result {
                 Ok(out) => {
@@ -202,6 +206,32 @@ impl EnhancePool {
             }
         }
     }
+}
+
+/// A batch through its enhancer: the faces enhanced, or pasted and restored by a restorer.
+fn run(
+    with: &EnhanceWith,
+    net: Option<&dyn DeviceNet>,
+    batch: &[Handed],
+) -> Result<Vec<Drawn>, String> {
+    if !with.restores() {
+        let faces: Vec<&[f32]> = batch.iter().map(|h| h.pred.as_slice()).collect();
+        let out = super::enhance::run_batch(with, net, &faces)?;
+        return Ok(out.into_iter().map(Drawn::face).collect());
+    }
+    let faces = batch
+        .iter()
+        .map(|h| {
+            let at = h.restore.as_ref().ok_or_else(|| {
+                format!(
+                    "{} restores a pasted face: the frame says not where",
+                    with.name
+                )
+            })?;
+            Ok((h.pred.as_slice(), at))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    super::restore::run_batch(with, net, &faces)
 }
 
 /// Seconds a batch without live faces may take, by the enhancer's cost measured at start-up:
@@ -261,6 +291,7 @@ mod tests {
             class,
             index,
             with: w.clone(),
+            restore: None,
             pred: Vec::new(),
             reply,
         }
@@ -350,6 +381,7 @@ mod tests {
                 class: Class::Interactive,
                 index: i,
                 with: w.clone(),
+                restore: None,
                 pred: face(i),
                 reply: tx.clone(),
             })
@@ -362,7 +394,7 @@ mod tests {
         }
         for (i, f) in &got {
             let alone = super::super::enhance::run_batch(&w, None, &[&face(*i)]).unwrap();
-            assert_eq!(f, &alone[0], "face {i}");
+            assert_eq!(f, &Drawn::face(alone[0].clone()), "face {i}");
         }
         // Cancelling drops what waits: hold both instances' next batches behind a queue of
         // one request, cancel it, and see nothing of it answered.
@@ -373,6 +405,7 @@ mod tests {
                 class: Class::Background,
                 index: i,
                 with: w.clone(),
+                restore: None,
                 pred: face(i),
                 reply: tx.clone(),
             })
@@ -474,6 +507,7 @@ mod tests {
                     mel: vec![0.0; crate::engine::backend::MEL_LEN],
                     face: face.clone(),
                     enhance: enhance.clone(),
+                    restore: None,
                     due: None,
                 })
                 .collect()
@@ -483,13 +517,17 @@ mod tests {
         for i in 0..8 {
             let f = plain.next_face(Duration::from_secs(30)).unwrap();
             let f = f.unwrap_or_else(|| panic!("plain face {i} waited for the enhancer"));
-            assert_eq!(f.len(), 3 * 96 * 96);
+            assert_eq!(f.face.len(), 3 * 96 * 96);
         }
         assert_eq!(enhanced.next_face(Duration::from_millis(50)).unwrap(), None);
         gated.open();
         for i in 0..8 {
             let f = enhanced.next_face(Duration::from_secs(60)).unwrap();
-            assert_eq!(f.map(|f| f.len()), Some(3 * 192 * 192), "enhanced face {i}");
+            assert_eq!(
+                f.map(|f| f.face.len()),
+                Some(3 * 192 * 192),
+                "enhanced face {i}"
+            );
         }
         engine.shutdown();
     }

@@ -16,7 +16,7 @@ use super::enhance::Enhancers;
 use super::enhance_pool::EnhancePool;
 use super::pool::{Pool, PoolConfig, PoolStatus};
 use super::render::video_frames;
-use super::scheduler::{FrameResult, FrameWork, Scheduler};
+use super::scheduler::{Drawn, FrameResult, FrameWork, Scheduler};
 use super::Error;
 use crate::media::audio::{Fps, FramePlan, Speech, WINDOW};
 
@@ -122,6 +122,7 @@ pub fn plan(
             mel: mel.window(plan.start(index), WINDOW),
             face: face_for(index),
             enhance: None,
+            restore: None,
             due: None,
         })
         .collect();
@@ -139,7 +140,7 @@ pub struct Submission {
     scheduler: Arc<Scheduler>,
     id: RequestId,
     results: Receiver<FrameResult>,
-    pending: BTreeMap<usize, Vec<u8>>,
+    pending: BTreeMap<usize, Drawn>,
     next: usize,
     total: usize,
 }
@@ -174,7 +175,7 @@ impl Submission {
     /// The next face in order, waiting at most `wait`: `Ok(None)` when it has not come yet
     /// (or every face has been handed out). Each face handed out is acknowledged, so the
     /// batcher keeps this request within its look-ahead.
-    pub fn next_face(&mut self, wait: Duration) -> Result<Option<Vec<u8>>, Error> {
+    pub fn next_face(&mut self, wait: Duration) -> Result<Option<Drawn>, Error> {
         if self.next >= self.total {
             return Ok(None);
         }

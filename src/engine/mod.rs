@@ -23,6 +23,7 @@ pub mod metrics;
 pub mod pipeline;
 pub mod pool;
 pub mod render;
+pub mod restore;
 pub mod scheduler;
 pub mod session;
 

@@ -210,6 +210,8 @@ pub fn start(
     if let Some(with) = &options.enhance {
         for f in &mut planned.frames {
             f.enhance = Some(with.clone());
+            let i = avatar.select(f.index, options.loop_mode);
+            f.restore = super::restore::Restore::when(Some(with), &avatar, i);
         }
     }
     m::stage("mel", t.elapsed());

@@ -39,7 +39,7 @@ use super::backend::{Loader, Model, FACE_LEN, MEL_LEN, PRED_LEN};
 use super::batcher::Limits;
 use super::enhance_pool::Handed;
 use super::metrics as m;
-use super::scheduler::{BatchItem, Scheduler};
+use super::scheduler::{BatchItem, Drawn, Scheduler};
 use crate::media::face;
 use crate::model::Precision;
 
@@ -1014,11 +1014,12 @@ impl Instance<'_> {
                             class: item.class,
                             index: item.work.index,
                             with,
+                            restore: item.work.restore,
                             pred: p.to_vec(),
                             reply: item.reply,
                         }),
                         None => {
-                            let face = face::prediction_to_bgr(p);
+                            let face = Drawn::face(face::prediction_to_bgr(p));
                             // A closed receiver means the request was cancelled meanwhile.
                             let _ = item.reply.send(Ok((item.work.index, face)));
                         }
@@ -1257,6 +1258,7 @@ mod tests {
                 mel: vec![index as f32; MEL_LEN],
                 face: face.clone(),
                 enhance: None,
+                restore: None,
                 due: None,
             })
             .collect()

@@ -34,6 +34,8 @@ pub struct FrameWork {
     pub face: Arc<Vec<u8>>,
     /// The enhancer to run on the predicted face, if the request asked for one.
     pub enhance: Option<super::enhance::EnhanceWith>,
+    /// Where the face is restored, when `enhance` is a restorer (GFPGAN).
+    pub restore: Option<super::restore::Restore>,
     /// When a live session's frame is due (set on admission by [`Scheduler::admit_realtime`];
     /// the enhancers' batches order live frames by it).
     pub due: Option<Instant>,
@@ -48,9 +50,28 @@ pub enum Class {
     Background,
 }
 
-/// One predicted face, 96×96×3 BGR (96·s × 96·s when an enhancer of scale s ran on it), or
-/// why the model failed.
-pub type FrameResult = Result<(usize, Vec<u8>), String>;
+/// What the engine gives back for one frame.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Drawn {
+    /// The predicted face, 96×96×3 BGR (96·s × 96·s when an enhancer of scale s ran on it).
+    pub face: Vec<u8>,
+    /// With a face restorer (GFPGAN, [`super::restore`]): the avatar frame's region with the
+    /// face pasted and restored in it, which is written instead of pasting `face`.
+    pub restored: Option<Arc<super::restore::Patch>>,
+}
+
+impl Drawn {
+    /// A face to paste.
+    pub fn face(face: Vec<u8>) -> Drawn {
+        Drawn {
+            face,
+            restored: None,
+        }
+    }
+}
+
+/// One frame's [`Drawn`] face, or why the model failed.
+pub type FrameResult = Result<(usize, Drawn), String>;
 
 /// A frame taken for a batch, with what the instance needs to run and answer it.
 pub struct BatchItem {
@@ -493,6 +514,7 @@ mod tests {
                 mel: vec![0.0; 4],
                 face: face.clone(),
                 enhance: None,
+                restore: None,
                 due: None,
             })
             .collect()
@@ -555,7 +577,7 @@ mod tests {
         assert_eq!(s.queued(), 0);
         // Replies for frames already taken go nowhere once the receiver is gone.
         drop(ra);
-        assert!(batch[0].reply.send(Ok((0, vec![]))).is_err());
+        assert!(batch[0].reply.send(Ok((0, Drawn::face(vec![])))).is_err());
     }
 
     #[test]
@@ -608,6 +630,7 @@ mod tests {
             mel: vec![],
             face: face.clone(),
             enhance: None,
+            restore: None,
             due: None,
         };
         let due = Instant::now() + Duration::from_millis(400);

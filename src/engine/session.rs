@@ -52,7 +52,8 @@ use rubato::{Fft, FixedSync, Resampler};
 use super::front::{Engine, Submission};
 use super::metrics as m;
 use super::render::video_frames;
-use super::scheduler::FrameWork;
+use super::restore::Restore;
+use super::scheduler::{Drawn, FrameWork};
 use super::{Avatar, Error};
 use crate::media::audio::mel::{self, HOP, SAMPLE_RATE};
 use crate::media::audio::{mel_spectrogram, Fps, FramePlan, MIN_SAMPLES, WINDOW};
@@ -305,13 +306,14 @@ impl SessionStats {
 }
 
 /// The face the model draws for silence on `avatar`, 96×96 BGR (waits for the engine),
-/// enhanced by `enhance` if given.
+/// enhanced by `enhance` if given (restored on the avatar's first frame by a restorer).
 pub fn idle_face(
     engine: &Engine,
-    avatar: &Avatar,
+    avatar: &Arc<Avatar>,
     enhance: Option<super::enhance::EnhanceWith>,
     wait: Duration,
-) -> Result<Vec<u8>, Error> {
+) -> Result<Drawn, Error> {
+    let restore = Restore::when(enhance.as_ref(), avatar, 0);
     let silence = mel_spectrogram(&vec![0.0; MIN_SAMPLES]);
     let work = FrameWork {
         index: 0,
@@ -319,6 +321,7 @@ pub fn idle_face(
         mel: silence.window(0, WINDOW),
         face: avatar.crop(0),
         enhance,
+        restore,
         due: None,
     };
     let mut sub = engine.submit_realtime(vec![(work, Instant::now())]);
@@ -493,7 +496,7 @@ struct Utterance {
     /// Frames sent.
     sent: usize,
     /// The face of frame `sent`, when it is drawn and has come.
-    ready: Option<Vec<u8>>,
+    ready: Option<Drawn>,
     /// `(first 16 kHz sample, arrival)` of each audio chunk not yet in a drawn frame.
     arrivals: VecDeque<(usize, Instant)>,
 }
@@ -647,9 +650,9 @@ pub struct Session<'a> {
     masks: super::avatar::BlendMasks,
     /// Which speaking frames are drawn.
     stride: Stride,
-    /// The last face drawn (96×96 BGR), shown again on held frames of a video avatar (a
-    /// photo avatar's held frames repeat `scratch`, which holds it composited).
-    last_face: Option<Vec<u8>>,
+    /// The last face drawn, shown again on held frames of a video avatar (a photo avatar's
+    /// held frames repeat `scratch`, which holds it composited).
+    last_face: Option<Drawn>,
 }
 
 impl<'a> Session<'a> {
@@ -658,15 +661,19 @@ impl<'a> Session<'a> {
     pub fn new(
         engine: &'a Engine,
         avatar: Arc<Avatar>,
-        idle_face: &[u8],
+        idle_face: &Drawn,
         cfg: SessionConfig,
         start: Instant,
     ) -> Self {
         let clip = avatar.clip.is_some();
         let mut idle_frame = avatar.frame.clone();
         if !clip {
-            face::paste(&mut idle_frame, &avatar.face, idle_face, &avatar.mask);
+            match &idle_face.restored {
+                Some(patch) => patch.write_into(&mut idle_frame, (0, 0)),
+                None => face::paste(&mut idle_frame, &avatar.face, &idle_face.face, &avatar.mask),
+            }
         }
+        let restoring = cfg.enhance.as_ref().is_some_and(|e| e.restores());
         Session {
             stride: Stride::new(cfg.fps.value(), cfg.draw_fps, cfg.fair_share.clone()),
             last_face: None,
@@ -676,7 +683,7 @@ impl<'a> Session<'a> {
             face_input: avatar.crop(0),
             scratch: idle_frame.clone(),
             idle_frame,
-            region: (!clip).then(|| avatar.face_region(0)),
+            region: (!clip).then(|| avatar.drawn_region(0, restoring)),
             avatar,
             cfg,
             start,
@@ -1020,10 +1027,10 @@ impl<'a> Session<'a> {
                     Some(p) => mel_window(&u.samples, p.start(j)),
                     None => open_mel_window(&u.samples, (j as f64 * step) as usize),
                 };
+                let c = self
+                    .avatar
+                    .select((first + j as u64) as usize, self.cfg.loop_mode);
                 let face = if self.clip {
-                    let c = self
-                        .avatar
-                        .select((first + j as u64) as usize, self.cfg.loop_mode);
                     self.avatar.crop(c)
                 } else {
                     self.face_input.clone()
@@ -1034,6 +1041,7 @@ impl<'a> Session<'a> {
                     mel,
                     face,
                     enhance: self.cfg.enhance.clone(),
+                    restore: Restore::when(self.cfg.enhance.as_ref(), &self.avatar, c),
                     due: None,
                 };
                 draws.push((j, self.engine.submit_realtime(vec![(work, due)])));
@@ -1207,7 +1215,7 @@ impl<'a> Session<'a> {
                 self.last_face = Some(face);
             } else if self.clip {
                 let last = self.last_face.take();
-                let r = self.compose(k, last.as_deref());
+                let r = self.compose(k, last.as_ref());
                 self.last_face = last;
                 r?;
             }
@@ -1273,9 +1281,10 @@ impl<'a> Session<'a> {
         Ok(())
     }
 
-    /// Composites frame `k` into `scratch`: `face` (96×96 BGR) pasted on the avatar's frame
-    /// (a video avatar: on clip frame `k`'s background; with no face, the background alone).
-    fn compose(&mut self, k: u64, face: Option<&[u8]>) -> Result<(), Error> {
+    /// Composites frame `k` into `scratch`: `face` pasted on the avatar's frame, or its
+    /// restored region written there (a video avatar: on clip frame `k`'s background; with
+    /// no face, the background alone).
+    fn compose(&mut self, k: u64, face: Option<&Drawn>) -> Result<(), Error> {
         if self.clip {
             let a = self.avatar.clone();
             let i = a.select(k as usize, self.cfg.loop_mode);
@@ -1283,8 +1292,18 @@ impl<'a> Session<'a> {
             let Some(face) = face else {
                 return Ok(());
             };
-            a.paste_at(&mut self.scratch, (0, 0), i, face, &mut self.masks);
-        } else if let Some(face) = face {
+            match &face.restored {
+                Some(patch) => patch.write_into(&mut self.scratch, (0, 0)),
+                None => a.paste_at(&mut self.scratch, (0, 0), i, &face.face, &mut self.masks),
+            }
+        } else if let Some(Drawn {
+            restored: Some(patch),
+            ..
+        }) = face
+        {
+            // The patch covers everything a drawn frame changes (`self.region`).
+            patch.write_into(&mut self.scratch, (0, 0));
+        } else if let Some(Drawn { face, .. }) = face {
             // Only the face box changes: the rest of `scratch` is the photo already.
             let b = &self.avatar.face;
             let stride = self.scratch.width as usize * 3;

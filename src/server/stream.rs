@@ -972,7 +972,7 @@ fn session_thread(
     };
     // A video avatar idles on its own frames: no idle face to draw.
     let face = if avatar.clip.is_some() {
-        Vec::new()
+        engine::scheduler::Drawn::face(Vec::new())
     } else {
         match session::idle_face(
             engine,

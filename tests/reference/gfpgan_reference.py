@@ -75,18 +75,9 @@ def load_upstream(root: pathlib.Path):
     return load("gfpgan.archs.gfpganv1_clean_arch", root / "gfpgan" / "archs" / "gfpganv1_clean_arch.py")
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--upstream", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--input", required=True)
-    p.add_argument("--time", type=int, default=0)
-    args = p.parse_args()
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    arch = load_upstream(pathlib.Path(args.upstream))
-    torch.manual_seed(38)
-    net = arch.GFPGANv1Clean(
+def new_net(arch):
+    """GFPGANv1Clean as GFPGANer builds it for v1.3 / v1.4."""
+    return arch.GFPGANv1Clean(
         out_size=512,
         num_style_feat=512,
         channel_multiplier=2,
@@ -98,6 +89,12 @@ def main():
         narrow=1,
         sft_half=True,
     ).eval()
+
+
+def random_net(arch):
+    """The deterministic random network the tests use (see the module's docstring)."""
+    torch.manual_seed(38)
+    net = new_net(arch)
     g = torch.Generator().manual_seed(1038)
     with torch.no_grad():
         for name, t in net.named_parameters():
@@ -108,6 +105,20 @@ def main():
                 t.copy_(0.3 * torch.randn(t.shape, generator=g))
         for name, b in net.named_buffers():
             b.copy_(torch.randn(b.shape, generator=g))
+    return net
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--upstream", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--input", required=True)
+    p.add_argument("--time", type=int, default=0)
+    args = p.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    arch = load_upstream(pathlib.Path(args.upstream))
+    net = random_net(arch)
     state = net.state_dict()
     assert len(state) == 285, len(state)
     torch.save({"params_ema": state}, out / "GFPGANv1.4.pth", _use_new_zipfile_serialization=False)

@@ -1,6 +1,7 @@
-//! `bench --sections enhancers`: each `--enhancer-checkpoint`'s faces/s on 96×96 faces in
-//! f32 where `serve` runs it (batches 1 and 16 with the CPU pass; 1, 16 and 64 with the
-//! tensor pass on CUDA), and what asking for it adds to a whole request: `--enhance-seconds`
+//! `bench --sections enhancers`: each `--enhancer-checkpoint`'s faces/s in f32 where `serve`
+//! runs it, on the faces a render gives it (96×96, or aligned 512×512 for GFPGAN; batches 1, 4
+//! and 16 with the CPU pass, 1, 4, 16 and 64 with the tensor pass on CUDA; a restorer's
+//! batches stop at what the engine runs at once, [`restore::CHUNK`]), and what asking for it adds to a whole request: `--enhance-seconds`
 //! of speech rendered on the echo device once plain and once with each enhancer (on the
 //! bench's device), through the engine `serve` would start (its instances, batches and
 //! encoder workers), so the difference is the enhancer's alone.
@@ -11,9 +12,9 @@ use std::time::Instant;
 use candle_core::Device;
 use lipsync::engine::enhance::Enhancers;
 use lipsync::engine::pipeline::Options;
+use lipsync::engine::restore;
 use lipsync::engine::Avatar;
 use lipsync::media::audio;
-use lipsync::model::arch::FACE_SIZE;
 use lipsync::model::DeviceKind;
 
 use super::{read_file, request, request_settings, serve_settings, BenchArgs, CliError};
@@ -48,26 +49,34 @@ fn faces_per_second(
     device: &Device,
 ) -> Result<Vec<serde_json::Value>, CliError> {
     let (batches, pass): (&[usize], _) = match device {
-        Device::Cpu => (&[1, 16], "the CPU pass"),
-        _ => (&[1, 16, 64], "the tensor pass on the GPU"),
+        Device::Cpu => (&[1, 4, 16], "the CPU pass"),
+        _ => (&[1, 4, 16, 64], "the tensor pass on the GPU"),
     };
-    println!("## Enhancers (96x96 faces, f32, {pass}, median of 3)\n");
+    println!(
+        "## Enhancers (f32, {pass}, median of 3; a restorer's batches up to {})\n",
+        restore::CHUNK
+    );
     let columns: Vec<String> = batches
         .iter()
         .map(|b| format!("batch {b} faces/s"))
         .collect();
     println!(
-        "| enhancer | architecture | multiply-adds per face | {} |",
+        "| enhancer | architecture | face | multiply-adds per face | {} |",
         columns.join(" | ")
     );
-    println!("|---|---|---|{}", "---|".repeat(batches.len()));
+    println!("|---|---|---|---|{}", "---|".repeat(batches.len()));
     let mut rows = Vec::new();
     for e in enhancers.all() {
         let mut rates = serde_json::Map::new();
         let mut cells = Vec::new();
+        let side = e.side();
         for &n in batches {
+            if e.restores() && n > restore::CHUNK {
+                cells.push("—".into());
+                continue;
+            }
             // A smooth face-like ramp: the cost does not depend on the values.
-            let faces: Vec<f32> = (0..n * 3 * FACE_SIZE * FACE_SIZE)
+            let faces: Vec<f32> = (0..n * 3 * side * side)
                 .map(|i| (i % 251) as f32 / 250.0)
                 .collect();
             e.forward(n, &faces)?;
@@ -82,9 +91,9 @@ fn faces_per_second(
             cells.push(format!("{rate:.2}"));
             rates.insert(n.to_string(), rate.into());
         }
-        let macs = e.net.multiply_adds(FACE_SIZE, FACE_SIZE);
+        let macs = e.net.multiply_adds(side, side);
         println!(
-            "| {} | {} | {:.2} G | {} |",
+            "| {} | {} | {side}x{side} | {:.2} G | {} |",
             e.name,
             e.net.describe(),
             macs / 1e9,
@@ -93,7 +102,7 @@ fn faces_per_second(
         rows.push(serde_json::json!({
             "name": e.name.as_ref(), "kind": e.net.kind(), "architecture": e.net.describe(),
             "device": if e.on_device.is_some() { "cuda" } else { "cpu" },
-            "multiply_adds_per_face": macs, "faces_per_second": rates,
+            "multiply_adds_per_face": macs, "faces_per_second": rates, "face_side": side,
         }));
     }
     println!();

@@ -32,7 +32,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::{dims, strict_tensors, DeviceNet, EnhancerNet, Kind};
+use super::{dims, strict_tensors, Applies, DeviceNet, EnhancerNet, Kind};
 use crate::model::checkpoint::Checkpoint;
 use crate::model::cpu::{nchw_to_nhwc, nhwc_to_nchw, Act, Activation, Conv};
 use crate::model::{Error, Result};
@@ -537,6 +537,10 @@ impl Gfpgan {
 impl EnhancerNet for Gfpgan {
     fn kind(&self) -> Kind {
         Kind::Gfpgan
+    }
+
+    fn applies(&self) -> Applies {
+        Applies::AlignedFace(SIDE)
     }
 
     fn describe(&self) -> String {

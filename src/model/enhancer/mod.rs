@@ -37,9 +37,25 @@ impl Kind {
     }
 }
 
+/// Where a render applies an enhancer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applies {
+    /// On the generator's 96×96 face, before it is pasted (Real-ESRGAN): the compositor
+    /// pastes the enhanced face instead.
+    Face,
+    /// On the pasted face aligned to the FFHQ template of this side (GFPGAN): the restored
+    /// face is warped back into the frame through the lower-face mask
+    /// (`media::face::restore`).
+    AlignedFace(usize),
+}
+
 /// An enhancer's weights, ready to run; shared by everything that runs it.
 pub trait EnhancerNet: Send + Sync {
     fn kind(&self) -> Kind;
+    /// Where a render applies it.
+    fn applies(&self) -> Applies {
+        Applies::Face
+    }
     /// The architecture and its settings, for `/info` and messages
     /// (`SRVGGNetCompact (32 convolutions, x4)`).
     fn describe(&self) -> String;

@@ -72,7 +72,10 @@ async function loadInfo() {
     for (const e of enhancers) {
       const opt = document.createElement("option");
       opt.value = e.name;
-      opt.textContent = `${e.name} (${e.kind}, x${e.scale})`;
+      // Real-ESRGAN sharpens the generated mouth (x2, x4); GFPGAN restores the lower face.
+      const what = e.applies_to === "aligned_face" ? "restores the face" : `x${e.scale}`;
+      const cost = e.ms_per_face >= 1000 ? `, ${(e.ms_per_face / 1000).toFixed(1)} s a face` : "";
+      opt.textContent = `${e.name} (${e.kind}, ${what}${cost})`;
       $("enhance").append(opt);
     }
     $("enhance-row").hidden = enhancers.length === 0;

@@ -85,8 +85,8 @@ class Client:
     ) -> bytes:
         """`POST /v1/lipsync`: the whole MP4 (H.264 + AAC). `options`: `fps`, `box`, `pads`,
         `landmarks`, `smooth`, `loop`, `blend`, `crf`, `enhance` (an enhancer loaded on the
-        server: `"esrgan"` or its name; a box or pads as a 4-tuple, landmarks as five (x, y)
-        pairs)."""
+        server: `"esrgan"`, `"gfpgan"` or its name; a box or pads as a 4-tuple, landmarks as
+        five (x, y) pairs)."""
         return b"".join(
             self.render_stream(audio, image=image, video=video, avatar_id=avatar_id, **options)
         )
