@@ -412,9 +412,13 @@ mod tests {
         })
     }
 
-    /// One second of a tone at 16 kHz, as a WAV file in `dir`, named after `class`.
+    /// One second of a tone at 16 kHz, as a new WAV file in `dir`, named after `class` (a
+    /// file of its own per call: a render's encoder reads its speech while it runs, so
+    /// rewriting one in use would corrupt it).
     fn speech(dir: &Path, class: Class) -> Speech {
-        let path = dir.join(format!("speech-{class:?}.wav"));
+        static MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = dir.join(format!("speech-{class:?}-{n}.wav"));
         let spec = hound::WavSpec {
             channels: 1,
             sample_rate: 16_000,
