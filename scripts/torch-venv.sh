@@ -3,11 +3,12 @@
 # the PyTorch yardstick (tests/bench.rs), the enhancers' references (tests/enhancer.rs) and the
 # rehearsal of the GPU run's torch stage (bench/gpu_run.sh --rehearse). Prints the venv's python
 # on stdout; progress goes to stderr.
-# Beside it, in target/torch-venv/upstream, the upstream Real-ESRGAN and GFPGAN architecture
-# files that tests/reference/esrgan_reference.py and gfpgan_reference.py load: the realesrgan
-# 0.3.0 and gfpgan 1.3.8 wheels and the basicsr 1.4.2 sdist from PyPI, checked against their
-# SHA-256 (not installed: their package imports pull
-# OpenCV and torchvision, which the reference replaces with stand-ins).
+# Beside it, in target/torch-venv/upstream, the upstream Real-ESRGAN, GFPGAN and RetinaFace
+# files that tests/reference/esrgan_reference.py, gfpgan_reference.py and
+# retinaface_reference.py load: the realesrgan 0.3.0, gfpgan 1.3.8 and facexlib 0.3.0 wheels
+# and the basicsr 1.4.2 sdist from PyPI, checked against their SHA-256 (not installed: their
+# package imports pull in more than the architectures, which the references replace with
+# stand-ins). torchvision is installed (facexlib's RetinaFace builds its ResNet-50 with it).
 # PyTorch's CPU-only index is tried first (a 200 MB wheel); where it cannot be reached, PyPI's
 # wheel (CUDA libraries included, about 5 GB installed) is used: both compute on the CPU here.
 #
@@ -32,10 +33,23 @@ if ! "$venv/bin/python" -c "import cv2, sys; sys.exit(cv2.__version__ != '${open
   echo "torch-venv: installing opencv-python-headless $opencv into $venv" >&2
   "$venv/bin/pip" install -q --disable-pip-version-check "opencv-python-headless==$opencv" >&2
 fi
+# torchvision for facexlib's RetinaFace reference (its ResNet-50 and NMS), held to the torch
+# already installed so pip never swaps it.
+if ! "$venv/bin/python" -c 'import torchvision' 2>/dev/null; then
+  echo "torch-venv: installing torchvision into $venv" >&2
+  pin=$(mktemp)
+  "$venv/bin/python" -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' >"$pin"
+  pip=("$venv/bin/pip" install -q --disable-pip-version-check -c "$pin")
+  "${pip[@]}" --index-url https://download.pytorch.org/whl/cpu --timeout 20 torchvision >&2 2>/dev/null \
+    || "${pip[@]}" torchvision >&2
+  rm -f "$pin"
+  "$venv/bin/python" -c 'import torchvision' >&2
+fi
 upstream=$venv/upstream
 if [ ! -f "$upstream/basicsr/archs/rrdbnet_arch.py" ] || [ ! -f "$upstream/realesrgan/archs/srvgg_arch.py" ] \
-  || [ ! -f "$upstream/gfpgan/archs/gfpganv1_clean_arch.py" ]; then
-  echo "torch-venv: fetching the upstream Real-ESRGAN and GFPGAN architecture files into $upstream" >&2
+  || [ ! -f "$upstream/gfpgan/archs/gfpganv1_clean_arch.py" ] \
+  || [ ! -f "$upstream/facexlib/detection/retinaface.py" ]; then
+  echo "torch-venv: fetching the upstream Real-ESRGAN, GFPGAN and RetinaFace files into $upstream" >&2
   "$venv/bin/python" - "$upstream" >&2 <<'PY'
 import hashlib, io, json, pathlib, sys, tarfile, urllib.request, zipfile
 out = pathlib.Path(sys.argv[1])
@@ -47,9 +61,14 @@ files = [
      "b89b595a87ef964cda9913b4d99380ddb6554c965577c0c10cb7b78e31301e87"),
     ("gfpgan", "1.3.8", "gfpgan-1.3.8-py3-none-any.whl",
      "3d8386df6320aa9dfb0dd4cd09d9f8ed12ae0bbd9b2df257c3d21aefac5d8b85"),
+    ("facexlib", "0.3.0", "facexlib-0.3.0-py3-none-any.whl",
+     "245d58861537b820c616e8b3ef618ccfad2a24724a2d74be2b0542643c01a878"),
 ]
 wanted = {"realesrgan/archs/srvgg_arch.py", "basicsr/archs/rrdbnet_arch.py", "basicsr/archs/arch_util.py",
-          "gfpgan/archs/gfpganv1_clean_arch.py", "gfpgan/archs/stylegan2_clean_arch.py"}
+          "gfpgan/archs/gfpganv1_clean_arch.py", "gfpgan/archs/stylegan2_clean_arch.py",
+          "facexlib/detection/retinaface.py", "facexlib/detection/retinaface_net.py",
+          "facexlib/detection/retinaface_utils.py", "facexlib/detection/align_trans.py",
+          "facexlib/detection/matlab_cp2tform.py"}
 for project, version, name, sha in files:
     meta = json.load(urllib.request.urlopen(f"https://pypi.org/pypi/{project}/json", timeout=60))
     url = next(u["url"] for u in meta["releases"][version] if u["filename"] == name)

@@ -1004,3 +1004,96 @@ async fn every_door_restores_with_gfpgan(ck: &Path, dir: &Path) {
     assert!(eyes < 6.0 && mouth > 20.0, "eyes {eyes}, mouth {mouth}");
     let _ = ws.close(None).await;
 }
+
+#[test]
+fn retinaface_matches_facexlib_on_random_checkpoints_of_both_published_layouts() {
+    // tests/reference/retinaface_reference.py makes a random checkpoint in each published
+    // layout (facexlib's detection_Resnet50_Final.pth, zip; Pytorch_Retinaface's
+    // mobilenet0.25_Final.pth, legacy with `module.` keys) and runs facexlib's RetinaFace on
+    // the two test photos. Goals: the raw outputs within 1e-4 of the largest reference
+    // magnitude; the 50 best priors decoded and suppressed (NMS 0.4) give the same faces,
+    // boxes and landmarks within 0.5 px, and at least 5 of them.
+    let Some(python) = torch_python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let photos = ["astronaut.png", "grace_hopper.jpg"];
+    let upstream = upstream(&python);
+    let mut cmd = reference_command(&python, "retinaface_reference.py", &upstream, dir.path());
+    // Both sides see the same pixels: the photos as decoded here, handed over as PNG (JPEG
+    // decoders differ by a level here and there).
+    let decoded: Vec<image::RgbImage> = photos
+        .iter()
+        .map(|p| image::open(common::media_path(p)).unwrap().to_rgb8())
+        .collect();
+    for (i, rgb) in decoded.iter().enumerate() {
+        let png = dir.path().join(format!("photo{i}.png"));
+        rgb.save(&png).unwrap();
+        cmd.arg("--image").arg(png);
+    }
+    run_reference(cmd, &upstream);
+    for (file, backbone) in [
+        ("detection_Resnet50_Final.pth", "ResNet-50"),
+        ("mobilenet0.25_Final.pth", "MobileNet-0.25"),
+    ] {
+        let ck = lipsync::model::checkpoint::read(&dir.path().join(file)).unwrap();
+        let net = lipsync::model::retinaface::recognise(&ck)
+            .expect("recognised as RetinaFace")
+            .unwrap();
+        assert_eq!(net.backbone().name(), backbone);
+        let stem = file.split('_').next().unwrap();
+        for (i, photo) in photos.iter().enumerate() {
+            let rgb = &decoded[i];
+            let (w, h) = (rgb.width() as usize, rgb.height() as usize);
+            let raw = net.forward(rgb.as_raw(), w, h).unwrap();
+            let reference =
+                |name: &str| read_f32(&dir.path().join(format!("{stem}_{i}_{name}.f32")));
+            let ours: [Vec<f32>; 3] = [
+                raw.loc.iter().flatten().copied().collect(),
+                raw.conf.iter().flatten().copied().collect(),
+                raw.landms.iter().flatten().copied().collect(),
+            ];
+            for (name, ours) in ["loc", "conf", "landms"].iter().zip(&ours) {
+                let theirs = reference(name);
+                assert_eq!(ours.len(), theirs.len(), "{file} {photo} {name}");
+                let largest = theirs.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let worst = ours
+                    .iter()
+                    .zip(&theirs)
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                eprintln!("{file} {photo} {name}: max |Δ| {worst:.3e} of {largest:.3e}");
+                assert!(
+                    worst <= 1e-4 * largest,
+                    "{file} {photo} {name}: {worst} of {largest}"
+                );
+            }
+            let faces =
+                lipsync::model::retinaface::decode(&raw, w, h, f32::NEG_INFINITY, Some(50), 0.4);
+            let theirs: Vec<Vec<f32>> = serde_json::from_str(
+                &std::fs::read_to_string(dir.path().join(format!("{stem}_{i}.json"))).unwrap(),
+            )
+            .unwrap();
+            assert!(theirs.len() >= 5, "{file} {photo}: {} faces", theirs.len());
+            assert_eq!(faces.len(), theirs.len(), "{file} {photo}");
+            let mut worst = 0f32;
+            for (f, t) in faces.iter().zip(&theirs) {
+                let ours = f.bbox.iter().chain(&f.landmarks);
+                let theirs = t[..4].iter().chain(&t[5..15]);
+                for (a, b) in ours.zip(theirs) {
+                    worst = worst.max((a - b).abs());
+                }
+                assert!(
+                    (f.score - t[4]).abs() <= 1e-4,
+                    "{file} {photo}: {} vs {}",
+                    f.score,
+                    t[4]
+                );
+            }
+            eprintln!(
+                "{file} {photo}: {} faces, boxes and landmarks within {worst:.4} px",
+                faces.len()
+            );
+            assert!(worst <= 0.5, "{file} {photo}: {worst} px");
+        }
+    }
+}

@@ -76,19 +76,38 @@ pub(crate) struct Conv {
     bias: Vec<f32>,
     cin: usize,
     cout: usize,
+    /// Kernel side, stride and padding (on every side).
+    k: usize,
+    stride: usize,
+    pad: usize,
 }
 
 impl Conv {
     /// From PyTorch's `[cout, cin, k, k]` weight (row-major) and `[cout]` bias, padding
     /// `k / 2` on every side.
     pub fn new(weight: &[f32], bias: &[f32], cin: usize, cout: usize, k: usize) -> Self {
+        Self::strided(weight, bias, (cin, cout, k), 1, k / 2)
+    }
+
+    /// From PyTorch's weight and bias, with `stride` and `pad` on every side (the output is
+    /// `(h + 2·pad − k) / stride + 1` high, as PyTorch's).
+    pub fn strided(
+        weight: &[f32],
+        bias: &[f32],
+        (cin, cout, k): (usize, usize, usize),
+        stride: usize,
+        pad: usize,
+    ) -> Self {
         assert_eq!(weight.len(), cout * cin * k * k, "convolution weight size");
         assert_eq!(bias.len(), cout, "convolution bias size");
         Conv {
-            gather: Gather::conv(weight, cin, cout, k, k / 2, (1, 1)),
+            gather: Gather::conv(weight, cin, cout, k, pad, (stride, stride)),
             bias: bias.to_vec(),
             cin,
             cout,
+            k,
+            stride,
+            pad,
         }
     }
 
@@ -100,16 +119,19 @@ impl Conv {
         self.cout
     }
 
-    /// `act(conv(x) + bias + residual)`, the same size as `x`.
+    /// `act(conv(x) + bias + residual)`: the same size as `x` at stride 1 with "same"
+    /// padding; the residual has the output's shape.
     pub fn forward(&self, x: &Act, residual: Option<&Act>, act: Activation) -> Act {
         assert_eq!(x.c, self.cin, "convolution input channels");
+        let out = |side: usize| (side + 2 * self.pad).saturating_sub(self.k) / self.stride + 1;
+        let (h, w) = (out(x.h), out(x.w));
         let data = self
             .gather
-            .run(x, (x.h, x.w), self.cout, &self.bias, residual, act);
+            .run(x, (h, w), self.cout, &self.bias, residual, act);
         Act {
             n: x.n,
-            h: x.h,
-            w: x.w,
+            h,
+            w,
             c: self.cout,
             data,
         }

@@ -48,6 +48,7 @@ pub mod init;
 pub mod kernels;
 pub mod netexec;
 pub mod netplan;
+pub mod retinaface;
 pub mod upsample;
 pub mod wav2lip;
 pub mod weights;
