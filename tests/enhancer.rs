@@ -792,9 +792,15 @@ fn gfpgan_matches_the_upstream_network_on_a_random_v14_checkpoint() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("512x512 FFHQ template"), "{err}");
     restored_frames_match_the_reference(&python, &upstream, &ck, dir.path());
+    // A random RetinaFace beside it (tests/reference/retinaface_reference.py).
+    let detectors = dir.path().join("detectors");
+    let mut cmd = reference_command(&python, "retinaface_reference.py", &upstream, &detectors);
+    cmd.arg("--image").arg(common::media_path("astronaut.png"));
+    run_reference(cmd, &upstream);
+    let detector = detectors.join("mobilenet0.25_Final.pth");
     tokio::runtime::Runtime::new()
         .unwrap()
-        .block_on(every_door_restores_with_gfpgan(&ck, dir.path()));
+        .block_on(every_door_restores_with_gfpgan(&ck, &detector, dir.path()));
 }
 
 /// Landmarks given for the astronaut's face (slightly tilted: not the box's proportions).
@@ -887,14 +893,25 @@ fn restored_frames_match_the_reference(python: &str, upstream: &Path, ck: &Path,
     assert!(worst <= 2, "frames differ by {worst}/255");
 }
 
-/// The service with GFPGAN loaded: `/info`, the avatar's landmarks, `POST /v1/lipsync`, a
-/// batch job and a live session, each with `enhance=gfpgan`.
-async fn every_door_restores_with_gfpgan(ck: &Path, dir: &Path) {
+/// The service with GFPGAN and a RetinaFace loaded: `/info`, the avatar's landmarks (found by
+/// RetinaFace at upload), `POST /v1/lipsync`, a batch job and a live session, each with
+/// `enhance=gfpgan`.
+async fn every_door_restores_with_gfpgan(ck: &Path, detector: &Path, dir: &Path) {
     use futures_util::{SinkExt, StreamExt};
     use tokio_tungstenite::tungstenite::Message;
-    let s = Server::start_echo(&["--enhancer-checkpoint", &ck.display().to_string()]);
+    let s = Server::start_echo(&[
+        "--enhancer-checkpoint",
+        &ck.display().to_string(),
+        "--enhancer-checkpoint",
+        &detector.display().to_string(),
+    ]);
     s.wait_ready().await;
     let info = s.info().await;
+    let d = &info["landmark_detector"];
+    assert_eq!(d["kind"], "retinaface", "{info}");
+    assert_eq!(d["architecture"], "RetinaFace (MobileNet-0.25)", "{d}");
+    assert_eq!(d["used"], true, "{d}");
+    assert_eq!(info["enhancers"].as_array().unwrap().len(), 1, "{info}");
     let e = &info["enhancers"][0];
     assert_eq!(e["kind"], "gfpgan", "{info}");
     assert_eq!(e["applies_to"], "aligned_face", "{e}");
@@ -903,7 +920,24 @@ async fn every_door_restores_with_gfpgan(ck: &Path, dir: &Path) {
     // Its measured cost is a whole restoration: seconds, not the milliseconds of a 96x96 face.
     assert!(e["ms_per_face"].as_f64().unwrap() > 100.0, "{e}");
     let avatar = s.upload_avatar_file("image", "astronaut.png").await;
-    assert_eq!(avatar["landmarks_source"], "box", "{avatar}");
+    assert_eq!(avatar["landmarks_source"], "retinaface", "{avatar}");
+    // Given landmarks win over the detector's.
+    let form = reqwest::multipart::Form::new()
+        .part(
+            "image",
+            reqwest::multipart::Part::bytes(common::media("astronaut.png")).file_name("a.png"),
+        )
+        .text("landmarks", GFPGAN_LANDMARKS);
+    let given: serde_json::Value = reqwest::Client::new()
+        .post(s.url("/v1/avatars"))
+        .multipart(form)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(given["landmarks_source"], "client", "{given}");
     assert_eq!(
         avatar["landmarks"].as_array().unwrap().len(),
         10,
@@ -959,11 +993,12 @@ async fn every_door_restores_with_gfpgan(ck: &Path, dir: &Path) {
         );
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
-    // A live session: admitted at any drawing rate, its idle face restored too.
+    // A live session: admitted at any drawing rate, its idle face restored too (on the
+    // avatar with the given landmarks: the random detector's would put the mouth elsewhere).
     let url = s.url("/v1/stream").replacen("http://", "ws://", 1);
     let (mut ws, _) = tokio_tungstenite::connect_async(url).await.unwrap();
     let open = serde_json::json!({
-        "avatar_id": id, "output": "jpeg", "min_draw_fps": 0, "enhance": "gfpgan",
+        "avatar_id": given["id"], "output": "jpeg", "min_draw_fps": 0, "enhance": "gfpgan",
     });
     ws.send(Message::Text(open.to_string().into()))
         .await
@@ -1031,7 +1066,18 @@ fn retinaface_matches_facexlib_on_random_checkpoints_of_both_published_layouts()
         rgb.save(&png).unwrap();
         cmd.arg("--image").arg(png);
     }
+    // An avatar's landmark search: the region around its box, through facexlib's own
+    // detect_faces there (threshold 0.5, NMS 0.4).
+    let face = lipsync::media::face::FaceBox {
+        x1: 180,
+        y1: 90,
+        x2: 270,
+        y2: 187,
+    };
+    let [x0, y0, x1, y1] = lipsync::engine::landmarks::region(face, 512, 512);
+    cmd.arg("--crop").arg(format!("{x0},{y0},{x1},{y1}"));
     run_reference(cmd, &upstream);
+    let mut found = 0;
     for (file, backbone) in [
         ("detection_Resnet50_Final.pth", "ResNet-50"),
         ("mobilenet0.25_Final.pth", "MobileNet-0.25"),
@@ -1095,5 +1141,39 @@ fn retinaface_matches_facexlib_on_random_checkpoints_of_both_published_layouts()
             );
             assert!(worst <= 0.5, "{file} {photo}: {worst} px");
         }
+        // The landmarks an avatar with that box gets: facexlib's best face centred in the
+        // box, in the photo's pixels.
+        let frame = lipsync::media::image::Frame::new(512, 512, decoded[0].as_raw().clone());
+        let ours = lipsync::engine::landmarks::in_frame(&frame, face, &net).unwrap();
+        let theirs: Vec<Vec<f32>> = serde_json::from_str(
+            &std::fs::read_to_string(dir.path().join(format!("{stem}_crop.json"))).unwrap(),
+        )
+        .unwrap();
+        let centred = theirs.iter().find(|f| {
+            let (cx, cy) = (
+                (f[0] + f[2]) / 2.0 + x0 as f32,
+                (f[1] + f[3]) / 2.0 + y0 as f32,
+            );
+            (180.0..=270.0).contains(&cx) && (90.0..=187.0).contains(&cy)
+        });
+        match (ours, centred) {
+            (Some(l), Some(f)) => {
+                found += 1;
+                let offset = |k: usize| f64::from(if k % 2 == 0 { x0 } else { y0 });
+                let worst = l
+                    .to_array()
+                    .iter()
+                    .zip(&f[5..15])
+                    .enumerate()
+                    .map(|(k, (a, b))| (a - f64::from(*b) - offset(k)).abs())
+                    .fold(0f64, f64::max);
+                eprintln!("{file}: the avatar's landmarks within {worst:.4} px of facexlib's");
+                assert!(worst <= 0.5, "{file}: {worst} px");
+            }
+            (None, None) => {}
+            (ours, theirs) => panic!("{file}: ours {ours:?}, facexlib's {theirs:?}"),
+        }
     }
+    // The comparison can fail: at least one network finds a face there.
+    assert!(found >= 1, "no network found a face in the region");
 }

@@ -14,6 +14,7 @@ use crate::media::face::{
 use crate::media::image::{self, Frame, ImageLimits};
 use crate::media::yuv::Region;
 use crate::media::Error;
+use crate::model::retinaface::RetinaFace;
 
 /// Blend masks of a video avatar's face boxes whose size differs from its first frame's, made
 /// once each (see [`Avatar::paste_at`]).
@@ -63,6 +64,9 @@ pub struct Avatar {
     pub clip: Option<Arc<Clip>>,
     /// Each avatar frame's restore mask, once made (shared by the avatar's copies).
     pub restore_masks: Arc<RestoreMasks>,
+    /// Each avatar frame's landmarks as a detector found them, once it has run (see
+    /// [`Avatar::detect_landmarks`]); the client's take precedence.
+    pub detected_landmarks: super::landmarks::Detected,
 }
 
 impl Avatar {
@@ -128,29 +132,59 @@ impl Avatar {
         l.check(self.source_size.0, self.source_size.1)?;
         self.given_landmarks = Some(l);
         self.restore_masks = Arc::default();
+        self.detected_landmarks = Arc::default();
         Ok(self)
+    }
+
+    /// Runs a landmark detector on every avatar frame, around its box (see
+    /// [`super::landmarks`]), once: an avatar with the client's landmarks, or whose
+    /// detection has run, is left as it is. Frames restored before keep nothing stale: the
+    /// restore masks are made again from the new landmarks.
+    pub fn detect_landmarks(&self, net: &RetinaFace) -> Result<(), super::Error> {
+        if self.given_landmarks.is_some() || self.detected_landmarks.get().is_some() {
+            return Ok(());
+        }
+        let found = super::landmarks::detect(self, net)?;
+        if self.detected_landmarks.set(found).is_ok() {
+            self.restore_masks
+                .0
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clear();
+        }
+        Ok(())
+    }
+
+    /// The detected landmarks, when a detector has run and found a face.
+    fn detected(&self) -> Option<&[Landmarks]> {
+        self.detected_landmarks.get().and_then(|d| d.as_deref())
     }
 
     /// Where the landmarks come from.
     pub fn landmarks_source(&self) -> LandmarkSource {
-        match self.given_landmarks {
-            Some(_) => LandmarkSource::Client,
-            None => LandmarkSource::Box,
+        match (self.given_landmarks, self.detected()) {
+            (Some(_), _) => LandmarkSource::Client,
+            (None, Some(_)) => LandmarkSource::RetinaFace,
+            (None, None) => LandmarkSource::Box,
         }
     }
 
     /// The first frame's landmarks in the upload's own pixels (what the avatar JSON reports,
     /// beside `box`).
     pub fn source_landmarks(&self) -> Landmarks {
-        self.given_landmarks
-            .unwrap_or_else(|| Landmarks::from_box(self.source_face))
+        match (self.given_landmarks, self.detected()) {
+            (Some(l), _) => l,
+            (None, Some(d)) => d[0].scale((self.frame.width, self.frame.height), self.source_size),
+            (None, None) => Landmarks::from_box(self.source_face),
+        }
     }
 
     /// Avatar frame `i`'s landmarks in the video's pixels.
     pub fn landmarks_at(&self, i: usize) -> Landmarks {
-        match self.given_landmarks {
-            Some(l) => l.scale(self.source_size, (self.frame.width, self.frame.height)),
-            None => Landmarks::from_box(self.face_at(i)),
+        match (self.given_landmarks, self.detected()) {
+            (Some(l), _) => l.scale(self.source_size, (self.frame.width, self.frame.height)),
+            (None, Some(d)) => d[i.min(d.len() - 1)],
+            (None, None) => Landmarks::from_box(self.face_at(i)),
         }
     }
 
@@ -318,6 +352,7 @@ impl Avatar {
             blend,
             clip: None,
             restore_masks: Arc::default(),
+            detected_landmarks: Arc::default(),
         }
     }
 

@@ -19,6 +19,14 @@ use super::Error;
 use crate::media::face;
 use crate::model::arch::FACE_SIZE;
 use crate::model::enhancer::{self, Applies, DeviceNet, Enhancer, EnhancerNet, Kind};
+use crate::model::retinaface::{self, RetinaFace};
+
+/// A file's name in requests: its stem.
+fn stem(path: &std::path::Path) -> String {
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
 
 /// The enhancer a frame asks for.
 #[derive(Clone)]
@@ -30,6 +38,9 @@ pub struct EnhanceWith {
     /// One face (96×96, or one aligned face for a restorer), measured at start-up (what live
     /// admission weighs its faces by).
     pub seconds_per_face: f64,
+    /// For a restorer: the landmark detector loaded beside it, which finds the landmarks of
+    /// an avatar that has no client landmarks ([`Avatar::detect_landmarks`]).
+    pub landmarks: Option<Arc<RetinaFace>>,
 }
 
 impl std::fmt::Debug for EnhanceWith {
@@ -88,10 +99,19 @@ struct Loaded {
     copies: Vec<Arc<dyn DeviceNet>>,
 }
 
-/// The enhancers loaded at start-up, and how many instances run them.
+/// A landmark detector loaded with the enhancers.
+struct Detector {
+    name: String,
+    path: PathBuf,
+    net: Arc<RetinaFace>,
+}
+
+/// The enhancers loaded at start-up, and how many instances run them; and the landmark
+/// detector (RetinaFace) loaded beside them, if any.
 pub struct Enhancers {
     list: Vec<Loaded>,
     instances: usize,
+    detector: Option<Detector>,
 }
 
 impl Default for Enhancers {
@@ -99,6 +119,7 @@ impl Default for Enhancers {
         Enhancers {
             list: Vec::new(),
             instances: 1,
+            detector: None,
         }
     }
 }
@@ -131,8 +152,35 @@ impl Enhancers {
             .ok_or_else(|| crate::model::Error::Settings("no device for the enhancers".into()))?;
         let instances = devices.len();
         let mut list: Vec<Loaded> = Vec::with_capacity(paths.len());
+        let mut detector: Option<Detector> = None;
         for path in paths {
-            let enhancer = enhancer::load(path)?;
+            let ck = crate::model::checkpoint::read(path)?;
+            if let Some(net) = retinaface::recognise(&ck) {
+                let net = net?;
+                if let Some(other) = &detector {
+                    return Err(crate::model::Error::Settings(format!(
+                        "two landmark detectors ({} and {}): load one",
+                        other.path.display(),
+                        path.display()
+                    )));
+                }
+                tracing::info!(
+                    "landmark detector {}: RetinaFace ({}) on the CPU",
+                    path.display(),
+                    net.backbone().name()
+                );
+                detector = Some(Detector {
+                    name: stem(path),
+                    path: path.clone(),
+                    net,
+                });
+                continue;
+            }
+            let enhancer = Enhancer {
+                name: stem(path),
+                path: path.clone(),
+                net: enhancer::recognise(&ck)?,
+            };
             if enhancer.name == NONE || Kind::NAMES.contains(&enhancer.name.as_str()) {
                 return Err(crate::model::Error::Settings(format!(
                     "{}: an enhancer file may not be named {:?} (requests use that word)",
@@ -183,6 +231,7 @@ impl Enhancers {
                 net: enhancer.net.clone(),
                 on_device,
                 seconds_per_face: 0.0,
+                landmarks: None,
             };
             let grey = vec![0.5f32; 3 * side * side];
             // The first pass on a GPU loads kernels and picks algorithms: time the second.
@@ -214,7 +263,50 @@ impl Enhancers {
                 copies,
             });
         }
-        Ok(Enhancers { list, instances })
+        if let Some(d) = &detector {
+            let mut restorers = 0;
+            for l in list.iter_mut().filter(|l| l.with.restores()) {
+                l.with.landmarks = Some(d.net.clone());
+                restorers += 1;
+            }
+            if restorers == 0 {
+                tracing::warn!(
+                    "landmark detector {}: no enhancer that needs landmarks is loaded (GFPGAN), \
+                     so it will not run",
+                    d.path.display()
+                );
+            }
+        }
+        Ok(Enhancers {
+            list,
+            instances,
+            detector,
+        })
+    }
+
+    /// The landmark detector, when one is loaded beside a restorer that uses it: what an
+    /// avatar's preparation runs ([`Avatar::detect_landmarks`]).
+    pub fn landmark_detector(&self) -> Option<&Arc<RetinaFace>> {
+        let d = self.detector.as_ref()?;
+        self.list
+            .iter()
+            .any(|l| l.with.restores())
+            .then_some(&d.net)
+    }
+
+    /// For `/info`: the landmark detector, or null.
+    pub fn detector_info(&self) -> serde_json::Value {
+        match &self.detector {
+            None => serde_json::Value::Null,
+            Some(d) => serde_json::json!({
+                "name": d.name,
+                "kind": "retinaface",
+                "architecture": format!("RetinaFace ({})", d.net.backbone().name()),
+                "checkpoint": d.path,
+                "device": "cpu",
+                "used": self.landmark_detector().is_some(),
+            }),
+        }
     }
 
     /// Enhancers already made, on the CPU (the engine's tests).
@@ -232,7 +324,11 @@ impl Enhancers {
                 copies: Vec::new(),
             })
             .collect();
-        Enhancers { list, instances }
+        Enhancers {
+            list,
+            instances,
+            detector: None,
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -412,6 +508,7 @@ mod tests {
             net: net.clone(),
             on_device: device.map(|d| net.on_device(d).unwrap()),
             seconds_per_face: 0.0,
+            landmarks: None,
         }
     }
 

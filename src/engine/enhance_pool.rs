@@ -277,6 +277,7 @@ mod tests {
             net: net.clone(),
             on_device: None,
             seconds_per_face: 0.0,
+            landmarks: None,
         }
     }
 

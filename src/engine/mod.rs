@@ -19,6 +19,7 @@ pub mod enhance_pool;
 pub mod faults;
 pub mod front;
 pub mod job;
+pub mod landmarks;
 pub mod metrics;
 pub mod pipeline;
 pub mod pool;

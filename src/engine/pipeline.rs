@@ -201,6 +201,7 @@ pub fn start(
     } else {
         Arc::new(avatar.with_blend(options.blend))
     };
+    super::restore::prepare(&avatar, options.enhance.as_ref())?;
     let fps = avatar.fps().unwrap_or(options.fps);
     let t = Instant::now();
     let decoded = audio::load(&speech.bytes, settings.max_audio_seconds)?;

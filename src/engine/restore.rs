@@ -18,7 +18,7 @@ use std::sync::Arc;
 use super::avatar::BlendMasks;
 use super::enhance::EnhanceWith;
 use super::scheduler::Drawn;
-use super::Avatar;
+use super::{Avatar, Error};
 use crate::media::face;
 use crate::media::image::Frame;
 use crate::media::yuv::Region;
@@ -49,6 +49,28 @@ impl Restore {
             frame,
         })
     }
+}
+
+/// Readies `avatar` for restoration by `enhance` (nothing to do for another enhancer): its
+/// landmarks found by the restorer's landmark detector when one is loaded and the avatar has
+/// none of its own (once: [`Avatar::detect_landmarks`]), and, for a photo, a check that they
+/// align the face, so a request that cannot be restored is refused before it starts.
+pub fn prepare(avatar: &Avatar, enhance: Option<&EnhanceWith>) -> Result<(), Error> {
+    let Some(with) = enhance.filter(|e| e.restores()) else {
+        return Ok(());
+    };
+    if let Some(net) = &with.landmarks {
+        avatar.detect_landmarks(net)?;
+    }
+    if avatar.clip.is_none() && avatar.restore_mask(0).is_none() {
+        return Err(crate::media::Error::BadLandmarks(format!(
+            "the avatar's landmarks ({}) do not align a face to {}'s template",
+            avatar.landmarks_source().as_str(),
+            with.name
+        ))
+        .into());
+    }
+    Ok(())
 }
 
 /// A region of an avatar frame as a restored frame shows it.

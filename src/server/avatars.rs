@@ -237,6 +237,11 @@ pub async fn create(
     let avatar = tokio::task::spawn_blocking(move || {
         let _permit = permit;
         let avatar = upload.prepare(&app2, Blend::Feather)?;
+        // With a landmark detector and a restorer loaded, the landmarks are found now, so the
+        // avatar's JSON says where they came from.
+        if let Some(net) = app2.enhancers.landmark_detector() {
+            avatar.detect_landmarks(net)?;
+        }
         // Written to the directory (when there is one) only if memory will keep it too, so
         // the answer does not depend on which replica reads it.
         if let Some(store) = &app2.avatar_store {

@@ -291,6 +291,7 @@ async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
         "pad_batches": c.pad_batches,
         "gpu_memory_limit": e.gpu_memory_limit,
         "enhancers": enhancer_info(&app),
+        "landmark_detector": app.enhancers.detector_info(),
         "limits": {
             "max_queue_frames": c.max_queue_frames,
             "max_ahead_frames": c.max_ahead_frames,

@@ -959,6 +959,9 @@ fn session_thread(
         let (code, kind, msg) = match e {
             engine::Error::Cancelled => return,
             engine::Error::Stream(m) => (POLICY, "bad_stream", m.clone()),
+            engine::Error::Media(crate::media::Error::BadLandmarks(m)) => {
+                (POLICY, "bad_landmarks", m.clone())
+            }
             other => {
                 tracing::error!("live session failed: {other}");
                 (INTERNAL, "internal", "the session failed".to_string())
@@ -970,6 +973,10 @@ fn session_thread(
     let Some(engine) = app.engine.get() else {
         return send_error(&engine::Error::Inference("no engine".into()));
     };
+    // A restored session's avatar needs its landmarks before its first face.
+    if let Err(e) = engine::restore::prepare(&avatar, cfg.enhance.as_ref()) {
+        return send_error(&e);
+    }
     // A video avatar idles on its own frames: no idle face to draw.
     let face = if avatar.clip.is_some() {
         engine::scheduler::Drawn::face(Vec::new())

@@ -16,6 +16,9 @@ For each published layout it makes a deterministic random checkpoint and runs fa
                                  facexlib's PriorBox/decode/decode_landm and scaled to pixels,
                                  then facexlib's py_cpu_nms at 0.4: [[x1, y1, x2, y2, score,
                                  10 landmark values], ...]
+  <net>_crop.json                with --crop: facexlib's own detect_faces (conf_threshold 0.5,
+                                 nms_threshold 0.4) on that region of the first image, in the
+                                 region's pixels: what an avatar's landmark search runs
 
 Random weights: PyTorch's default initialisation, every batch norm's weight and bias and every
 head's bias drawn (fixed seeds), then the batch norms' running statistics measured on the
@@ -23,7 +26,8 @@ head's bias drawn (fixed seeds), then the batch norms' running statistics measur
 realistic scale through the 50 layers and the softmax is not decided by logits in the
 thousands.
 
-  python retinaface_reference.py --upstream DIR --out DIR --image A.png [--image B.png ...]
+  python retinaface_reference.py --upstream DIR --out DIR --image A.png [--image B.png ...] \
+      [--crop x0,y0,x1,y1]
 """
 import argparse
 import json
@@ -89,6 +93,7 @@ def main():
     ap.add_argument("--upstream", required=True, type=pathlib.Path)
     ap.add_argument("--out", required=True, type=pathlib.Path)
     ap.add_argument("--image", action="append", required=True)
+    ap.add_argument("--crop")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     rf = load_upstream(a.upstream)
@@ -124,6 +129,12 @@ def main():
             (a.out / f"{stem}_{i}.json").write_text(json.dumps(faces.tolist()))
             print(f"{file}: image {i} ({w}x{h}): {loc.shape[1]} priors, {len(keep)} faces after NMS",
                   file=sys.stderr)
+        if a.crop:
+            x0, y0, x1, y1 = (int(v) for v in a.crop.split(","))
+            region = cv2.imread(a.image[0], cv2.IMREAD_COLOR)[y0:y1, x0:x1]
+            with torch.no_grad():
+                faces = net.detect_faces(region, conf_threshold=0.5, nms_threshold=0.4)
+            (a.out / f"{stem}_crop.json").write_text(json.dumps(faces.tolist()))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ use crate::media::Error;
 pub enum LandmarkSource {
     /// Given by the client with the upload.
     Client,
+    /// Found by RetinaFace around the face box.
+    RetinaFace,
     /// Placed in the face box by fixed proportions.
     Box,
 }
@@ -24,6 +26,7 @@ impl LandmarkSource {
     pub fn as_str(self) -> &'static str {
         match self {
             LandmarkSource::Client => "client",
+            LandmarkSource::RetinaFace => "retinaface",
             LandmarkSource::Box => "box",
         }
     }
