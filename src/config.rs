@@ -83,7 +83,9 @@ pub struct EngineArgs {
     pub max_ahead_frames: Option<usize>,
     /// An enhancer's checkpoint as published (Real-ESRGAN's realesr-general-x4v3.pth,
     /// realesr-animevideov3.pth, RealESRGAN_x4plus.pth or RealESRGAN_x2plus.pth; GFPGAN's
-    /// GFPGANv1.4.pth or GFPGANv1.3.pth; the kind is recognised from its keys). Repeatable (the variable: comma-separated). Requests pick one
+    /// GFPGANv1.4.pth or GFPGANv1.3.pth; the kind is recognised from its keys). A RetinaFace
+    /// file (detection_Resnet50_Final.pth, mobilenet0.25_Final.pth) loads the landmark
+    /// detector that finds avatars' landmarks for GFPGAN. Repeatable (the variable: comma-separated). Requests pick one
     /// with `enhance` (a kind when one of that kind is loaded, or the file's stem). A missing,
     /// damaged or unrecognised file stops start-up. Enhancers run in f32: on the CPU with cpu
     /// and echo, on the GPU with cuda (their weights and activations then come out of
