@@ -294,6 +294,11 @@ impl Enhancers {
             .then_some(&d.net)
     }
 
+    /// The landmark detector loaded, used or not.
+    pub fn detector(&self) -> Option<&Arc<RetinaFace>> {
+        self.detector.as_ref().map(|d| &d.net)
+    }
+
     /// For `/info`: the landmark detector, or null.
     pub fn detector_info(&self) -> serde_json::Value {
         match &self.detector {

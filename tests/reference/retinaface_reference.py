@@ -27,7 +27,10 @@ realistic scale through the 50 layers and the softmax is not decided by logits i
 thousands.
 
   python retinaface_reference.py --upstream DIR --out DIR --image A.png [--image B.png ...] \
-      [--crop x0,y0,x1,y1]
+      [--crop x0,y0,x1,y1] [--time N]
+
+`--time N` also reports, on stderr, the median of N forward passes on the first image and on
+the crop (after one untimed pass), for docs/BENCHMARKS.md.
 """
 import argparse
 import json
@@ -94,6 +97,7 @@ def main():
     ap.add_argument("--out", required=True, type=pathlib.Path)
     ap.add_argument("--image", action="append", required=True)
     ap.add_argument("--crop")
+    ap.add_argument("--time", type=int, default=0)
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     rf = load_upstream(a.upstream)
@@ -135,6 +139,23 @@ def main():
             with torch.no_grad():
                 faces = net.detect_faces(region, conf_threshold=0.5, nms_threshold=0.4)
             (a.out / f"{stem}_crop.json").write_text(json.dumps(faces.tolist()))
+        if a.time:
+            import time
+
+            shapes = [inputs[0]]
+            if a.crop:
+                shapes.append(inputs[0][:, :, y0:y1, x0:x1].contiguous())
+            for x in shapes:
+                with torch.no_grad():
+                    net(x)
+                    times = []
+                    for _ in range(a.time):
+                        start = time.perf_counter()
+                        net(x)
+                        times.append(time.perf_counter() - start)
+                print(f"{file}: {x.shape[3]}x{x.shape[2]}: {sorted(times)[len(times) // 2]:.4f} s per "
+                      f"forward (PyTorch {torch.__version__}, {torch.get_num_threads()} threads, "
+                      f"median of {a.time})", file=sys.stderr)
 
 
 if __name__ == "__main__":

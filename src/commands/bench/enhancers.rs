@@ -12,7 +12,8 @@ use std::time::Instant;
 use candle_core::Device;
 use lipsync::engine::enhance::Enhancers;
 use lipsync::engine::pipeline::Options;
-use lipsync::engine::restore;
+use lipsync::engine::{landmarks, restore};
+use lipsync::model::retinaface::RetinaFace;
 use lipsync::engine::Avatar;
 use lipsync::media::audio;
 use lipsync::model::DeviceKind;
@@ -40,7 +41,49 @@ pub fn enhancers(
             row["request"] = added;
         }
     }
+    if let Some(net) = enhancers.detector() {
+        rows.push(detector_speed(net, avatar)?);
+    }
     Ok(rows.into())
+}
+
+/// The landmark detector's speed (the CPU pass): on the region an avatar's landmark search
+/// covers around the bench avatar's box, and on the whole frame; one untimed run, then the
+/// median of three.
+fn detector_speed(net: &RetinaFace, avatar: &Avatar) -> Result<serde_json::Value, CliError> {
+    let frame = &avatar.frame;
+    let (w, h) = (frame.width as usize, frame.height as usize);
+    let [x0, y0, x1, y1] = landmarks::region(avatar.face, frame.width, frame.height);
+    let median = |f: &dyn Fn() -> Result<(), CliError>| -> Result<f64, CliError> {
+        f()?;
+        let mut t: Vec<f64> = (0..3)
+            .map(|_| {
+                let start = Instant::now();
+                f().map(|_| start.elapsed().as_secs_f64())
+            })
+            .collect::<Result<_, _>>()?;
+        t.sort_by(f64::total_cmp);
+        Ok(t[1])
+    };
+    let region = median(&|| {
+        landmarks::in_frame(frame, avatar.face, net)?;
+        Ok(())
+    })?;
+    let whole = median(&|| {
+        net.detect(&frame.rgb, w, h, landmarks::MIN_SCORE, Some(5000), 0.4)?;
+        Ok(())
+    })?;
+    let name = format!("RetinaFace ({})", net.backbone().name());
+    let (rw, rh) = (x1 - x0, y1 - y0);
+    println!("## Landmark detector (f32, the CPU pass, median of 3)\n");
+    println!("| detector | region around the box | seconds | whole frame | seconds |");
+    println!("|---|---|---|---|---|");
+    println!("| {name} | {rw}x{rh} | {region:.3} s | {w}x{h} | {whole:.3} s |\n");
+    Ok(serde_json::json!({
+        "name": name, "kind": "retinaface", "device": "cpu",
+        "region": [rw, rh], "region_seconds": region,
+        "frame": [w, h], "frame_seconds": whole,
+    }))
 }
 
 /// Faces/s of each enhancer by batch: one untimed run, then the median of three.
