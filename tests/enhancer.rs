@@ -965,6 +965,26 @@ async fn every_door_restores_with_gfpgan(ck: &Path, detector: &Path, dir: &Path)
     let video = r.bytes().await.unwrap();
     assert_eq!(common::server::codecs(&video), "h264,aac");
     assert_eq!(common::server::decoded_frames(&video), 5);
+    // A clip: RetinaFace runs on every frame at upload, and every drawn frame is restored
+    // on its own clip frame.
+    let clip = s.upload_avatar_file("video", "clip_rgb_25fps.mp4").await;
+    assert_eq!(clip["landmarks_source"], "retinaface", "{clip}");
+    let clip_form = reqwest::multipart::Form::new()
+        .part(
+            "audio",
+            reqwest::multipart::Part::bytes(speech.clone()).file_name("short.wav"),
+        )
+        .text("avatar_id", clip["id"].as_str().unwrap().to_string())
+        .text("enhance", "gfpgan");
+    let r = http
+        .post(s.url("/v1/lipsync"))
+        .multipart(clip_form)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let video = r.bytes().await.unwrap();
+    assert_eq!(common::server::decoded_frames(&video), 5);
     let r = http
         .post(s.url("/v1/jobs"))
         .multipart(form())

@@ -12,10 +12,10 @@ use std::time::Instant;
 use candle_core::Device;
 use lipsync::engine::enhance::Enhancers;
 use lipsync::engine::pipeline::Options;
-use lipsync::engine::{landmarks, restore};
-use lipsync::model::retinaface::RetinaFace;
 use lipsync::engine::Avatar;
+use lipsync::engine::{landmarks, restore};
 use lipsync::media::audio;
+use lipsync::model::retinaface::RetinaFace;
 use lipsync::model::DeviceKind;
 
 use super::{read_file, request, request_settings, serve_settings, BenchArgs, CliError};
