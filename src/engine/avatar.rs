@@ -34,8 +34,9 @@ impl std::fmt::Debug for RestoreMasks {
     }
 }
 
-/// Restore masks an avatar keeps at most (a long clip's are made again after this many).
-const MAX_RESTORE_MASKS: usize = 256;
+/// Restore masks an avatar keeps at most (a long clip's are made again after this many; each
+/// holds its region's weights, up to a few hundred kB).
+const MAX_RESTORE_MASKS: usize = 32;
 
 /// A photo or a clip ready to be animated. The fields describe the photo, or a clip's first
 /// frame; per-frame access goes through the methods.
@@ -66,7 +67,7 @@ pub struct Avatar {
     pub restore_masks: Arc<RestoreMasks>,
     /// Each avatar frame's landmarks as a detector found them, once it has run (see
     /// [`Avatar::detect_landmarks`]); the client's take precedence.
-    pub detected_landmarks: super::landmarks::Detected,
+    pub detected_landmarks: Arc<super::landmarks::Detected>,
 }
 
 impl Avatar {
@@ -141,11 +142,13 @@ impl Avatar {
     /// detection has run, is left as it is. Frames restored before keep nothing stale: the
     /// restore masks are made again from the new landmarks.
     pub fn detect_landmarks(&self, net: &RetinaFace) -> Result<(), super::Error> {
-        if self.given_landmarks.is_some() || self.detected_landmarks.get().is_some() {
+        if self.given_landmarks.is_some() {
             return Ok(());
         }
-        let found = super::landmarks::detect(self, net)?;
-        if self.detected_landmarks.set(found).is_ok() {
+        let stored = self
+            .detected_landmarks
+            .run_once(|| super::landmarks::detect(self, net))?;
+        if stored {
             self.restore_masks
                 .0
                 .lock()
@@ -179,10 +182,25 @@ impl Avatar {
         }
     }
 
-    /// Avatar frame `i`'s landmarks in the video's pixels.
+    /// Avatar frame `i`'s landmarks in the video's pixels. A clip's client landmarks are its
+    /// first frame's: on later frames they follow the face box (the same place in it).
     pub fn landmarks_at(&self, i: usize) -> Landmarks {
         match (self.given_landmarks, self.detected()) {
-            (Some(l), _) => l.scale(self.source_size, (self.frame.width, self.frame.height)),
+            (Some(l), _) => {
+                let l = l.scale(self.source_size, (self.frame.width, self.frame.height));
+                let (from, to) = (self.face_at(0), self.face_at(i));
+                if from == to {
+                    return l;
+                }
+                let sx = f64::from(to.width()) / f64::from(from.width());
+                let sy = f64::from(to.height()) / f64::from(from.height());
+                Landmarks(l.0.map(|[x, y]| {
+                    [
+                        f64::from(to.x1) + (x - f64::from(from.x1)) * sx,
+                        f64::from(to.y1) + (y - f64::from(from.y1)) * sy,
+                    ]
+                }))
+            }
             (None, Some(d)) => d[i.min(d.len() - 1)],
             (None, None) => Landmarks::from_box(self.face_at(i)),
         }
@@ -258,16 +276,26 @@ impl Avatar {
     /// template and the lower-face mask), made once per frame; `None` when its landmarks give
     /// no usable alignment.
     pub fn restore_mask(&self, i: usize) -> Option<Arc<RestoreMask>> {
-        let mut made = self
-            .restore_masks
-            .0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        if let Some(m) = made.get(&i) {
-            return m.clone();
+        let made = || {
+            self.restore_masks
+                .0
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+        };
+        let l = {
+            let made = made();
+            if let Some(m) = made.get(&i) {
+                return m.clone();
+            }
+            self.landmarks_at(i)
+        };
+        // Made outside the lock: the enhancer instances restore other frames meanwhile.
+        let m = RestoreMask::new(&l, self.frame.width, self.frame.height).map(Arc::new);
+        let mut made = made();
+        // Landmarks found by a detection meanwhile (which cleared the masks): not kept.
+        if self.landmarks_at(i) != l {
+            return m;
         }
-        let m = RestoreMask::new(&self.landmarks_at(i), self.frame.width, self.frame.height)
-            .map(Arc::new);
         if made.len() >= MAX_RESTORE_MASKS {
             made.clear();
         }

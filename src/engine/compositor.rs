@@ -95,8 +95,8 @@ impl<'a> Compositor<'a> {
                 _ => a.background(i)?.into_owned(),
             };
             match &drawn.restored {
-                Some(patch) => patch.write_into(&mut frame, (0, 0)),
-                None => a.paste_at(&mut frame, (0, 0), i, face_bgr, &mut self.masks),
+                Some(patch) if patch.frame == i => patch.write_into(&mut frame, (0, 0)),
+                _ => a.paste_at(&mut frame, (0, 0), i, face_bgr, &mut self.masks),
             }
             if let Some(dir) = &self.keep.frames {
                 save_frame(dir, self.frames, &frame)?;

@@ -190,8 +190,14 @@ impl EnhancePool {
             match result {
                 Ok(out) => {
                     for (h, face) in batch.into_iter().zip(out) {
+                        if let Err(e) = &face {
+                            tracing::error!("enhancer instance {k}: a face failed: {e}");
+                        }
+                        let face = face
+                            .map(|f| (h.index, f))
+                            .map_err(|e| format!("enhancer {}: {e}", with.name));
                         // A closed receiver means the request was cancelled meanwhile.
-                        let _ = h.reply.send(Ok((h.index, face)));
+                        let _ = h.reply.send(face);
                     }
                 }
                 Err(e) => {
@@ -208,16 +214,17 @@ impl EnhancePool {
     }
 }
 
-/// A batch through its enhancer: the faces enhanced, or pasted and restored by a restorer.
+/// A batch through its enhancer: the faces enhanced, or pasted and restored by a restorer;
+/// a result per face (a restorer's face can fail alone), or the batch's failure.
 fn run(
     with: &EnhanceWith,
     net: Option<&dyn DeviceNet>,
     batch: &[Handed],
-) -> Result<Vec<Drawn>, String> {
+) -> Result<Vec<Result<Drawn, String>>, String> {
     if !with.restores() {
         let faces: Vec<&[f32]> = batch.iter().map(|h| h.pred.as_slice()).collect();
         let out = super::enhance::run_batch(with, net, &faces)?;
-        return Ok(out.into_iter().map(Drawn::face).collect());
+        return Ok(out.into_iter().map(|f| Ok(Drawn::face(f))).collect());
     }
     let faces = batch
         .iter()
@@ -231,7 +238,7 @@ fn run(
             Ok((h.pred.as_slice(), at))
         })
         .collect::<Result<Vec<_>, String>>()?;
-    super::restore::run_batch(with, net, &faces)
+    Ok(super::restore::run_batch(with, net, &faces))
 }
 
 /// Seconds a batch without live faces may take, by the enhancer's cost measured at start-up:

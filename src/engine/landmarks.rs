@@ -10,8 +10,6 @@
 //! landmarks of the nearest frame that has one; with none found at all, the avatar keeps its
 //! box's landmarks.
 
-use std::sync::Arc;
-
 use super::{Avatar, Error};
 use crate::media::face::{FaceBox, Landmarks, SMOOTH_WINDOW};
 use crate::media::image::Frame;
@@ -133,8 +131,37 @@ fn smooth(all: &mut [Landmarks], t: usize) {
     }
 }
 
-/// Detected landmarks an avatar keeps, shared by its copies.
-pub type Detected = Arc<std::sync::OnceLock<Option<Vec<Landmarks>>>>;
+/// Detected landmarks an avatar keeps, shared by its copies: found once, by one caller at a
+/// time (others asking meanwhile wait for its result rather than run the detector again).
+#[derive(Debug, Default)]
+pub struct Detected {
+    running: std::sync::Mutex<()>,
+    value: std::sync::OnceLock<Option<Vec<Landmarks>>>,
+}
+
+impl Detected {
+    /// The result, once a detection has run (`Some(None)`: it found no face).
+    pub fn get(&self) -> Option<&Option<Vec<Landmarks>>> {
+        self.value.get()
+    }
+
+    /// Runs `find` unless a detection has already run (then or meanwhile); `true` when this
+    /// call stored its result. A failure stores nothing: the next caller tries again.
+    pub fn run_once(
+        &self,
+        find: impl FnOnce() -> Result<Option<Vec<Landmarks>>, Error>,
+    ) -> Result<bool, Error> {
+        if self.value.get().is_some() {
+            return Ok(false);
+        }
+        let _one = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        if self.value.get().is_some() {
+            return Ok(false);
+        }
+        let found = find()?;
+        Ok(self.value.set(found).is_ok())
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -159,5 +186,35 @@ mod tests {
         smooth(&mut all, 2);
         let xs: Vec<f64> = all.iter().map(|l| l.0[0][0]).collect();
         assert_eq!(xs, [1.0, 3.0, 3.0]);
+    }
+
+    #[test]
+    fn a_detection_runs_once_while_others_wait_and_a_failure_is_retried() {
+        let d = std::sync::Arc::new(Detected::default());
+        let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        assert!(d.run_once(|| Err(Error::Inference("no".into()))).is_err());
+        assert!(d.get().is_none());
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let (d, runs) = (d.clone(), runs.clone());
+                std::thread::spawn(move || {
+                    d.run_once(|| {
+                        runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        std::thread::sleep(std::time::Duration::from_millis(50));
+                        Ok(None)
+                    })
+                    .unwrap()
+                })
+            })
+            .collect();
+        let stored: usize = threads
+            .into_iter()
+            .map(|t| usize::from(t.join().unwrap()))
+            .sum();
+        assert_eq!(
+            (stored, runs.load(std::sync::atomic::Ordering::SeqCst)),
+            (1, 1)
+        );
+        assert_eq!(d.get(), Some(&None));
     }
 }

@@ -1293,8 +1293,10 @@ impl<'a> Session<'a> {
                 return Ok(());
             };
             match &face.restored {
-                Some(patch) => patch.write_into(&mut self.scratch, (0, 0)),
-                None => a.paste_at(&mut self.scratch, (0, 0), i, &face.face, &mut self.masks),
+                // A held frame on another clip frame than the face was restored on: the
+                // patch would bring that frame's pixels along, so the face is pasted.
+                Some(patch) if patch.frame == i => patch.write_into(&mut self.scratch, (0, 0)),
+                _ => a.paste_at(&mut self.scratch, (0, 0), i, &face.face, &mut self.masks),
             }
         } else if let Some(Drawn {
             restored: Some(patch),

@@ -296,8 +296,9 @@ fn normalised(ck: &Checkpoint) -> Checkpoint {
 
 /// A RetinaFace network when the checkpoint has its keys (`None`: not RetinaFace).
 pub fn recognise(ck: &Checkpoint) -> Option<Result<Arc<RetinaFace>>> {
+    const HEAD: &str = "ClassHead.0.conv1x1.weight";
+    ck.get(HEAD).or_else(|| ck.get(&format!("module.{HEAD}")))?;
     let ck = normalised(ck);
-    ck.get("ClassHead.0.conv1x1.weight")?;
     let backbone = if ck.get("body.conv1.weight").is_some() {
         Backbone::Resnet50
     } else if ck.get("body.stage1.0.0.weight").is_some() {
@@ -709,11 +710,14 @@ pub fn decode(
 ) -> Vec<Face> {
     let priors = priors(height, width);
     let (w, h) = (width as f32, height as f32);
-    let mut order: Vec<usize> = (0..priors.len().min(raw.conf.len()))
+    assert_eq!(priors.len(), raw.conf.len(), "one output row per prior");
+    let mut order: Vec<usize> = (0..priors.len())
         .filter(|&i| raw.conf[i][1] > threshold)
         .collect();
-    // Best first; equal scores keep the prior order, as a stable sort does.
-    order.sort_by(|&a, &b| raw.conf[b][1].total_cmp(&raw.conf[a][1]));
+    // Best first, as facexlib's `argsort()[::-1]` orders them: ascending by score (ties in
+    // prior order), reversed, so equal scores come later prior first.
+    order.sort_by(|&a, &b| raw.conf[a][1].total_cmp(&raw.conf[b][1]));
+    order.reverse();
     if let Some(k) = top_k {
         order.truncate(k);
     }

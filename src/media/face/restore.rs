@@ -49,31 +49,7 @@ impl RestoreMask {
     /// For a `width × height` frame whose face has landmarks `l`; `None` when the landmarks
     /// give no usable similarity or the mask falls outside the frame.
     pub fn new(l: &Landmarks, width: u32, height: u32) -> Option<RestoreMask> {
-        let to_template = align::to_ffhq_512(l)?;
-        let to_frame = to_template.invert()?;
-        // The mask's support is inside the ellipse's bounding box in the template: its
-        // corners, mapped into the frame, bound the region.
-        let (x0, x1) = (CENTRE.0 - RADII.0, CENTRE.0 + RADII.0);
-        let (y0, y1) = (CENTRE.1 - RADII.1, CENTRE.1 + RADII.1);
-        let corners = [(x0, y0), (x1, y0), (x0, y1), (x1, y1)]
-            .map(|(x, y)| to_frame.apply([f64::from(x), f64::from(y)]));
-        let lo = |i: usize| corners.iter().map(|c| c[i]).fold(f64::INFINITY, f64::min);
-        let hi = |i: usize| {
-            corners
-                .iter()
-                .map(|c| c[i])
-                .fold(f64::NEG_INFINITY, f64::max)
-        };
-        let clamp = |v: f64, max: u32| v.clamp(0.0, f64::from(max)) as u32;
-        let (left, top) = (clamp(lo(0).floor(), width), clamp(lo(1).floor(), height));
-        let (right, bottom) = (
-            clamp(hi(0).ceil() + 1.0, width),
-            clamp(hi(1).ceil() + 1.0, height),
-        );
-        if right <= left || bottom <= top {
-            return None;
-        }
-        let (w, h) = (right - left, bottom - top);
+        let (to_template, (left, top, w, h)) = placement(l, width, height)?;
         let [[a, b, c], [d, e, f]] = to_template.0;
         let weights = (0..h)
             .flat_map(|y| (0..w).map(move |x| (x, y)))
@@ -87,6 +63,12 @@ impl RestoreMask {
             region: (left, top, w, h),
             weights,
         })
+    }
+
+    /// Whether landmarks `l` give a usable mask in a `width × height` frame (what
+    /// [`RestoreMask::new`] needs), without making its weights.
+    pub fn fits(l: &Landmarks, width: u32, height: u32) -> bool {
+        placement(l, width, height).is_some()
     }
 
     /// The frame region the restored face can change: left, top, width, height.
@@ -132,6 +114,36 @@ impl RestoreMask {
             }
         }
     }
+}
+
+/// The similarity from the frame to the template for landmarks `l`, and the frame region the
+/// mask reaches (left, top, width, height); `None` when either is empty or degenerate.
+fn placement(l: &Landmarks, width: u32, height: u32) -> Option<(Affine, (u32, u32, u32, u32))> {
+    let to_template = align::to_ffhq_512(l)?;
+    let to_frame = to_template.invert()?;
+    // The mask's support is inside the ellipse's bounding box in the template: its
+    // corners, mapped into the frame, bound the region.
+    let (x0, x1) = (CENTRE.0 - RADII.0, CENTRE.0 + RADII.0);
+    let (y0, y1) = (CENTRE.1 - RADII.1, CENTRE.1 + RADII.1);
+    let corners = [(x0, y0), (x1, y0), (x0, y1), (x1, y1)]
+        .map(|(x, y)| to_frame.apply([f64::from(x), f64::from(y)]));
+    let lo = |i: usize| corners.iter().map(|c| c[i]).fold(f64::INFINITY, f64::min);
+    let hi = |i: usize| {
+        corners
+            .iter()
+            .map(|c| c[i])
+            .fold(f64::NEG_INFINITY, f64::max)
+    };
+    let clamp = |v: f64, max: u32| v.clamp(0.0, f64::from(max)) as u32;
+    let (left, top) = (clamp(lo(0).floor(), width), clamp(lo(1).floor(), height));
+    let (right, bottom) = (
+        clamp(hi(0).ceil() + 1.0, width),
+        clamp(hi(1).ceil() + 1.0, height),
+    );
+    if right <= left || bottom <= top {
+        return None;
+    }
+    Some((to_template, (left, top, right - left, bottom - top)))
 }
 
 #[cfg(test)]
