@@ -345,16 +345,19 @@ fn render_one(
         None => avatar,
     };
     let source_face = avatar.source_face;
+    let avatar = Arc::new(avatar);
+    let enhance = engine.enhancers().resolve(Some(&job.enhance))?;
+    let restores = enhance.as_ref().is_some_and(|e| e.restores());
     let work = Work {
         speech,
-        avatar: Arc::new(avatar),
+        avatar: avatar.clone(),
         options: Options {
             fps: job.fps,
             loop_mode: job.loop_mode,
             blend: job.blend,
             crf: Some(job.crf),
             preset: Some(job.preset.clone()),
-            enhance: engine.enhancers().resolve(Some(&job.enhance))?,
+            enhance,
         },
         class: Class::Interactive,
         keep: job.keep.clone(),
@@ -405,9 +408,15 @@ fn render_one(
         path: job.out.clone(),
         source,
     })?;
+    // A restored render says where its landmarks came from (the detector may have run).
+    let landmarks = if restores {
+        format!("; landmarks from {}", avatar.landmarks_source().as_str())
+    } else {
+        String::new()
+    };
     eprintln!(
         "wrote {}: {} frames at {} fps ({model_frames} drawn by the model), {:.2} s of speech, {:.1} MB, in {:.1} s \
-         (waiting for the model {:.1} s, composite {:.1} s, encode {:.1} s); face box {}",
+         (waiting for the model {:.1} s, composite {:.1} s, encode {:.1} s); face box {}{landmarks}",
         job.out.display(),
         stats.video_frames,
         fps,
