@@ -544,6 +544,44 @@ fn every_enhanced_frame_matches_the_pytorch_opencv_reference() {
     assert!(worst <= 2, "frames differ by {worst}/255");
 }
 
+/// `POST /v1/jobs` with `form`, then the job's video once it has succeeded (within 120 s).
+async fn job_video(s: &Server, form: reqwest::multipart::Form) -> bytes::Bytes {
+    let r = reqwest::Client::new()
+        .post(s.url("/v1/jobs"))
+        .multipart(form)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let id = r.json::<serde_json::Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let job = loop {
+        let j: serde_json::Value = reqwest::get(s.url(&format!("/v1/jobs/{id}")))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if j["status"] == "succeeded" {
+            break j;
+        }
+        assert!(
+            j["status"] != "failed" && std::time::Instant::now() < deadline,
+            "{j}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    reqwest::get(s.url(job["video_url"].as_str().unwrap()))
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap()
+}
+
 /// A 400 `enhancer_not_loaded` whose message says `needle`.
 async fn not_loaded(r: reqwest::Response, needle: &str) {
     assert_eq!(r.status(), 400);
@@ -607,40 +645,7 @@ async fn requests_name_a_loaded_enhancer_or_are_refused_with_400() {
         // A batch job asks the same way, and renders with it.
         let form = common::server::lipsync_form("arctic_a0007_1s.wav", "astronaut.png")
             .text("enhance", "esrgan");
-        let r = reqwest::Client::new()
-            .post(s.url("/v1/jobs"))
-            .multipart(form)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 202);
-        let id = r.json::<serde_json::Value>().await.unwrap()["id"]
-            .as_str()
-            .unwrap()
-            .to_string();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-        let job = loop {
-            let j: serde_json::Value = reqwest::get(s.url(&format!("/v1/jobs/{id}")))
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            if j["status"] == "succeeded" {
-                break j;
-            }
-            assert!(
-                j["status"] != "failed" && std::time::Instant::now() < deadline,
-                "{j}"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        };
-        let video = reqwest::get(s.url(job["video_url"].as_str().unwrap()))
-            .await
-            .unwrap()
-            .bytes()
-            .await
-            .unwrap();
+        let video = job_video(&s, form).await;
         assert_eq!(common::server::codecs(&video), "h264,aac");
     }
     {
@@ -985,34 +990,8 @@ async fn every_door_restores_with_gfpgan(ck: &Path, detector: &Path, dir: &Path)
     assert_eq!(r.status(), 200);
     let video = r.bytes().await.unwrap();
     assert_eq!(common::server::decoded_frames(&video), 5);
-    let r = http
-        .post(s.url("/v1/jobs"))
-        .multipart(form())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202);
-    let job = r.json::<serde_json::Value>().await.unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    loop {
-        let j: serde_json::Value = reqwest::get(s.url(&format!("/v1/jobs/{job}")))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if j["status"] == "succeeded" {
-            break;
-        }
-        assert!(
-            j["status"] != "failed" && std::time::Instant::now() < deadline,
-            "{j}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    }
+    let video = job_video(&s, form()).await;
+    assert_eq!(common::server::decoded_frames(&video), 5);
     // A live session: admitted at any drawing rate, its idle face restored too (on the
     // avatar with the given landmarks: the random detector's would put the mouth elsewhere).
     let url = s.url("/v1/stream").replacen("http://", "ws://", 1);

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use super::checkpoint::Checkpoint;
-use super::cpu::{Act, Activation, Conv};
+use super::cpu::{concat_all, Act, Activation, Conv};
 use super::enhancer::strict_tensors;
 use super::{Error, Result};
 
@@ -252,7 +252,7 @@ impl Ssh {
         let c7 = self
             .conv7_3
             .forward(&self.conv7_2.forward(&c5_1, None), None);
-        concat_channels(&[&c3, &c5, &c7])
+        concat_all(&[&c3, &c5, &c7])
     }
 }
 
@@ -840,26 +840,6 @@ fn max_pool_3x3_s2(x: &Act) -> Act {
         n: x.n,
         h,
         w,
-        c,
-        data,
-    }
-}
-
-/// Concatenates activations of one size along the channels.
-fn concat_channels(parts: &[&Act]) -> Act {
-    let first = parts[0];
-    let c: usize = parts.iter().map(|p| p.c).sum();
-    let pixels = first.n * first.h * first.w;
-    let mut data = Vec::with_capacity(pixels * c);
-    for px in 0..pixels {
-        for p in parts {
-            data.extend_from_slice(&p.data[px * p.c..(px + 1) * p.c]);
-        }
-    }
-    Act {
-        n: first.n,
-        h: first.h,
-        w: first.w,
         c,
         data,
     }
