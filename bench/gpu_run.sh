@@ -866,7 +866,7 @@ measured() {
       ;;
     live) grep -qE "^\| 1 session \| 1 \| 1 \| 0 \| 0 \| [1-9][0-9]* \| $n \|" "$f" ;;
     enhancers)
-      grep -qE "^\| realesr-animevideov3 \| SRVGGNetCompact \(16 body convolutions, 64 features, x4\) \| $n G \| $n \| $n \|" "$f" \
+      grep -qE "^\| realesr-animevideov3 \| SRVGGNetCompact \(16 body convolutions, 64 features, x4\) \| 96x96 \| $n G \| $n \| $n \| $n \|" "$f" \
         && grep -qE "^\| realesr-animevideov3 \| [0-9]+ \| $n s \| -?$n s \| -?$n s \|" "$f"
       ;;
   esac
