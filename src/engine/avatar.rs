@@ -265,6 +265,24 @@ impl Avatar {
         face::paste(frame, &shifted, face_bgr, mask);
     }
 
+    /// Draws a frame's answer on avatar frame `i` (`frame` is its part at `origin`, see
+    /// [`Avatar::paste_at`]): the restored region when the face was restored on this frame,
+    /// else the face pasted (a held frame shown on another clip frame takes the face alone,
+    /// not the other frame's pixels around it).
+    pub fn draw_at(
+        &self,
+        frame: &mut Frame,
+        origin: (u32, u32),
+        i: usize,
+        drawn: &super::scheduler::Drawn,
+        masks: &mut BlendMasks,
+    ) {
+        match &drawn.restored {
+            Some(patch) if patch.frame == i => patch.write_into(frame, origin),
+            _ => self.paste_at(frame, origin, i, &drawn.face, masks),
+        }
+    }
+
     /// The even-aligned region around avatar frame `i`'s face box: all that a pasted face
     /// changes (see [`crate::media::yuv`]).
     pub fn face_region(&self, i: usize) -> Region {

@@ -94,10 +94,7 @@ impl<'a> Compositor<'a> {
                 Some(Ok(f)) => f?,
                 _ => a.background(i)?.into_owned(),
             };
-            match &drawn.restored {
-                Some(patch) if patch.frame == i => patch.write_into(&mut frame, (0, 0)),
-                _ => a.paste_at(&mut frame, (0, 0), i, face_bgr, &mut self.masks),
-            }
+            a.draw_at(&mut frame, (0, 0), i, drawn, &mut self.masks);
             if let Some(dir) = &self.keep.frames {
                 save_frame(dir, self.frames, &frame)?;
             }

@@ -21,13 +21,6 @@ use crate::model::arch::FACE_SIZE;
 use crate::model::enhancer::{self, Applies, DeviceNet, Enhancer, EnhancerNet, Kind};
 use crate::model::retinaface::{self, RetinaFace};
 
-/// A file's name in requests: its stem.
-fn stem(path: &std::path::Path) -> String {
-    path.file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default()
-}
-
 /// The enhancer a frame asks for.
 #[derive(Clone)]
 pub struct EnhanceWith {
@@ -170,17 +163,13 @@ impl Enhancers {
                     net.backbone().name()
                 );
                 detector = Some(Detector {
-                    name: stem(path),
+                    name: enhancer::name_of(path),
                     path: path.clone(),
                     net,
                 });
                 continue;
             }
-            let enhancer = Enhancer {
-                name: stem(path),
-                path: path.clone(),
-                net: enhancer::recognise(&ck)?,
-            };
+            let enhancer = enhancer::from_checkpoint(path, &ck)?;
             if enhancer.name == NONE || Kind::NAMES.contains(&enhancer.name.as_str()) {
                 return Err(crate::model::Error::Settings(format!(
                     "{}: an enhancer file may not be named {:?} (requests use that word)",

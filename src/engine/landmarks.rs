@@ -11,7 +11,7 @@
 //! box's landmarks.
 
 use super::{Avatar, Error};
-use crate::media::face::{FaceBox, Landmarks, SMOOTH_WINDOW};
+use crate::media::face::{fill_missing, smoothing_window, FaceBox, Landmarks, SMOOTH_WINDOW};
 use crate::media::image::Frame;
 use crate::model::retinaface::RetinaFace;
 
@@ -90,35 +90,14 @@ pub fn in_frame(frame: &Frame, b: FaceBox, net: &RetinaFace) -> Result<Option<La
     Ok(l.check(frame.width, frame.height).is_ok().then_some(l))
 }
 
-/// Frames without landmarks take the nearest frame's (the earlier on a tie).
-fn fill_missing(found: &[Option<Landmarks>]) -> Option<Vec<Landmarks>> {
-    let have: Vec<usize> = (0..found.len()).filter(|&i| found[i].is_some()).collect();
-    if have.is_empty() {
-        return None;
-    }
-    Some(
-        (0..found.len())
-            .map(|i| {
-                let nearest = have
-                    .iter()
-                    .min_by_key(|&&j| (j.abs_diff(i), j))
-                    .expect("at least one");
-                found[*nearest].expect("found")
-            })
-            .collect(),
-    )
-}
-
 /// Each frame's points averaged over a window of `t` frames, as the clip's boxes are
 /// smoothed (`media::face::smooth_boxes`: the window starts at the frame, and ends at the
 /// clip's end for the last frames).
 fn smooth(all: &mut [Landmarks], t: usize) {
     let n = all.len();
-    let t = t.max(1);
     let original: Vec<Landmarks> = all.to_vec();
     for (i, out) in all.iter_mut().enumerate() {
-        let start = if i + t > n { n.saturating_sub(t) } else { i };
-        let window = &original[start..(start + t).min(n)];
+        let window = &original[smoothing_window(i, n, t)];
         let mut mean = [[0f64; 2]; 5];
         for l in window {
             for (m, p) in mean.iter_mut().zip(&l.0) {
@@ -181,7 +160,7 @@ mod tests {
         let filled = fill_missing(&[None, Some(at(1.0)), None, None, Some(at(4.0))]).unwrap();
         let xs: Vec<f64> = filled.iter().map(|l| l.0[0][0]).collect();
         assert_eq!(xs, [1.0, 1.0, 1.0, 4.0, 4.0]);
-        assert!(fill_missing(&[None, None]).is_none());
+        assert!(fill_missing::<Landmarks>(&[None, None]).is_none());
         let mut all = vec![at(0.0), at(2.0), at(4.0)];
         smooth(&mut all, 2);
         let xs: Vec<f64> = all.iter().map(|l| l.0[0][0]).collect();

@@ -668,10 +668,13 @@ impl<'a> Session<'a> {
         let clip = avatar.clip.is_some();
         let mut idle_frame = avatar.frame.clone();
         if !clip {
-            match &idle_face.restored {
-                Some(patch) => patch.write_into(&mut idle_frame, (0, 0)),
-                None => face::paste(&mut idle_frame, &avatar.face, &idle_face.face, &avatar.mask),
-            }
+            avatar.draw_at(
+                &mut idle_frame,
+                (0, 0),
+                0,
+                idle_face,
+                &mut Default::default(),
+            );
         }
         let restoring = cfg.enhance.as_ref().is_some_and(|e| e.restores());
         Session {
@@ -1292,12 +1295,7 @@ impl<'a> Session<'a> {
             let Some(face) = face else {
                 return Ok(());
             };
-            match &face.restored {
-                // A held frame on another clip frame than the face was restored on: the
-                // patch would bring that frame's pixels along, so the face is pasted.
-                Some(patch) if patch.frame == i => patch.write_into(&mut self.scratch, (0, 0)),
-                _ => a.paste_at(&mut self.scratch, (0, 0), i, &face.face, &mut self.masks),
-            }
+            a.draw_at(&mut self.scratch, (0, 0), i, face, &mut self.masks);
         } else if let Some(Drawn {
             restored: Some(patch),
             ..

@@ -193,10 +193,8 @@ pub const SMOOTH_WINDOW: usize = 5;
 /// clip (a deviation: the original's negative slice there is a quirk).
 pub fn smooth_boxes(boxes: &mut [FaceBox], t: usize) {
     let n = boxes.len();
-    let t = t.max(1);
     for i in 0..n {
-        let start = if i + t > n { n.saturating_sub(t) } else { i };
-        let window = &boxes[start..(start + t).min(n)];
+        let window = &boxes[smoothing_window(i, n, t)];
         let len = window.len() as u64;
         let mean = |f: fn(&FaceBox) -> u32| {
             (window.iter().map(|b| u64::from(f(b))).sum::<u64>() / len) as u32
@@ -210,9 +208,17 @@ pub fn smooth_boxes(boxes: &mut [FaceBox], t: usize) {
     }
 }
 
-/// For frames without a face (`None`), the box of the nearest frame with one (the earlier on
-/// a tie); `None` when no frame has a face.
-pub fn fill_missing(boxes: &[Option<FaceBox>]) -> Option<Vec<FaceBox>> {
+/// The frames frame `i` of `n` is averaged over when smoothing over `t` frames: `i..i + t`,
+/// or the last `t` where that runs past the end (the whole clip when it is shorter).
+pub fn smoothing_window(i: usize, n: usize, t: usize) -> std::ops::Range<usize> {
+    let t = t.max(1);
+    let start = if i + t > n { n.saturating_sub(t) } else { i };
+    start..(start + t).min(n)
+}
+
+/// For frames without a face (`None`), the value (box, landmarks) of the nearest frame with
+/// one (the earlier on a tie); `None` when no frame has a face.
+pub fn fill_missing<T: Copy>(boxes: &[Option<T>]) -> Option<Vec<T>> {
     let found: Vec<usize> = (0..boxes.len()).filter(|&i| boxes[i].is_some()).collect();
     if found.is_empty() {
         return None;
@@ -446,7 +452,7 @@ mod tests {
         let got = fill_missing(&[None, Some(bx(1)), None, None, None, Some(bx(5)), None]).unwrap();
         let firsts: Vec<u32> = got.iter().map(|b| b.x1).collect();
         assert_eq!(firsts, [1, 1, 1, 1, 5, 5, 5]);
-        assert!(fill_missing(&[None, None]).is_none());
+        assert!(fill_missing::<FaceBox>(&[None, None]).is_none());
     }
 
     #[test]

@@ -126,17 +126,23 @@ impl Enhancer {
 
 /// Reads an enhancer file and recognises its kind from the keys.
 pub fn load(path: &Path) -> Result<Enhancer> {
-    let ck = checkpoint::read(path)?;
-    let net = recognise(&ck)?;
-    let name = path
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    from_checkpoint(path, &checkpoint::read(path)?)
+}
+
+/// The enhancer in `ck`, read from `path`, recognised from its keys.
+pub fn from_checkpoint(path: &Path, ck: &Checkpoint) -> Result<Enhancer> {
     Ok(Enhancer {
-        name,
+        name: name_of(path),
         path: path.to_path_buf(),
-        net,
+        net: recognise(ck)?,
     })
+}
+
+/// A loaded file's name in requests and listings: its stem.
+pub fn name_of(path: &Path) -> String {
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 /// The network a checkpoint holds, by the first recogniser that knows its keys.
