@@ -18,10 +18,11 @@
 #                  times, 1/4/16/64 concurrent requests, the forced out-of-memory request
 #   live    240 s  live sessions at 25 fps: 1, 10, 50, 100 (LIPSYNC_LIVE_SESSIONS; or the most
 #                  the server takes)
-#   enhancers 300 s  Real-ESRGAN enhancers: random checkpoints in the four published layouts
-#                  (bench/esrgan_checkpoints.py, PyTorch), `lipsync bench --sections enhancers`
-#                  on the device: faces/s at batches 1, 16, 64 and what each adds to 40 s of
-#                  speech (tests/gpu.rs checks their passes in the test stage)
+#   enhancers 300 s  the enhancers: random checkpoints in the four published Real-ESRGAN layouts
+#                  and GFPGANv1.4's (bench/enhancer_checkpoints.py, PyTorch), `lipsync bench
+#                  --sections enhancers` on the device: faces/s at batches 1, 16, 64 (GFPGAN:
+#                  1 and 4, what a pass takes) and what each adds to 40 s of speech
+#                  (tests/gpu.rs checks their passes in the test stage)
 #
 # Each stage writes exactly two files, $OUT/<stage>.md (Markdown tables: command, device, date,
 # results) and $OUT/<stage>.log.gz ($OUT: the device tool sets it; /tmp/lipsync-gpu-out if
@@ -378,10 +379,10 @@ stage_enhancers() {
     exit 3
   fi
   local dir=$WORK/enhancers rc
-  md "\`python3 bench/esrgan_checkpoints.py --out enhancers --only ${ENHANCERS}\`" ""
+  md "\`python3 bench/enhancer_checkpoints.py --out enhancers --only ${ENHANCERS}\`" ""
   # shellcheck disable=SC2086 # a list of stems
-  "$PYTHON" bench/esrgan_checkpoints.py --out "$dir" --only $ENHANCERS \
-    || { fail_line "bench/esrgan_checkpoints.py failed"; exit 4; }
+  "$PYTHON" bench/enhancer_checkpoints.py --out "$dir" --only $ENHANCERS \
+    || { fail_line "bench/enhancer_checkpoints.py failed"; exit 4; }
   local args=(--device "$ENHANCE_DEVICE" --sections enhancers --enhance-seconds "$ENHANCE_SECONDS"
     --audio tests/media/arctic_a0007.wav --image tests/media/astronaut.png) e
   for e in $ENHANCERS; do args+=(--enhancer-checkpoint "$dir/$e.pth"); done
@@ -543,7 +544,8 @@ set_sizes() {
     TEST_TITLE="CPU tests of the same layers (tests/model.rs; the GPU test needs a GPU)"
     MEMCHECK_FILTER=${LIPSYNC_MEMCHECK_FILTER:-f16_on_cpu_stays_close_to_f32}
     # The compact networks only: RRDBNet takes seconds per face on two cores.
-    ENHANCERS="realesr-animevideov3" ENHANCE_SECONDS=1 ENHANCE_DEVICE=cpu
+    # GFPGAN takes 2.5 s a face here: 0.4 s of speech (10 frames).
+    ENHANCERS="realesr-animevideov3 GFPGANv1.4" ENHANCE_SECONDS=0.4 ENHANCE_DEVICE=cpu
   else
     RUN=("$ROOT/scripts/run-on-gpu.sh")
     DTYPES=f32,f16,bf16 BATCHES=1,16,64,256,512 BENCH_SECONDS=1.5 INSTANCES=1,3 INSTANCE_BATCH=384
@@ -556,7 +558,7 @@ set_sizes() {
     LIVE_EXTRA=()
     TEST_TITLE="GPU test (tests/gpu.rs)"
     MEMCHECK_FILTER=${LIPSYNC_MEMCHECK_FILTER:-generator_in_f16}
-    ENHANCERS="realesr-general-x4v3 realesr-animevideov3 RealESRGAN_x4plus RealESRGAN_x2plus"
+    ENHANCERS="realesr-general-x4v3 realesr-animevideov3 RealESRGAN_x4plus RealESRGAN_x2plus GFPGANv1.4"
     ENHANCE_SECONDS=40 ENHANCE_DEVICE=cuda
   fi
   PYTHON=${LIPSYNC_PYTHON:-python3}

@@ -18,7 +18,8 @@
 //! `CONV_CHECK_MARGIN_DB` worse than candle's operations.
 //!
 //! Also the enhancers' tensor pass on the GPU against their CPU pass
-//! (`enhancers_on_the_gpu_match_their_cpu_pass`, with faces/s at batches 1, 16 and 64).
+//! (`enhancers_on_the_gpu_match_their_cpu_pass`, with faces/s at batches 1, 16 and 64; and
+//! `gfpgan_on_the_gpu_matches_its_cpu_pass`, with faces/s at 1 and 4).
 //!
 //! Frames do not interact, so a batch of N repeats 4 distinct frames and only the first and
 //! last 4 frames are compared: the CPU reference stays at 4 frames however large N is.
@@ -725,4 +726,54 @@ fn enhancers_on_the_gpu_match_their_cpu_pass() {
         .open_instance(0)
         .expect("these tests need a CUDA GPU");
     enhancers_on(&device);
+}
+
+#[test]
+fn gfpgan_on_the_gpu_matches_its_cpu_pass() {
+    // GFPGANv1Clean in the published layout (random weights, 349 MB written and loaded as
+    // `serve` does), its tensor pass on the GPU against the CPU pass (which tests/enhancer.rs
+    // checks against the upstream network) on aligned 512x512 faces: at 1 face and at 3 (not
+    // a warm-up size: cuDNN's heuristic), each face its own latents.
+    use lipsync::model::enhancer::gfpgan::{keys, MAX_FACES, SIDE};
+    let device = DeviceKind::Cuda
+        .open_instance(0)
+        .expect("these tests need a CUDA GPU");
+    let dir = tempfile::tempdir().unwrap();
+    let e = enhancer_file(dir.path(), "GFPGANv1.4", &keys());
+    let on = e.net.on_device(&device).unwrap();
+    println!("gfpgan: convolutions on the {} path", on.conv_path());
+    assert_eq!(on.conv_path(), "cudnn", "the own cuDNN path did not start");
+    let plane = 3 * SIDE * SIDE;
+    let faces = |n: usize| -> Vec<f32> {
+        (0..n * plane)
+            .map(|i| ((i * 7919 + (i / plane) * 131) % 1009) as f32 / 1008.0)
+            .collect()
+    };
+    for n in [1usize, 3] {
+        let x = faces(n);
+        let want = e.net.forward_cpu(n, SIDE, SIDE, &x).unwrap();
+        let got = on.forward(n, SIDE, SIDE, &x).unwrap();
+        assert_eq!(want.len(), got.len(), "batch {n}");
+        let worst = want
+            .iter()
+            .zip(&got)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        println!("gfpgan batch {n}: max |tensor pass - CPU pass| = {worst:.2e}");
+        assert!(
+            worst.is_finite() && worst < 1.0 / 255.0,
+            "batch {n}: {worst}"
+        );
+    }
+    for n in [1usize, MAX_FACES] {
+        let x = faces(n);
+        on.forward(n, SIDE, SIDE, &x).unwrap();
+        let t = std::time::Instant::now();
+        on.forward(n, SIDE, SIDE, &x).unwrap();
+        let rate = n as f64 / t.elapsed().as_secs_f64();
+        println!(
+            "gfpgan batch {n}: {rate:.1} faces/s, {:.0} MB estimated",
+            on.bytes(n, SIDE, SIDE) as f64 / 1e6
+        );
+    }
 }

@@ -68,6 +68,15 @@ impl EnhanceWith {
     pub fn side(&self) -> usize {
         side_of(self.applies())
     }
+
+    /// The most faces one pass of it takes.
+    pub fn chunk(&self) -> usize {
+        if self.restores() {
+            super::restore::CHUNK
+        } else {
+            CHUNK
+        }
+    }
 }
 
 /// The side of the square faces an enhancer applied so takes.
@@ -199,8 +208,8 @@ impl Enhancers {
                 Device::Cpu => None,
                 gpu => match enhancer.net.on_device(gpu) {
                     Ok(net) => Some(net),
-                    // A network without a device pass yet (GFPGAN) runs its CPU pass on
-                    // the enhancer instances' threads, and `/info` says so.
+                    // A network without a device pass runs its CPU pass on the enhancer
+                    // instances' threads, and `/info` says so.
                     Err(crate::model::Error::Unsupported(why)) => {
                         tracing::warn!("enhancer {}: {why}; it runs on the CPU", enhancer.name);
                         None
@@ -398,15 +407,14 @@ impl Enhancers {
     }
 
     /// Device memory the enhancers hold on a GPU: per instance, every one's weights and the
-    /// largest one's activations (an instance runs one enhancer at a time, at most [`CHUNK`]
-    /// faces at once). 0 on the CPU.
+    /// largest one's activations (an instance runs one enhancer at a time, at most
+    /// [`EnhanceWith::chunk`] faces at once). 0 on the CPU.
     pub fn device_bytes(&self) -> u64 {
-        let n = CHUNK;
         let each: Vec<(u64, u64)> = self
             .list
             .iter()
-            .filter_map(|l| Some((l.with.on_device.as_ref()?, l.with.side())))
-            .map(|(d, side)| {
+            .filter_map(|l| Some((l.with.on_device.as_ref()?, l.with.side(), l.with.chunk())))
+            .map(|(d, side, n)| {
                 let weights = d.bytes(0, side, side);
                 (weights, d.bytes(n, side, side) - weights)
             })

@@ -119,6 +119,19 @@ impl Conv {
         self.cout
     }
 
+    /// The weight in PyTorch's `[cout, cin, k, k]` layout (what it was made from) and the
+    /// bias: for a tensor pass of the same network.
+    pub fn torch_weights(&self) -> (Vec<f32>, &[f32]) {
+        let (cin, cout, k) = (self.cin, self.cout, self.k);
+        let g = &self.gather.weight;
+        let mut w = vec![0f32; cout * cin * k * k];
+        for (i, v) in w.iter_mut().enumerate() {
+            let (o, c, t) = (i / (cin * k * k), i / (k * k) % cin, i % (k * k));
+            *v = g[(t * cin + c) * cout + o];
+        }
+        (w, &self.bias)
+    }
+
     /// `act(conv(x) + bias + residual)`: the same size as `x` at stride 1 with "same"
     /// padding; the residual has the output's shape.
     pub fn forward(&self, x: &Act, residual: Option<&Act>, act: Activation) -> Act {

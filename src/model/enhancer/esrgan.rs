@@ -20,11 +20,12 @@
 //! convolutions, [`EnhancerNet::forward_cpu`]) and the tensor pass on any candle device
 //! ([`EnhancerNet::on_device`]: `conv2d`, cuDNN's on CUDA), in f32.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
+use super::device::{on_device, ConvPath, TensorPass, WarmUp, Weights};
 use super::{dims, mismatch, strict_tensors, DeviceNet, EnhancerNet, Kind};
 use crate::model::checkpoint::Checkpoint;
 use crate::model::cpu::{concat_all, nchw_to_nhwc, nhwc_to_nchw, Act, Activation, Conv};
@@ -115,11 +116,8 @@ fn take_conv(
         w.iter_mut().chain(b.iter_mut()).for_each(|v| *v *= scale);
     }
     let conv = Conv::new(&w, &b, cin, cout, 3);
-    let weights = Weights {
-        w: Tensor::from_vec(w, (cout, cin, 3, 3), &Device::Cpu)?,
-        b: Tensor::from_vec(b, (1, cout, 1, 1), &Device::Cpu)?,
-        path: format!("esrgan {}", key.trim_end_matches(".weight")).into(),
-    };
+    let path = format!("esrgan {}", key.trim_end_matches(".weight"));
+    let weights = Weights::new(path, w, Some(&b), (cin, cout, 3))?;
     Ok((conv, weights))
 }
 
@@ -131,248 +129,20 @@ fn named(
     expected.iter().map(|(k, _)| k.clone()).zip(tensors)
 }
 
-/// A 3×3 convolution (padding 1) for the tensor pass: PyTorch's `(cout, cin, 3, 3)` weight
-/// and the bias as `(1, cout, 1, 1)`.
-#[derive(Clone)]
-struct Weights {
-    w: Tensor,
-    b: Tensor,
-    /// The layer's name for the own cuDNN path's plans and reports (`esrgan body.2`).
-    path: Arc<str>,
-}
+/// The own cuDNN path's warm-up: the generator's faces, at one and at a full pass.
+const WARM_UP: WarmUp = WarmUp {
+    side: crate::model::arch::FACE_SIZE,
+    batch: super::MAX_BATCH,
+};
 
-impl Weights {
-    fn to(&self, device: &Device) -> Result<Weights> {
-        Ok(Weights {
-            w: self.w.to_device(device)?,
-            b: self.b.to_device(device)?,
-            path: self.path.clone(),
-        })
-    }
-
-    fn conv(&self, x: &Tensor, path: &ConvPath) -> Result<Tensor> {
-        match path {
-            ConvPath::Candle => Ok(x.conv2d(&self.w, 1, 1, 1, 1)?.broadcast_add(&self.b)?),
-            #[cfg(feature = "cuda")]
-            ConvPath::Own(engine) => {
-                let (cout, cin, _, _) = self.w.dims4()?;
-                let spec = crate::model::arch::LayerSpec {
-                    kind: crate::model::arch::LayerKind::Plain,
-                    cin,
-                    cout,
-                    kernel: 3,
-                    stride: (1, 1),
-                    padding: 1,
-                    output_padding: 0,
-                    residual: false,
-                };
-                let block = crate::model::wav2lip::ConvBlock::from_parts(
-                    &self.path,
-                    spec,
-                    self.w.clone(),
-                    self.b.clone(),
-                );
-                engine.forward(&block, &x.contiguous()?)
-            }
-        }
-    }
-
-    fn elements(&self) -> usize {
-        self.w.elem_count() + self.b.elem_count()
-    }
+/// LeakyReLU(0.2).
+fn lrelu(x: &Tensor) -> Result<Tensor> {
+    super::device::leaky(x, LEAKY)
 }
 
 fn prelu(x: &Tensor, slope: &Tensor) -> Result<Tensor> {
     Ok((x.relu()? + x.minimum(0f32)?.broadcast_mul(slope)?)?)
 }
-
-fn leaky(x: &Tensor) -> Result<Tensor> {
-    Ok(candle_nn::ops::leaky_relu(x, f64::from(LEAKY))?)
-}
-
-/// What a tensor pass computes, on the device its weights are on.
-trait TensorPass: Send + Sync {
-    fn run(&self, x: &Tensor, path: &ConvPath) -> Result<Tensor>;
-    fn elements(&self) -> usize;
-    /// Values alive at once at the pass's peak, for `n` images of `h × w`.
-    fn peak_values(&self, n: usize, h: usize, w: usize) -> usize;
-}
-
-/// How a tensor pass runs its 3×3 convolutions.
-enum ConvPath {
-    /// candle's `conv2d` (on CUDA: cuDNN with candle's choice of algorithm).
-    Candle,
-    /// The own cuDNN path (CUDA with `--conv-engine cudnn`), as the generator's layers run
-    /// it: each shape's algorithm timed during the warm-up, f32 with FMA math (never TF32).
-    #[cfg(feature = "cuda")]
-    Own(Arc<crate::model::cudnn::CudnnEngine>),
-}
-
-impl ConvPath {
-    fn name(&self) -> &'static str {
-        match self {
-            ConvPath::Candle => "candle",
-            #[cfg(feature = "cuda")]
-            ConvPath::Own(_) => "cudnn",
-        }
-    }
-}
-
-/// An enhancer's weights on one device, run one batch at a time (inputs and outputs go
-/// through host memory).
-struct OnDevice<N> {
-    net: N,
-    device: Device,
-    /// Held while a batch runs; the own path gives way to candle's for good if a cuDNN call
-    /// fails or panics.
-    path: Mutex<ConvPath>,
-    /// Whether `path` is the own path (read without waiting for a batch: `/info`).
-    own: std::sync::atomic::AtomicBool,
-}
-
-impl<N: TensorPass> OnDevice<N> {
-    /// The pass on the path in use; on the own path a failed cuDNN call or a panic switches
-    /// to candle's `conv2d` for good, and the batch runs again there.
-    fn run(&self, x: &Tensor) -> Result<Tensor> {
-        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
-        let mut path = self.path.lock().unwrap_or_else(|p| p.into_inner());
-        #[cfg(feature = "cuda")]
-        if let ConvPath::Own(engine) = &*path {
-            // The engine's cuDNN handle was made on the loading thread: make its context
-            // current on this one.
-            engine
-                .stream()
-                .context()
-                .bind_to_thread()
-                .map_err(candle_core::Error::from)?;
-            let ran =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.net.run(x, &path)));
-            let why = match ran {
-                Ok(Ok(y)) => return Ok(y),
-                Ok(Err(e)) if !e.is_cudnn_failure() => return Err(e),
-                Ok(Err(e)) => e.to_string(),
-                Err(p) => format!("panicked: {}", crate::model::panic_message(&*p)),
-            };
-            tracing::warn!(
-                "an enhancer's own cuDNN path failed ({why}); it runs candle's conv2d from now on"
-            );
-            *path = ConvPath::Candle;
-            self.own.store(false, std::sync::atomic::Ordering::SeqCst);
-        }
-        self.net.run(x, &path)
-    }
-}
-
-impl<N: TensorPass> DeviceNet for OnDevice<N> {
-    fn forward(&self, n: usize, height: usize, width: usize, rgb: &[f32]) -> Result<Vec<f32>> {
-        if rgb.len() != n * 3 * height * width {
-            return Err(Error::BadInput(format!(
-                "{} values for {n} RGB images of {width}x{height}",
-                rgb.len()
-            )));
-        }
-        let x = Tensor::from_slice(rgb, (n, 3, height, width), &self.device)?;
-        let y = self.run(&x)?;
-        Ok(y.clamp(0f32, 1f32)?.flatten_all()?.to_vec1()?)
-    }
-
-    fn bytes(&self, n: usize, height: usize, width: usize) -> u64 {
-        let tensors = 4 * (self.net.elements() + self.net.peak_values(n, height, width)) as u64;
-        // The own path's convolution workspace, up to --cudnn-workspace.
-        let workspace = if self.own.load(std::sync::atomic::Ordering::SeqCst) {
-            crate::model::cudnn::settings().workspace_limit as u64
-        } else {
-            0
-        };
-        tensors + workspace
-    }
-
-    fn conv_path(&self) -> &'static str {
-        if self.own.load(std::sync::atomic::Ordering::SeqCst) {
-            "cudnn"
-        } else {
-            "candle"
-        }
-    }
-}
-
-fn on_device<N: TensorPass + 'static>(net: N, device: &Device) -> Arc<dyn DeviceNet> {
-    let path = own_path(&net, device);
-    Arc::new(OnDevice {
-        net,
-        device: device.clone(),
-        own: std::sync::atomic::AtomicBool::new(path.name() == "cudnn"),
-        path: Mutex::new(path),
-    })
-}
-
-/// The own cuDNN path for `net` on a CUDA `device` (with `--conv-engine cudnn`), warmed up,
-/// or candle's `conv2d` (with a warning when the own path could not start).
-#[cfg(feature = "cuda")]
-fn own_path<N: TensorPass>(net: &N, device: &Device) -> ConvPath {
-    let Device::Cuda(cuda) = device else {
-        return ConvPath::Candle;
-    };
-    if !crate::model::cudnn::enabled() {
-        return ConvPath::Candle;
-    }
-    match warm_own_path(net, device, cuda) {
-        Ok(path) => path,
-        Err(e) => {
-            tracing::warn!(
-                "an enhancer's own cuDNN path is unavailable ({e}); it runs candle's conv2d"
-            );
-            ConvPath::Candle
-        }
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-fn own_path<N: TensorPass>(_: &N, _: &Device) -> ConvPath {
-    ConvPath::Candle
-}
-
-/// Starts the own path: its algorithms timed at one face and at [`super::MAX_BATCH`] faces
-/// (other batch sizes take cuDNN's heuristic), and its output at both checked against
-/// candle's `conv2d` on the same faces: within [`OWN_PATH_TOLERANCE`], or the own path is
-/// refused.
-#[cfg(feature = "cuda")]
-fn warm_own_path<N: TensorPass>(
-    net: &N,
-    device: &Device,
-    cuda: &candle_core::cuda_backend::CudaDevice,
-) -> Result<ConvPath> {
-    use crate::model::arch::FACE_SIZE;
-    use crate::model::cudnn::{ConvLayout, CudnnEngine};
-    let engine = Arc::new(CudnnEngine::beside(
-        cuda,
-        candle_core::DType::F32,
-        ConvLayout::Nchw,
-    )?);
-    let own = ConvPath::Own(engine.clone());
-    for n in [1, super::MAX_BATCH] {
-        let len = n * 3 * FACE_SIZE * FACE_SIZE;
-        // A smooth face-like ramp with some texture.
-        let faces: Vec<f32> = (0..len).map(|i| ((i * 37) % 251) as f32 / 250.0).collect();
-        let x = Tensor::from_vec(faces, (n, 3, FACE_SIZE, FACE_SIZE), device)?;
-        let got = net.run(&x, &own)?;
-        let want = net.run(&x, &ConvPath::Candle)?;
-        let worst: f32 = (got - want)?.abs()?.flatten_all()?.max(0)?.to_scalar()?;
-        if worst.is_nan() || worst > OWN_PATH_TOLERANCE {
-            return Err(Error::Settings(format!(
-                "at {n} faces its output differs from candle's conv2d by {worst} (at most \
-                 {OWN_PATH_TOLERANCE})"
-            )));
-        }
-    }
-    engine.finish_warm_up();
-    Ok(own)
-}
-
-/// How far the own path's f32 output may be from candle's (both f32 with FMA; the sums run
-/// in another order): well below an 8-bit level (0.0039).
-#[cfg(feature = "cuda")]
-const OWN_PATH_TOLERANCE: f32 = 1e-3;
 
 /// SRVGGNetCompact.
 pub struct Compact {
@@ -571,7 +341,7 @@ impl EnhancerNet for Compact {
     }
 
     fn on_device(&self, device: &Device) -> Result<Arc<dyn DeviceNet>> {
-        Ok(on_device(self.tensors.to(device)?, device))
+        Ok(on_device(self.tensors.to(device)?, device, WARM_UP))
     }
 }
 
@@ -657,7 +427,7 @@ impl RrdbTensors {
     fn dense(convs: &[Weights; 5], x: &Tensor, path: &ConvPath) -> Result<Tensor> {
         let mut parts = vec![x.clone()];
         for conv in &convs[..4] {
-            let y = leaky(&conv.conv(&Tensor::cat(&parts, 1)?, path)?)?;
+            let y = lrelu(&conv.conv(&Tensor::cat(&parts, 1)?, path)?)?;
             parts.push(y);
         }
         Ok((convs[4].conv(&Tensor::cat(&parts, 1)?, path)? + x)?)
@@ -683,9 +453,9 @@ impl TensorPass for RrdbTensors {
         let [body, up1, up2, hr, last] = &self.tail;
         let feat = (body.conv(&y, path)? + feat)?;
         let (_, _, h, w) = feat.dims4()?;
-        let f = leaky(&up1.conv(&feat.upsample_nearest2d(2 * h, 2 * w)?, path)?)?;
-        let f = leaky(&up2.conv(&f.upsample_nearest2d(4 * h, 4 * w)?, path)?)?;
-        last.conv(&leaky(&hr.conv(&f, path)?)?, path)
+        let f = lrelu(&up1.conv(&feat.upsample_nearest2d(2 * h, 2 * w)?, path)?)?;
+        let f = lrelu(&up2.conv(&f.upsample_nearest2d(4 * h, 4 * w)?, path)?)?;
+        last.conv(&lrelu(&hr.conv(&f, path)?)?, path)
     }
 
     fn elements(&self) -> usize {
@@ -881,7 +651,7 @@ impl EnhancerNet for Rrdb {
     }
 
     fn on_device(&self, device: &Device) -> Result<Arc<dyn DeviceNet>> {
-        Ok(on_device(self.tensors.to(device)?, device))
+        Ok(on_device(self.tensors.to(device)?, device, WARM_UP))
     }
 }
 

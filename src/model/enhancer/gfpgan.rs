@@ -26,12 +26,22 @@
 //! clean architecture folds no equalised learning rate at run time).
 //!
 //! Input RGB in [0, 1] is `(x − 0.5) / 0.5`; the output is clamped to [−1, 1] and mapped
-//! back to [0, 1], as GFPGAN's own wrapper does. f32 on the CPU.
+//! back to [0, 1], as GFPGAN's own wrapper does.
+//!
+//! Two passes run the same weights in f32 (f16/bf16 wait for a device check: a flat-colour
+//! f16 failure is reported upstream): the CPU pass (the generator's NHWC gather + gemm
+//! convolutions) and the tensor pass on any candle device ([`EnhancerNet::on_device`]:
+//! `conv2d` or the own cuDNN path on CUDA), built from the CPU pass's own weights so the file
+//! is read once. Its bilinear ×2 is two fixed blends per axis, its ×½ a 2×2 mean (what
+//! `align_corners=False` reads), and the modulation two broadcast scalings around the
+//! shared convolution.
 
 use std::sync::Arc;
 
+use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
+use super::device::{on_device, ConvPath, TensorPass, WarmUp, Weights};
 use super::{dims, strict_tensors, Applies, DeviceNet, EnhancerNet, Kind};
 use crate::model::checkpoint::Checkpoint;
 use crate::model::cpu::{nchw_to_nhwc, nhwc_to_nchw, Act, Activation, Conv};
@@ -73,7 +83,7 @@ pub fn recognise(ck: &Checkpoint) -> Option<Result<Arc<dyn EnhancerNet>>> {
 }
 
 /// Every tensor of the published files (key, shape), in a fixed order.
-pub(crate) fn keys() -> Vec<(String, Vec<usize>)> {
+pub fn keys() -> Vec<(String, Vec<usize>)> {
     let mut k: Vec<(String, Vec<usize>)> = Vec::with_capacity(285);
     let conv = |k: &mut Vec<(String, Vec<usize>)>, p: &str, o: usize, i: usize, s: usize| {
         k.push((format!("{p}.weight"), vec![o, i, s, s]));
@@ -610,10 +620,486 @@ impl EnhancerNet for Gfpgan {
         Ok(y)
     }
 
-    fn on_device(&self, _device: &candle_core::Device) -> Result<Arc<dyn DeviceNet>> {
-        Err(Error::Unsupported(
-            "GFPGAN runs on the CPU only in this build (its device pass is not written yet)".into(),
-        ))
+    fn on_device(&self, device: &Device) -> Result<Arc<dyn DeviceNet>> {
+        let tensors = GfpganTensors::of(self)?.to(device)?;
+        Ok(on_device(tensors, device, WARM_UP))
+    }
+}
+
+/// The most aligned faces one pass takes: at 512×512 each holds about 0.5 GB of activations
+/// at the pass's peak (the decoder's conditions of every level, and the last level's
+/// upsampled input), so the engine cuts a batch into pieces of this.
+pub const MAX_FACES: usize = 4;
+
+/// The own cuDNN path's warm-up: aligned faces, at one and at a full pass.
+const WARM_UP: WarmUp = WarmUp {
+    side: SIDE,
+    batch: MAX_FACES,
+};
+
+fn lrelu(x: &Tensor) -> Result<Tensor> {
+    super::device::leaky(x, LEAKY)
+}
+
+/// PyTorch's `interpolate(scale_factor=2, mode='bilinear', align_corners=False)` along one
+/// axis of an NCHW tensor (2 or 3): output `2i` is `0.25·x[i−1] + 0.75·x[i]`, `2i+1` is
+/// `0.75·x[i] + 0.25·x[i+1]`, the neighbours clamped at the edges; the two phases are
+/// stacked behind the axis and merged into it.
+fn upsample2_axis(x: &Tensor, axis: usize) -> Result<Tensor> {
+    let len = x.dim(axis)?;
+    let (first, last) = (x.narrow(axis, 0, 1)?, x.narrow(axis, len - 1, 1)?);
+    let (prev, next) = if len > 1 {
+        (
+            Tensor::cat(&[&first, &x.narrow(axis, 0, len - 1)?], axis)?,
+            Tensor::cat(&[&x.narrow(axis, 1, len - 1)?, &last], axis)?,
+        )
+    } else {
+        (first, last)
+    };
+    let near = x.affine(0.75, 0.0)?;
+    let even = (&near + prev.affine(0.25, 0.0)?)?;
+    let odd = (&near + next.affine(0.25, 0.0)?)?;
+    let mut dims = x.dims().to_vec();
+    dims[axis] *= 2;
+    Ok(Tensor::stack(&[even, odd], axis + 1)?.reshape(dims)?)
+}
+
+/// Bilinear ×2 of an NCHW tensor, as [`upsample2`].
+fn upsample2_t(x: &Tensor) -> Result<Tensor> {
+    upsample2_axis(&upsample2_axis(x, 2)?, 3)
+}
+
+/// Bilinear ×½ (align_corners=False reads the middle of each 2×2 block: its mean), as
+/// [`downsample2`].
+fn downsample2_t(x: &Tensor) -> Result<Tensor> {
+    Ok(x.avg_pool2d(2)?)
+}
+
+/// A convolution of the CPU pass as tensors on the CPU; `bias` false for the bias-less
+/// ones (the ResBlocks' skips, the modulated convolutions).
+fn weights_of(name: &str, c: &Conv, bias: bool) -> Result<Weights> {
+    let (w, b) = c.torch_weights();
+    let k = ((w.len() / (c.cin() * c.cout())) as f64).sqrt() as usize;
+    Weights::new(
+        format!("gfpgan {name}"),
+        w,
+        bias.then_some(b),
+        (c.cin(), c.cout(), k),
+    )
+}
+
+#[derive(Clone)]
+struct ResBlockT {
+    conv1: Weights,
+    conv2: Weights,
+    skip: Weights,
+    up: bool,
+}
+
+impl ResBlockT {
+    fn of(name: &str, b: &ResBlock) -> Result<Self> {
+        Ok(ResBlockT {
+            conv1: weights_of(&format!("{name}.conv1"), &b.conv1, true)?,
+            conv2: weights_of(&format!("{name}.conv2"), &b.conv2, true)?,
+            skip: weights_of(&format!("{name}.skip"), &b.skip, false)?,
+            up: b.up,
+        })
+    }
+
+    fn to(&self, d: &Device) -> Result<Self> {
+        Ok(ResBlockT {
+            conv1: self.conv1.to(d)?,
+            conv2: self.conv2.to(d)?,
+            skip: self.skip.to(d)?,
+            up: self.up,
+        })
+    }
+
+    fn run(&self, x: &Tensor, path: &ConvPath) -> Result<Tensor> {
+        let resize = |a: &Tensor| {
+            if self.up {
+                upsample2_t(a)
+            } else {
+                downsample2_t(a)
+            }
+        };
+        let out = lrelu(&self.conv1.conv(x, path)?)?;
+        let out = lrelu(&self.conv2.conv(&resize(&out)?, path)?)?;
+        Ok((out + self.skip.conv(&resize(x)?, path)?)?)
+    }
+
+    fn elements(&self) -> usize {
+        self.conv1.elements() + self.conv2.elements() + self.skip.elements()
+    }
+}
+
+/// A modulated convolution as tensors: the style `latent · Mᵀ + b` per image scales the
+/// input channels, the shared weight convolves, the demodulation scales the output channels.
+#[derive(Clone)]
+struct ModulatedT {
+    conv: Weights,
+    /// The modulation's weight transposed, `(STYLE, cin)`, and bias `(1, cin)`.
+    modulation_t: Tensor,
+    modulation_b: Tensor,
+    /// `(cin, cout)`: `Σ over the kernel of W[o, i]²`, transposed; `None`: no demodulation.
+    squares_t: Option<Tensor>,
+}
+
+impl ModulatedT {
+    fn of(name: &str, m: &Modulated) -> Result<Self> {
+        let (cin, cout) = (m.conv.cin(), m.conv.cout());
+        let cpu = &Device::Cpu;
+        Ok(ModulatedT {
+            conv: weights_of(name, &m.conv, false)?,
+            modulation_t: Tensor::from_slice(&m.modulation_w, (cin, STYLE), cpu)?
+                .t()?
+                .contiguous()?,
+            modulation_b: Tensor::from_slice(&m.modulation_b, (1, cin), cpu)?,
+            squares_t: m
+                .squares
+                .as_ref()
+                .map(|q| Tensor::from_slice(q, (cout, cin), cpu)?.t()?.contiguous())
+                .transpose()?,
+        })
+    }
+
+    fn to(&self, d: &Device) -> Result<Self> {
+        Ok(ModulatedT {
+            conv: self.conv.to(d)?,
+            modulation_t: self.modulation_t.to_device(d)?,
+            modulation_b: self.modulation_b.to_device(d)?,
+            squares_t: self
+                .squares_t
+                .as_ref()
+                .map(|q| q.to_device(d))
+                .transpose()?,
+        })
+    }
+
+    /// `conv(x · s) · d`, with `latent` `(n, STYLE)`.
+    fn run(&self, x: &Tensor, latent: &Tensor, path: &ConvPath) -> Result<Tensor> {
+        let (n, cin, _, _) = x.dims4()?;
+        let s = latent
+            .matmul(&self.modulation_t)?
+            .broadcast_add(&self.modulation_b)?;
+        let out = self
+            .conv
+            .conv(&x.broadcast_mul(&s.reshape((n, cin, 1, 1))?)?, path)?;
+        match &self.squares_t {
+            None => Ok(out),
+            Some(q) => {
+                let cout = out.dim(1)?;
+                let d = (s.sqr()?.matmul(q)? + 1e-8)?.sqrt()?.recip()?;
+                Ok(out.broadcast_mul(&d.reshape((n, cout, 1, 1))?)?)
+            }
+        }
+    }
+
+    fn elements(&self) -> usize {
+        self.conv.elements()
+            + self.modulation_t.elem_count()
+            + self.modulation_b.elem_count()
+            + self.squares_t.as_ref().map_or(0, Tensor::elem_count)
+    }
+}
+
+#[derive(Clone)]
+struct StyleConvT {
+    conv: ModulatedT,
+    /// The layer's stored noise times its weight, `(1, 1, side, side)`.
+    noise: Tensor,
+    /// `(1, cout, 1, 1)`.
+    bias: Tensor,
+    up: bool,
+}
+
+impl StyleConvT {
+    fn of(name: &str, s: &StyleConv, noise: &[f32]) -> Result<Self> {
+        let side = (noise.len() as f64).sqrt() as usize;
+        let cpu = &Device::Cpu;
+        let cout = s.bias.len();
+        Ok(StyleConvT {
+            conv: ModulatedT::of(name, &s.conv)?,
+            noise: Tensor::from_slice(noise, (1, 1, side, side), cpu)?
+                .affine(f64::from(s.noise_weight), 0.0)?,
+            bias: Tensor::from_slice(&s.bias, (1, cout, 1, 1), cpu)?,
+            up: s.up,
+        })
+    }
+
+    fn to(&self, d: &Device) -> Result<Self> {
+        Ok(StyleConvT {
+            conv: self.conv.to(d)?,
+            noise: self.noise.to_device(d)?,
+            bias: self.bias.to_device(d)?,
+            up: self.up,
+        })
+    }
+
+    fn run(&self, x: &Tensor, latent: &Tensor, path: &ConvPath) -> Result<Tensor> {
+        let out = if self.up {
+            self.conv.run(&upsample2_t(x)?, latent, path)?
+        } else {
+            self.conv.run(x, latent, path)?
+        };
+        let out = out
+            .affine(std::f64::consts::SQRT_2, 0.0)?
+            .broadcast_add(&self.noise)?
+            .broadcast_add(&self.bias)?;
+        lrelu(&out)
+    }
+
+    fn elements(&self) -> usize {
+        self.conv.elements() + self.noise.elem_count() + self.bias.elem_count()
+    }
+}
+
+#[derive(Clone)]
+struct ToRgbT {
+    conv: ModulatedT,
+    bias: Tensor,
+}
+
+impl ToRgbT {
+    fn of(name: &str, t: &ToRgb) -> Result<Self> {
+        Ok(ToRgbT {
+            conv: ModulatedT::of(name, &t.conv)?,
+            bias: Tensor::from_slice(&t.bias, (1, 3, 1, 1), &Device::Cpu)?,
+        })
+    }
+
+    fn to(&self, d: &Device) -> Result<Self> {
+        Ok(ToRgbT {
+            conv: self.conv.to(d)?,
+            bias: self.bias.to_device(d)?,
+        })
+    }
+
+    fn run(
+        &self,
+        x: &Tensor,
+        latent: &Tensor,
+        skip: Option<&Tensor>,
+        path: &ConvPath,
+    ) -> Result<Tensor> {
+        let out = self.conv.run(x, latent, path)?.broadcast_add(&self.bias)?;
+        Ok(match skip {
+            Some(s) => (out + upsample2_t(s)?)?,
+            None => out,
+        })
+    }
+}
+
+/// GFPGAN's tensor pass: the CPU pass's layers as candle tensors, in the same order.
+#[derive(Clone)]
+struct GfpganTensors {
+    first: Weights,
+    down: Vec<ResBlockT>,
+    final_conv: Weights,
+    /// `final_linear`'s weight transposed, `(4096, LATENTS · STYLE)`, and bias `(1, …)`.
+    final_linear: (Tensor, Tensor),
+    up: Vec<ResBlockT>,
+    conditions: Vec<[Weights; 4]>,
+    /// `(1, 512, 4, 4)`.
+    constant: Tensor,
+    style_conv1: StyleConvT,
+    to_rgb1: ToRgbT,
+    levels: Vec<(StyleConvT, StyleConvT, ToRgbT)>,
+}
+
+impl GfpganTensors {
+    fn of(g: &Gfpgan) -> Result<Self> {
+        let cpu = &Device::Cpu;
+        let (w, b) = &g.final_linear;
+        let inputs = w.len() / b.len();
+        let names = |prefix: &'static str, n: usize| (0..n).map(move |j| format!("{prefix}.{j}"));
+        let levels = g
+            .levels
+            .iter()
+            .enumerate()
+            .map(|(l, (a, b, rgb))| {
+                let d = "stylegan_decoder";
+                Ok((
+                    StyleConvT::of(
+                        &format!("{d}.style_convs.{}", 2 * l),
+                        a,
+                        &g.noises[2 * l + 1],
+                    )?,
+                    StyleConvT::of(
+                        &format!("{d}.style_convs.{}", 2 * l + 1),
+                        b,
+                        &g.noises[2 * l + 2],
+                    )?,
+                    ToRgbT::of(&format!("{d}.to_rgbs.{l}"), rgb)?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        let c = &g.constant;
+        Ok(GfpganTensors {
+            first: weights_of("conv_body_first", &g.first, true)?,
+            down: names("conv_body_down", g.down.len())
+                .zip(&g.down)
+                .map(|(n, b)| ResBlockT::of(&n, b))
+                .collect::<Result<_>>()?,
+            final_conv: weights_of("final_conv", &g.final_conv, true)?,
+            final_linear: (
+                Tensor::from_slice(w, (b.len(), inputs), cpu)?
+                    .t()?
+                    .contiguous()?,
+                Tensor::from_slice(b, (1, b.len()), cpu)?,
+            ),
+            up: names("conv_body_up", g.up.len())
+                .zip(&g.up)
+                .map(|(n, b)| ResBlockT::of(&n, b))
+                .collect::<Result<_>>()?,
+            conditions: g
+                .conditions
+                .iter()
+                .enumerate()
+                .map(|(l, convs)| {
+                    let name = |i: usize| {
+                        let which = ["condition_scale", "condition_shift"][i / 2];
+                        format!("{which}.{l}.{}", 2 * (i % 2))
+                    };
+                    Ok([
+                        weights_of(&name(0), &convs[0], true)?,
+                        weights_of(&name(1), &convs[1], true)?,
+                        weights_of(&name(2), &convs[2], true)?,
+                        weights_of(&name(3), &convs[3], true)?,
+                    ])
+                })
+                .collect::<Result<_>>()?,
+            constant: Tensor::from_slice(&nhwc_to_nchw(c), (1, c.c, c.h, c.w), cpu)?,
+            style_conv1: StyleConvT::of(
+                "stylegan_decoder.style_conv1",
+                &g.style_conv1,
+                &g.noises[0],
+            )?,
+            to_rgb1: ToRgbT::of("stylegan_decoder.to_rgb1", &g.to_rgb1)?,
+            levels,
+        })
+    }
+
+    fn to(&self, d: &Device) -> Result<Self> {
+        let four = |c: &[Weights; 4]| -> Result<[Weights; 4]> {
+            Ok([c[0].to(d)?, c[1].to(d)?, c[2].to(d)?, c[3].to(d)?])
+        };
+        Ok(GfpganTensors {
+            first: self.first.to(d)?,
+            down: self.down.iter().map(|b| b.to(d)).collect::<Result<_>>()?,
+            final_conv: self.final_conv.to(d)?,
+            final_linear: (
+                self.final_linear.0.to_device(d)?,
+                self.final_linear.1.to_device(d)?,
+            ),
+            up: self.up.iter().map(|b| b.to(d)).collect::<Result<_>>()?,
+            conditions: self.conditions.iter().map(four).collect::<Result<_>>()?,
+            constant: self.constant.to_device(d)?,
+            style_conv1: self.style_conv1.to(d)?,
+            to_rgb1: self.to_rgb1.to(d)?,
+            levels: self
+                .levels
+                .iter()
+                .map(|(a, b, c)| Ok((a.to(d)?, b.to(d)?, c.to(d)?)))
+                .collect::<Result<_>>()?,
+        })
+    }
+}
+
+impl TensorPass for GfpganTensors {
+    fn run(&self, x: &Tensor, path: &ConvPath) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        let x = x.affine(2.0, -1.0)?;
+        // Encoder.
+        let first = lrelu(&self.first.conv(&x, path)?)?;
+        let mut skips: Vec<Tensor> = Vec::with_capacity(LEVELS);
+        for block in &self.down {
+            let next = block.run(skips.last().unwrap_or(&first), path)?;
+            skips.push(next);
+        }
+        drop(first);
+        let feat4 = lrelu(
+            &self
+                .final_conv
+                .conv(skips.last().expect("seven levels"), path)?,
+        )?;
+        // The latents: final_linear over the 4×4 features in NCHW order.
+        let (w, b) = &self.final_linear;
+        let latents = feat4.flatten_from(1)?.matmul(w)?.broadcast_add(b)?;
+        let latent = |j: usize| latents.narrow(1, j * STYLE, STYLE)?.contiguous();
+        // U-Net decoder: the conditions of each level.
+        let mut feat = feat4;
+        let mut conditions = Vec::with_capacity(LEVELS);
+        for (level, block) in self.up.iter().enumerate() {
+            feat = block.run(&(feat + &skips[LEVELS - 1 - level])?, path)?;
+            let [s0, s1, h0, h1] = &self.conditions[level];
+            let scale = s1.conv(&lrelu(&s0.conv(&feat, path)?)?, path)?;
+            let shift = h1.conv(&lrelu(&h0.conv(&feat, path)?)?, path)?;
+            conditions.push((scale, shift));
+        }
+        drop((skips, feat));
+        // StyleGAN2 decoder.
+        let (_, c, h, w) = self.constant.dims4()?;
+        let constant = self.constant.broadcast_as((n, c, h, w))?.contiguous()?;
+        let mut out = self.style_conv1.run(&constant, &latent(0)?, path)?;
+        let mut rgb = self.to_rgb1.run(&out, &latent(1)?, None, path)?;
+        for (level, (conv1, conv2, to_rgb)) in self.levels.iter().enumerate() {
+            let j = 2 * level + 1;
+            out = conv1.run(&out, &latent(j)?, path)?;
+            // The SFT on the second half of the channels.
+            let (scale, shift) = &conditions[level];
+            let half = out.dim(1)? / 2;
+            let kept = out.narrow(1, 0, half)?;
+            let modulated = ((out.narrow(1, half, half)? * scale)? + shift)?;
+            out = Tensor::cat(&[kept, modulated], 1)?;
+            out = conv2.run(&out, &latent(j + 1)?, path)?;
+            rgb = to_rgb.run(&out, &latent(j + 2)?, Some(&rgb), path)?;
+        }
+        // [−1, 1] back to [0, 1] (the caller clamps).
+        Ok(rgb.affine(0.5, 0.5)?)
+    }
+
+    fn elements(&self) -> usize {
+        let blocks: usize = self
+            .down
+            .iter()
+            .chain(&self.up)
+            .map(ResBlockT::elements)
+            .sum();
+        let conditions: usize = self
+            .conditions
+            .iter()
+            .flatten()
+            .map(Weights::elements)
+            .sum();
+        let levels: usize = self
+            .levels
+            .iter()
+            .map(|(a, b, c)| a.elements() + b.elements() + c.conv.elements() + 3)
+            .sum();
+        self.first.elements()
+            + blocks
+            + self.final_conv.elements()
+            + self.final_linear.0.elem_count()
+            + self.final_linear.1.elem_count()
+            + conditions
+            + self.constant.elem_count()
+            + self.style_conv1.elements()
+            + self.to_rgb1.conv.elements()
+            + 3
+            + levels
+    }
+
+    fn peak_values(&self, n: usize, h: usize, w: usize) -> usize {
+        // Held through the StyleGAN decoder: every level's scale and shift.
+        let conditions: usize = (3..=LOG_SIDE)
+            .map(|i| 2 * unet_channels(i) * (1 << (2 * i)))
+            .sum();
+        // At the last level: the upsampled input and its scaled copy, the convolution's
+        // output and its activation, the RGB and its upsampled skip.
+        let (cin, cout) = (decoder_channels(LOG_SIDE - 1), decoder_channels(LOG_SIDE));
+        let last = h * w * (2 * cin + 2 * cout + 6);
+        n * (conditions + last)
     }
 }
 
@@ -752,5 +1238,91 @@ mod tests {
         // Row 1 (y = 0.25): a quarter of the way to the second row.
         assert_eq!(&up.data[4..8], &[2.0, 3.0, 5.0, 6.0]);
         assert_eq!(&up.data[12..], &[8.0, 9.0, 11.0, 12.0]);
+    }
+
+    #[test]
+    fn the_tensor_resizes_match_the_cpu_passes() {
+        // 3 channels of 5x6 with distinct values: both halves of the tensor pass's resizes
+        // against the CPU pass's (which the test above ties to PyTorch).
+        let (c, h, w) = (3, 6, 5);
+        let nchw: Vec<f32> = (0..c * h * w).map(|i| ((i * 29) % 97) as f32).collect();
+        let t = Tensor::from_slice(&nchw, (1, c, h, w), &Device::Cpu).unwrap();
+        let act = nchw_to_nhwc(&nchw, 1, c, h, w);
+        let up: Vec<f32> = upsample2_t(&t)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(up, nhwc_to_nchw(&upsample2(&act)));
+        let even = t.narrow(3, 0, 4).unwrap().contiguous().unwrap();
+        let down: Vec<f32> = downsample2_t(&even)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let even: Vec<f32> = even.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(
+            down,
+            nhwc_to_nchw(&downsample2(&nchw_to_nhwc(&even, 1, c, h, 4)))
+        );
+    }
+
+    #[test]
+    fn the_tensor_pass_computes_what_the_cpu_pass_does() {
+        // The CPU pass is checked against the upstream GFPGANv1Clean (tests/enhancer.rs);
+        // the tensor pass (what CUDA runs) against it here, on candle's CPU device, on two
+        // different faces in one batch (each its own latents, styles and demodulation).
+        let net = super::super::recognise(&super::super::testing::checkpoint(&keys())).unwrap();
+        let plane = 3 * SIDE * SIDE;
+        let faces: Vec<f32> = (0..2 * plane)
+            .map(|i| {
+                let (face, p) = (i / plane, i % plane);
+                let (y, x) = (p % (SIDE * SIDE) / SIDE, p % SIDE);
+                let ramp = (x + 2 * y) as f32 / (3 * SIDE) as f32;
+                let texture = ((p * 37 + face * 11) % 101) as f32 / 400.0;
+                if face == 0 {
+                    ramp * 0.7 + texture
+                } else {
+                    1.0 - ramp * 0.8 - texture
+                }
+            })
+            .collect();
+        let cpu = net.forward_cpu(2, SIDE, SIDE, &faces).unwrap();
+        let on = net.on_device(&Device::Cpu).unwrap();
+        assert_eq!(on.conv_path(), "candle");
+        let tensors = on.forward(2, SIDE, SIDE, &faces).unwrap();
+        assert_eq!(cpu.len(), tensors.len());
+        let worst = cpu
+            .iter()
+            .zip(&tensors)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        // Measured: 9e-7 (the same f32 sums in another order).
+        assert!(worst < 1e-5, "the passes differ by {worst}");
+        // Not a trivial output: values inside (0, 1), and the two faces differ.
+        let inside = cpu.iter().filter(|v| **v > 0.01 && **v < 0.99).count();
+        assert!(
+            inside > cpu.len() / 4,
+            "{inside} of {} inside (0, 1)",
+            cpu.len()
+        );
+        let apart = cpu[..plane]
+            .iter()
+            .zip(&cpu[plane..])
+            .filter(|(a, b)| (*a - *b).abs() > 0.01)
+            .count();
+        assert!(apart > plane / 50, "the two faces differ at {apart} values");
+        let (one, four) = (on.bytes(1, SIDE, SIDE), on.bytes(MAX_FACES, SIDE, SIDE));
+        let weights = on.bytes(0, SIDE, SIDE);
+        // The published file's 86 M parameters (less the unused style MLP), and about
+        // 0.5 GB of activations per face.
+        assert!((300_000_000..360_000_000).contains(&weights), "{weights}");
+        assert!(
+            (300_000_000..700_000_000).contains(&(one - weights)),
+            "{one}"
+        );
+        assert_eq!(four - weights, 4 * (one - weights));
     }
 }

@@ -10,6 +10,7 @@
 //! | `esrgan` | [`esrgan`] | Real-ESRGAN's SRVGGNetCompact and RRDBNet |
 //! | `gfpgan` | [`gfpgan`] | GFPGAN v1.3 / v1.4 (`GFPGANv1Clean`, 512) |
 
+mod device;
 pub mod esrgan;
 pub mod gfpgan;
 #[cfg(test)]
