@@ -904,11 +904,15 @@ fn restored_frames_match_the_reference(python: &str, upstream: &Path, ck: &Path,
 async fn every_door_restores_with_gfpgan(ck: &Path, detector: &Path, dir: &Path) {
     use futures_util::{SinkExt, StreamExt};
     use tokio_tungstenite::tungstenite::Message;
+    let avatars = dir.join("avatars");
+    let avatar_dir = ["--avatar-dir", avatars.to_str().unwrap()];
     let s = Server::start_echo(&[
         "--enhancer-checkpoint",
         &ck.display().to_string(),
         "--enhancer-checkpoint",
         &detector.display().to_string(),
+        avatar_dir[0],
+        avatar_dir[1],
     ]);
     s.wait_ready().await;
     let info = s.info().await;
@@ -1037,6 +1041,22 @@ async fn every_door_restores_with_gfpgan(ck: &Path, detector: &Path, dir: &Path)
     eprintln!("live idle frame against the photo: eyes {eyes:.1}, mouth {mouth:.1} levels");
     assert!(eyes < 6.0 && mouth > 20.0, "eyes {eyes}, mouth {mouth}");
     let _ = ws.close(None).await;
+    drop(s);
+    // The landmarks found at upload are kept in the avatar files: a server started again on
+    // the directory, without any detector, reports them as found, for the photo and the clip.
+    let again = Server::start_echo(&avatar_dir);
+    again.wait_ready().await;
+    for uploaded in [&avatar, &clip] {
+        let id = uploaded["id"].as_str().unwrap();
+        let r = http
+            .get(again.url(&format!("/v1/avatars/{id}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let read: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(read, *uploaded, "after a restart");
+    }
 }
 
 #[test]

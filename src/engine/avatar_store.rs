@@ -10,7 +10,9 @@
 //!
 //! all integers little-endian. The payload holds what rebuilds the avatar exactly: the frame's
 //! pixels, the boxes, the detection, the client's landmarks (from version 2; a version 1 file
-//! reads as an avatar without them, whose landmarks come from its boxes) and the blend mode
+//! reads as an avatar without them, whose landmarks come from its boxes), the landmarks a
+//! detector found per frame (from version 3, at the end; none stored: found again on the
+//! first restored use) and the blend mode
 //! (the crop, model input and mask are
 //! derived from them as when it was prepared), and for a clip its rate, duration, size and per
 //! frame the box, the crop and the JPEG.
@@ -44,9 +46,10 @@ use crate::media::image::Frame;
 /// The first bytes of every avatar file.
 pub const MAGIC: &[u8; 8] = b"LSAVATAR";
 /// The newest format version this build writes; it reads it and every earlier one. An avatar
-/// without client landmarks is written as version 1, which replicas of earlier builds sharing
-/// the directory (or the job store) still read.
-pub const VERSION: u32 = 2;
+/// without client or detected landmarks is written as version 1, one with the client's as
+/// version 2, one with a detector's as version 3: replicas of earlier builds sharing the
+/// directory (or the job store) still read what they can use.
+pub const VERSION: u32 = 3;
 /// Magic, version, payload length, SHA-256.
 pub const HEADER_BYTES: usize = 8 + 4 + 8 + 32;
 const EXTENSION: &str = "avatar";
@@ -405,17 +408,30 @@ pub fn encode(a: &Avatar) -> Vec<u8> {
             w.f64(d.score);
         }
     }
-    // Version 2 adds the client's landmarks: a flag, then ten f64.
-    let version = match &a.given_landmarks {
-        None => 1,
-        Some(l) => {
-            w.u8(1);
-            for v in l.to_array() {
-                w.f64(v);
-            }
-            2
-        }
+    // Version 2 adds the client's landmarks: a flag, then ten f64. Version 3 adds, at the
+    // end, what a landmark detector found (never beside the client's: they take precedence
+    // and no detector runs). Each is written only when there is something to keep, so files
+    // without it stay readable by earlier builds.
+    let detected = match a.given_landmarks {
+        None => a.detected_landmarks.get(),
+        Some(_) => None,
     };
+    let version = match (&a.given_landmarks, detected) {
+        (_, Some(_)) => 3,
+        (Some(_), None) => 2,
+        (None, None) => 1,
+    };
+    if version >= 2 {
+        match &a.given_landmarks {
+            None => w.u8(0),
+            Some(l) => {
+                w.u8(1);
+                for v in l.to_array() {
+                    w.f64(v);
+                }
+            }
+        }
+    }
     w.u32(a.frame.width);
     w.u32(a.frame.height);
     w.bytes(&a.frame.rgb);
@@ -432,6 +448,20 @@ pub fn encode(a: &Avatar) -> Vec<u8> {
             w.face(c.face(i));
             w.bytes(c.crop_bgr(i));
             w.bytes(c.jpeg(i));
+        }
+    }
+    match detected {
+        None => {}
+        // The detector ran and found no face: the box's landmarks.
+        Some(None) => w.u8(0),
+        Some(Some(frames)) => {
+            w.u8(1);
+            w.u64(frames.len() as u64);
+            for l in frames {
+                for v in l.to_array() {
+                    w.f64(v);
+                }
+            }
         }
     }
     let mut out = w.0;
@@ -568,11 +598,45 @@ pub fn decode(bytes: &[u8]) -> Result<Avatar, Unreadable> {
         }
         _ => return Err(damaged("unknown avatar kind")),
     };
+    let detected = if version >= 3 {
+        let found = match r.u8()? {
+            0 => None,
+            1 => {
+                let n = r.u64()?;
+                if n != avatar.frame_count() as u64 {
+                    return Err(damaged("detected landmarks for another number of frames"));
+                }
+                let mut frames = Vec::with_capacity(n as usize);
+                for _ in 0..n {
+                    let mut points = [[0f64; 2]; 5];
+                    for p in points.iter_mut().flatten() {
+                        *p = r.f64()?;
+                    }
+                    if points.iter().flatten().any(|v| !v.is_finite()) {
+                        return Err(damaged("detected landmarks that are not finite"));
+                    }
+                    frames.push(Landmarks(points));
+                }
+                Some(frames)
+            }
+            _ => return Err(damaged("bad detected landmarks flag")),
+        };
+        Some(found)
+    } else {
+        None
+    };
     if !r.0.is_empty() {
         return Err(damaged("bytes after the avatar"));
     }
+    if given_landmarks.is_some() && detected.is_some() {
+        return Err(damaged("both the client's and detected landmarks"));
+    }
     Ok(Avatar {
         given_landmarks,
+        detected_landmarks: Arc::new(match detected {
+            Some(found) => super::landmarks::Detected::found(found),
+            None => Default::default(),
+        }),
         ..avatar
     })
 }
@@ -714,6 +778,7 @@ mod tests {
         assert_eq!(a.source_size, b.source_size);
         assert_eq!(a.detection, b.detection);
         assert_eq!(a.given_landmarks, b.given_landmarks);
+        assert_eq!(a.detected_landmarks.get(), b.detected_landmarks.get());
         assert_eq!(a.crop_bgr, b.crop_bgr);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&a.input), bits(&b.input));
@@ -780,10 +845,59 @@ mod tests {
         let l: Landmarks = "30.25,20,70,21.5,50,40,35,60,66,61".parse().unwrap();
         let marked = photo(3).with_landmarks(l).unwrap();
         let v2 = encode(&marked);
-        assert_eq!(&v2[8..12], &VERSION.to_le_bytes());
+        assert_eq!(&v2[8..12], &2u32.to_le_bytes());
         assert_eq!(decode(&v2).unwrap().landmarks_source().as_str(), "client");
         let outside = photo(3).with_landmarks("130,20,70,21,50,40,35,60,66,61".parse().unwrap());
         assert_eq!(outside.unwrap_err().kind(), "bad_landmarks");
+    }
+
+    #[test]
+    fn detected_landmarks_are_kept_as_version_3_for_photos_and_every_clip_frame() {
+        let at = |x: f64| {
+            Landmarks([
+                [x, 20.0],
+                [x + 18.5, 20.25],
+                [x + 9.0, 30.0],
+                [x + 2.0, 38.0],
+                [x + 16.0, 38.125],
+            ])
+        };
+        let mut cases = Vec::new();
+        let found = photo(3);
+        found
+            .detected_landmarks
+            .run_once(|| Ok(Some(vec![at(15.5)])))
+            .unwrap();
+        cases.push((found, "retinaface"));
+        // A detector that ran and found no face: kept too (not searched again), box landmarks.
+        let none = photo(3);
+        none.detected_landmarks.run_once(|| Ok(None)).unwrap();
+        cases.push((none, "box"));
+        let c = clip();
+        let frames: Vec<Landmarks> = (0..3).map(|i| at(12.0 + f64::from(i))).collect();
+        c.detected_landmarks.run_once(|| Ok(Some(frames))).unwrap();
+        cases.push((c, "retinaface"));
+        for (a, source) in cases {
+            let bytes = encode(&a);
+            assert_eq!(&bytes[8..12], &3u32.to_le_bytes());
+            let b = decode(&bytes).unwrap();
+            assert_same(&a, &b);
+            assert_eq!(b.landmarks_source().as_str(), source);
+            for i in 0..a.frame_count() {
+                assert_eq!(a.landmarks_at(i), b.landmarks_at(i), "frame {i}");
+            }
+        }
+        // Not a detection stored for another number of frames, nor one that is not finite.
+        let c = clip();
+        c.detected_landmarks
+            .run_once(|| Ok(Some(vec![at(12.0)])))
+            .unwrap();
+        assert!(matches!(decode(&encode(&c)), Err(Unreadable::Damaged(_))));
+        let p = photo(3);
+        p.detected_landmarks
+            .run_once(|| Ok(Some(vec![at(f64::NAN)])))
+            .unwrap();
+        assert!(matches!(decode(&encode(&p)), Err(Unreadable::Damaged(_))));
     }
 
     #[test]

@@ -119,6 +119,13 @@ pub struct Detected {
 }
 
 impl Detected {
+    /// A detection that has already run (read back from an avatar file).
+    pub fn found(found: Option<Vec<Landmarks>>) -> Detected {
+        let d = Detected::default();
+        let _ = d.value.set(found);
+        d
+    }
+
     /// The result, once a detection has run (`Some(None)`: it found no face).
     pub fn get(&self) -> Option<&Option<Vec<Landmarks>>> {
         self.value.get()
