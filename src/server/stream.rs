@@ -45,13 +45,15 @@ const OUT_QUEUE: usize = 64;
 const JPEG_QUALITY: u8 = 85;
 
 /// An open session's frame rate (0 until its opening is accepted), its frames' pixels, its
-/// fair share, and what each face it draws costs the engine in generator faces (1, or more
-/// with an enhancer: see [`LiveCapacity::weight`]).
+/// fair share, and what its enhancer costs per face (0 without one). What each face it draws
+/// weighs in generator faces ([`LiveCapacity::weight`]) is worked out whenever the sessions
+/// are weighed, from the capacity measured then, so the open sessions and a new one are
+/// always weighed by the same measurement.
 struct Open {
     fps: f64,
     pixels: u64,
     share: Arc<FairShare>,
-    weight: f64,
+    enhancer_seconds: f64,
 }
 
 /// The open sessions, their frame rates and fair shares, and what their frames cost the CPU.
@@ -107,19 +109,32 @@ impl Sessions {
     }
 
     /// Frame rates and face weights of the sessions whose openings were accepted, but
-    /// `except`.
-    fn demands(open: &HashMap<u64, Open>, except: Option<u64>) -> Vec<(f64, f64)> {
+    /// `except`; weighed by `capacity` as `sessions` sessions share the engine (the weights
+    /// depend on the batch size, which grows with the sessions).
+    fn demands(
+        open: &HashMap<u64, Open>,
+        except: Option<u64>,
+        capacity: Option<LiveCapacity>,
+        sessions: usize,
+    ) -> Vec<(f64, f64)> {
         open.iter()
             .filter(|(id, o)| Some(**id) != except && o.fps > 0.0)
-            .map(|(_, o)| (o.fps, o.weight))
+            .map(|(_, o)| (o.fps, weigh(capacity, sessions, o.enhancer_seconds)))
             .collect()
+    }
+
+    /// How many sessions whose openings were accepted, but `except`.
+    fn accepted(open: &HashMap<u64, Open>, except: Option<u64>) -> usize {
+        open.iter()
+            .filter(|(id, o)| Some(**id) != except && o.fps > 0.0)
+            .count()
     }
 
     /// Shares `capacity` out again among the open sessions (max-min fair): every session's
     /// [`FairShare`] is updated, so the sessions' drawing rates follow as others open and close.
     fn rebalance(open: &HashMap<u64, Open>, capacity: Option<LiveCapacity>) {
         let Some(capacity) = capacity else { return };
-        let demands = Self::demands(open, None);
+        let demands = Self::demands(open, None, Some(capacity), Self::accepted(open, None));
         let level = fair_level(capacity.fps(demands.len()), &demands);
         for o in open.values().filter(|o| o.fps > 0.0) {
             o.share.set(o.fps.min(level));
@@ -139,7 +154,7 @@ impl Sessions {
                 fps: 0.0,
                 pixels: 0,
                 share: Arc::new(FairShare::new(0.0)),
-                weight: 1.0,
+                enhancer_seconds: 0.0,
             },
         );
         metrics::gauge!(m::STREAM_SESSIONS).set(open.len() as f64);
@@ -180,8 +195,10 @@ impl Slot {
         if room < fps {
             return Err(Refusal::Cpu(room));
         }
-        let mut demands = Sessions::demands(&open, Some(self.id));
-        let weight = capacity.map_or(1.0, |c| c.weight(demands.len() + 1, enhancer_seconds));
+        // Every session weighed now, by one measurement, as they will share the engine.
+        let sessions = Sessions::accepted(&open, Some(self.id)) + 1;
+        let mut demands = Sessions::demands(&open, Some(self.id), capacity, sessions);
+        let weight = weigh(capacity, sessions, enhancer_seconds);
         // The slots the engine sustains (not an operator's --max-sessions, which counts
         // sessions): an enhanced session takes as many as its faces weigh. The first session
         // always fits (its min_draw_fps decides), as at least one slot is always offered.
@@ -204,7 +221,7 @@ impl Slot {
         let mine = open.get_mut(&self.id).expect("a slot's session is open");
         mine.fps = fps;
         mine.pixels = pixels;
-        mine.weight = weight;
+        mine.enhancer_seconds = enhancer_seconds;
         let handle = mine.share.clone();
         *self
             .sessions
@@ -342,6 +359,12 @@ impl LiveCapacity {
     }
 }
 
+/// What a face of a session whose enhancer costs `enhancer_seconds` weighs among `sessions`
+/// sessions ([`LiveCapacity::weight`]; 1 before the capacity is measured).
+fn weigh(capacity: Option<LiveCapacity>, sessions: usize, enhancer_seconds: f64) -> f64 {
+    capacity.map_or(1.0, |c| c.weight(sessions, enhancer_seconds))
+}
+
 /// The max-min fair level of `capacity` (in generator faces per second) among `demands`,
 /// `(faces per second, weight)`: each gets `min(demand, level)` faces per second, costing
 /// `weight` generator faces each, and together they use all of it (infinite when every demand
@@ -374,8 +397,9 @@ pub fn next_draw_fps(app: &App, engine: &Engine) -> Option<f64> {
 pub fn next_draw_fps_with(app: &App, engine: &Engine, enhancer_seconds: f64) -> Option<f64> {
     let capacity = LiveCapacity::of(app, engine)?;
     let open = app.sessions.lock();
-    let mut demands = Sessions::demands(&open, None);
-    let weight = capacity.weight(demands.len() + 1, enhancer_seconds);
+    let sessions = Sessions::accepted(&open, None) + 1;
+    let mut demands = Sessions::demands(&open, None, Some(capacity), sessions);
+    let weight = capacity.weight(sessions, enhancer_seconds);
     demands.push((f64::INFINITY, weight));
     let level = fair_level(capacity.fps(demands.len()), &demands);
     let room = app.sessions.cpu_room(&open, None, REFERENCE_PIXELS);
@@ -1397,6 +1421,59 @@ mod tests {
             ..three
         };
         assert!((both.weight(4, 0.03) - 4.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn open_sessions_are_weighed_by_the_capacity_measured_now() {
+        // An enhanced session admitted while the generator's faces cost 0.01 s weighs 4; when
+        // they are measured at 0.005 s later, it weighs 7 beside the new session, as the new
+        // session's own weight and the slots are worked out from that same measurement (a
+        // weight kept from the admission made a session fit that did not).
+        let open: HashMap<u64, Open> = [
+            (1, 0.03),
+            (2, 0.0),
+            // Not accepted yet (fps 0): not a demand.
+            (3, 0.5),
+        ]
+        .into_iter()
+        .map(|(id, enhancer_seconds)| {
+            let fps = if id == 3 { 0.0 } else { 25.0 };
+            let share = Arc::new(FairShare::new(0.0));
+            (
+                id,
+                Open {
+                    fps,
+                    pixels: 1,
+                    share,
+                    enhancer_seconds,
+                },
+            )
+        })
+        .collect();
+        let at = |per_frame: f64| LiveCapacity {
+            cost: crate::engine::pool::BatchCost {
+                fixed: 0.0,
+                per_frame,
+            },
+            instances: 1.0,
+            enhancer_instances: 1.0,
+            max_batch: 16,
+            utilisation: 1.0,
+        };
+        assert_eq!(Sessions::accepted(&open, None), 2);
+        assert_eq!(Sessions::accepted(&open, Some(2)), 1);
+        let weights = |capacity: Option<LiveCapacity>| {
+            let mut w: Vec<f64> = Sessions::demands(&open, None, capacity, 3)
+                .into_iter()
+                .map(|d| d.1)
+                .collect();
+            w.sort_by(f64::total_cmp);
+            w
+        };
+        assert_eq!(weights(Some(at(0.01))), vec![1.0, 4.0]);
+        assert_eq!(weights(Some(at(0.005))), vec![1.0, 7.0]);
+        // Before anything is measured every face weighs 1.
+        assert_eq!(weights(None), vec![1.0, 1.0]);
     }
 
     /// The JPEG of each binary message `sink` sent.
