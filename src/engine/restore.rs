@@ -24,7 +24,7 @@ use crate::media::image::Frame;
 use crate::media::yuv::Region;
 use crate::model::enhancer::{self, DeviceNet};
 
-/// Aligned faces run through the network at once: at 512×512 each holds about 0.5 GB of
+/// Aligned faces run through the network at once: at 512×512 each holds about 0.6 GB of
 /// activations at the pass's peak, so a batch is cut into pieces of this.
 pub const CHUNK: usize = enhancer::gfpgan::MAX_FACES;
 

@@ -341,7 +341,13 @@ impl EnhancerNet for Compact {
     }
 
     fn on_device(&self, device: &Device) -> Result<Arc<dyn DeviceNet>> {
-        Ok(on_device(self.tensors.to(device)?, device, WARM_UP))
+        let reference = |n: usize, side: usize, rgb: &[f32]| self.forward_cpu(n, side, side, rgb);
+        Ok(on_device(
+            self.tensors.to(device)?,
+            device,
+            WARM_UP,
+            &reference,
+        ))
     }
 }
 
@@ -651,7 +657,13 @@ impl EnhancerNet for Rrdb {
     }
 
     fn on_device(&self, device: &Device) -> Result<Arc<dyn DeviceNet>> {
-        Ok(on_device(self.tensors.to(device)?, device, WARM_UP))
+        let reference = |n: usize, side: usize, rgb: &[f32]| self.forward_cpu(n, side, side, rgb);
+        Ok(on_device(
+            self.tensors.to(device)?,
+            device,
+            WARM_UP,
+            &reference,
+        ))
     }
 }
 

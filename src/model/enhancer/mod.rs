@@ -71,7 +71,7 @@ pub trait EnhancerNet: Send + Sync {
     fn forward_cpu(&self, n: usize, height: usize, width: usize, rgb: &[f32]) -> Result<Vec<f32>>;
     /// The same network with its weights on `device`, run as candle tensors in f32; on CUDA
     /// its convolutions take the own cuDNN path (`--conv-engine cudnn`, warmed up and
-    /// checked against candle's `conv2d` here) or candle's `conv2d`.
+    /// checked against the CPU pass here) or candle's `conv2d`.
     fn on_device(&self, device: &candle_core::Device) -> Result<Arc<dyn DeviceNet>>;
 }
 
