@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{Device, Tensor};
 
-use super::DeviceNet;
+use super::{DeviceNet, EnhancerNet};
 use crate::model::{Error, Result};
 
 /// A square convolution (stride 1, padding `k / 2`) for the tensor pass: PyTorch's
@@ -213,9 +213,9 @@ impl<N: TensorPass> DeviceNet for OnDevice<N> {
     }
 }
 
-/// The exact f32 pass the own path is checked against: `(n, side, rgb)` in, the output
-/// clamped to [0, 1] out (the enhancer's CPU pass).
-pub(super) type Reference<'a> = &'a dyn Fn(usize, usize, &[f32]) -> Result<Vec<f32>>;
+/// The network whose exact f32 CPU pass ([`EnhancerNet::forward_cpu`]) the own path is
+/// checked against.
+pub(super) type Reference<'a> = &'a dyn EnhancerNet;
 
 /// `net`'s tensors (already on `device`) as a [`DeviceNet`]: on CUDA with `--conv-engine
 /// cudnn` on the own path, warmed up as `warm` says and checked against `reference`.
@@ -294,7 +294,7 @@ fn warm_own_path<N: TensorPass>(
             .map(|i| ((i * 37) % 251) as f32 / 250.0)
             .collect()
     };
-    let want = reference(1, side, &faces(1))?;
+    let want = reference.forward_cpu(1, side, side, &faces(1))?;
     for n in [1, warm.batch] {
         let x = Tensor::from_vec(faces(n), (n, 3, side, side), device)?;
         let out: Vec<f32> = net.run(&x, &own)?.flatten_all()?.to_vec1()?;

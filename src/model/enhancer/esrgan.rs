@@ -341,13 +341,7 @@ impl EnhancerNet for Compact {
     }
 
     fn on_device(&self, device: &Device) -> Result<Arc<dyn DeviceNet>> {
-        let reference = |n: usize, side: usize, rgb: &[f32]| self.forward_cpu(n, side, side, rgb);
-        Ok(on_device(
-            self.tensors.to(device)?,
-            device,
-            WARM_UP,
-            &reference,
-        ))
+        Ok(on_device(self.tensors.to(device)?, device, WARM_UP, self))
     }
 }
 
@@ -657,13 +651,7 @@ impl EnhancerNet for Rrdb {
     }
 
     fn on_device(&self, device: &Device) -> Result<Arc<dyn DeviceNet>> {
-        let reference = |n: usize, side: usize, rgb: &[f32]| self.forward_cpu(n, side, side, rgb);
-        Ok(on_device(
-            self.tensors.to(device)?,
-            device,
-            WARM_UP,
-            &reference,
-        ))
+        Ok(on_device(self.tensors.to(device)?, device, WARM_UP, self))
     }
 }
 

@@ -622,8 +622,7 @@ impl EnhancerNet for Gfpgan {
 
     fn on_device(&self, device: &Device) -> Result<Arc<dyn DeviceNet>> {
         let tensors = GfpganTensors::of(self)?.to(device)?;
-        let reference = |n: usize, side: usize, rgb: &[f32]| self.forward_cpu(n, side, side, rgb);
-        Ok(on_device(tensors, device, WARM_UP, &reference))
+        Ok(on_device(tensors, device, WARM_UP, self))
     }
 }
 
