@@ -20,6 +20,7 @@ use super::enhance::EnhanceWith;
 use super::scheduler::Drawn;
 use super::{Avatar, Error};
 use crate::media::face;
+use crate::media::face::restore::RestoreMask;
 use crate::media::image::Frame;
 use crate::media::yuv::Region;
 use crate::model::enhancer::{self, DeviceNet};
@@ -80,8 +81,6 @@ pub fn prepare(avatar: &Avatar, enhance: Option<&EnhanceWith>) -> Result<(), Err
     }
     Ok(())
 }
-
-use crate::media::face::restore::RestoreMask;
 
 /// A region of an avatar frame as a restored frame shows it.
 #[derive(Debug, Clone, PartialEq)]
@@ -240,7 +239,7 @@ fn paste(with: &EnhanceWith, pred: &[f32], at: &Restore) -> Result<Pasted, Strin
 /// frame whose face fills the template: the warp to the template, the warp back and the
 /// blend. What live admission adds to a restorer's measured cost per face.
 pub fn warp_seconds(side: usize) -> f64 {
-    use crate::media::face::{align::FFHQ_512, restore::RestoreMask, Landmarks};
+    use crate::media::face::{align::FFHQ_512, Landmarks};
     let s = side as f64 / 512.0;
     let l = Landmarks(FFHQ_512.map(|[x, y]| [x * s, y * s]));
     let frame = Frame::new(side as u32, side as u32, vec![128; 3 * side * side]);

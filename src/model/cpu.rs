@@ -119,6 +119,11 @@ impl Conv {
         self.cout
     }
 
+    /// The kernel's side.
+    pub fn kernel(&self) -> usize {
+        self.k
+    }
+
     /// The weight in PyTorch's `[cout, cin, k, k]` layout (what it was made from) and the
     /// bias: for a tensor pass of the same network.
     pub fn torch_weights(&self) -> (Vec<f32>, &[f32]) {

@@ -658,12 +658,11 @@ fn downsample2_t(x: &Tensor) -> Result<Tensor> {
 /// ones (the ResBlocks' skips, the modulated convolutions).
 fn weights_of(name: &str, c: &Conv, bias: bool) -> Result<Weights> {
     let (w, b) = c.torch_weights();
-    let k = ((w.len() / (c.cin() * c.cout())) as f64).sqrt() as usize;
     Weights::new(
         format!("gfpgan {name}"),
         w,
         bias.then_some(b),
-        (c.cin(), c.cout(), k),
+        (c.cin(), c.cout(), c.kernel()),
     )
 }
 
