@@ -25,6 +25,7 @@ mod remux;
 mod segmented;
 mod single;
 pub mod spares;
+mod spawn;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

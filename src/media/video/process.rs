@@ -5,11 +5,12 @@
 use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::ChildStdin;
 use std::thread::JoinHandle;
 
 use super::missing;
 use super::spares::Spares;
+use super::spawn::{pipe, spawn, Child};
 use crate::media::Error;
 
 /// Keeps the last 16 KiB of ffmpeg's stderr for error messages.
@@ -32,35 +33,6 @@ pub(super) struct Process {
     /// Where a replacement is started once this process ends.
     refill: Option<(Spares, Launch)>,
 }
-
-/// Makes `command`'s process start `steps` nicer than this one (nothing for 0 or less: an
-/// encoder is never given more priority than the service).
-#[cfg(unix)]
-fn lower_priority(command: &mut Command, steps: i32) {
-    use std::os::unix::process::CommandExt;
-
-    extern "C" {
-        /// POSIX nice(3): adds `inc` to the calling process's niceness (libc, which the
-        /// standard library links).
-        fn nice(inc: std::ffi::c_int) -> std::ffi::c_int;
-    }
-
-    if steps <= 0 {
-        return;
-    }
-    // SAFETY: the closure runs in the child between fork and exec, where only
-    // async-signal-safe work is allowed: nice(3) is a system call on the child itself (no
-    // allocation, no lock). Failing (already at the lowest priority) leaves it as it is.
-    unsafe {
-        command.pre_exec(move || {
-            nice(steps);
-            Ok(())
-        });
-    }
-}
-
-#[cfg(not(unix))]
-fn lower_priority(_: &mut Command, _: i32) {}
 
 pub(super) fn spawn_thread<T: Send + 'static>(
     name: &str,
@@ -109,91 +81,21 @@ impl Drop for Started {
     }
 }
 
-/// A pipe, both ends close-on-exec: (read end, write end).
-#[cfg(unix)]
-fn pipe() -> std::io::Result<(File, File)> {
-    use std::os::fd::FromRawFd;
-
-    extern "C" {
-        /// pipe2(2) (libc, which the standard library links).
-        fn pipe2(fds: *mut std::ffi::c_int, flags: std::ffi::c_int) -> std::ffi::c_int;
-    }
-    /// `O_CLOEXEC` on Linux.
-    const O_CLOEXEC: std::ffi::c_int = 0o2_000_000;
-
-    let mut fds = [0 as std::ffi::c_int; 2];
-    // SAFETY: pipe2 writes two descriptors into the array it is given, which has room for
-    // them; on success both are new and owned by nothing else, so each becomes one File.
-    unsafe {
-        if pipe2(fds.as_mut_ptr(), O_CLOEXEC) != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok((File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])))
-    }
-}
-
-#[cfg(not(unix))]
-fn pipe() -> std::io::Result<(File, File)> {
-    Err(std::io::Error::other("pipes to descriptor 3 need Unix"))
-}
-
-/// Makes `reader` the child's descriptor 3 (the read end of the pipe `pipe:3` names).
-#[cfg(unix)]
-fn pass_as_fd3(command: &mut Command, reader: File) {
-    use std::os::fd::AsRawFd;
-    use std::os::unix::process::CommandExt;
-
-    extern "C" {
-        fn dup2(old: std::ffi::c_int, new: std::ffi::c_int) -> std::ffi::c_int;
-        fn fcntl(fd: std::ffi::c_int, cmd: std::ffi::c_int, ...) -> std::ffi::c_int;
-    }
-    const F_SETFD: std::ffi::c_int = 2;
-
-    // SAFETY: dup2(2) and fcntl(2) are system calls, async-signal-safe, between fork and
-    // exec. The reader (close-on-exec, see `pipe`) lives in the closure, so its descriptor is
-    // open in the child until exec; the copy at 3 is not close-on-exec (dup2 clears the flag;
-    // if the reader already is 3, the flag is cleared by hand).
-    unsafe {
-        command.pre_exec(move || {
-            let fd = reader.as_raw_fd();
-            let r = if fd == 3 {
-                fcntl(3, F_SETFD, 0)
-            } else {
-                dup2(fd, 3)
-            };
-            if r < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-}
-
-#[cfg(not(unix))]
-fn pass_as_fd3(_: &mut Command, _: File) {}
-
 impl Launch {
-    /// Starts the process, its stdio piped (and descriptor 3, see [`Self::fd3`]).
+    /// Starts the process, its stdio piped (and descriptor 3, see [`Self::fd3`]), without
+    /// forking the service ([`spawn`]).
     pub(super) fn start(&self) -> Result<Started, Error> {
-        let mut command = Command::new(&self.ffmpeg);
-        command
-            .args(&self.args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        lower_priority(&mut command, self.nice);
-        let fd3 = if self.fd3 {
+        let (reader, fd3) = if self.fd3 {
             let (reader, writer) =
                 pipe().map_err(|e| Error::Internal(format!("cannot make a pipe: {e}")))?;
-            pass_as_fd3(&mut command, reader);
-            Some(writer)
+            (Some(reader), Some(writer))
         } else {
-            None
+            (None, None)
         };
-        let child = command.spawn().map_err(|e| missing(&self.ffmpeg, &e))?;
-        // The parent's copy of the read end goes with `command`, so the child's exit
-        // breaks the pipe for the writer.
-        drop(command);
+        // The parent's copy of the read end closes once the child has it, so the child's
+        // exit breaks the pipe for the writer.
+        let child = spawn(&self.ffmpeg, &self.args, reader, self.nice)
+            .map_err(|e| missing(&self.ffmpeg, &e))?;
         Ok(Started {
             child: Some(child),
             fd3,
@@ -440,6 +342,44 @@ mod tests {
         let t = std::time::Instant::now();
         p.kill();
         assert!(t.elapsed() < std::time::Duration::from_secs(5));
+    }
+
+    #[test]
+    fn a_started_process_has_its_own_stdio_and_sigpipe_at_its_default() {
+        // The service ignores SIGPIPE; an encoder must not (it ends when its output goes).
+        let launch = Launch {
+            ffmpeg: "sh".into(),
+            nice: 0,
+            args: [
+                "-c",
+                "read line; echo \"$line\"; grep SigIgn /proc/self/status",
+            ]
+            .iter()
+            .map(|a| a.to_string())
+            .collect(),
+            fd3: false,
+        };
+        let (consume, out) = collector();
+        let mut p = Process::spawn(&launch, None, "sh", consume).unwrap();
+        p.write_all(b"hello\n").unwrap();
+        p.finish().unwrap();
+        let out = String::from_utf8(out.lock().unwrap().clone()).unwrap();
+        assert!(out.starts_with("hello\n"), "{out}");
+        let ignored = |status: &str| {
+            let line = status.lines().find(|l| l.starts_with("SigIgn")).unwrap();
+            u64::from_str_radix(line.split_whitespace().nth(1).unwrap(), 16).unwrap()
+        };
+        let sigpipe = 1u64 << (13 - 1);
+        let own = std::fs::read_to_string("/proc/self/status").unwrap();
+        assert_ne!(ignored(&own) & sigpipe, 0, "this process ignores SIGPIPE");
+        assert_eq!(ignored(&out) & sigpipe, 0, "the child does not: {out}");
+        // A command that is not there is reported as ffmpeg missing, not as a crash.
+        let mut missing = launch.clone();
+        missing.ffmpeg = "/nonexistent/ffmpeg".into();
+        let e = Process::spawn(&missing, None, "ffmpeg", Box::new(|_| {}))
+            .err()
+            .expect("no such program");
+        assert!(e.to_string().contains("/nonexistent/ffmpeg"), "{e}");
     }
 
     #[test]

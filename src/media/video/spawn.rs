@@ -1,0 +1,286 @@
+//! Starting an ffmpeg child without copying the service's address space.
+//!
+//! `std::process::Command` forks whenever code has to run in the child before `exec` (a
+//! `pre_exec` closure: descriptor 3 for the speech, the niceness of a background encoder).
+//! A fork copies the page tables of the whole service (the batch buffers of every model
+//! instance, the avatars) and leaves each of its pages copy-on-write: after the child has
+//! exec'd, the first write to every page, on every thread, still takes a fault. `perf` of a
+//! 40 s request on the echo device counted that as most of the instances' kernel time.
+//! `posix_spawn` (glibc: `clone(CLONE_VM | CLONE_VFORK)`, then `exec`) shares the memory
+//! until `exec` and copies nothing; descriptor 3 is a file action, and the niceness is set
+//! from here right after the start, while the child is still one thread.
+
+use std::ffi::{CString, OsStr};
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{ChildStderr, ChildStdin, ChildStdout, ExitStatus};
+
+/// A pipe, both ends close-on-exec: (read end, write end).
+pub(super) fn pipe() -> io::Result<(File, File)> {
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: pipe2 writes two descriptors into the array it is given, which has room for
+    // them; on success both are new and owned by nothing else, so each becomes one File.
+    unsafe {
+        if libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok((File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])))
+    }
+}
+
+/// `fd` itself if it is above the descriptors the child is given (0–3), else a
+/// close-on-exec copy of it above them: the file actions then never overwrite a descriptor
+/// that a later action still reads (a service started with its stdio closed gets pipes at
+/// 0–2).
+fn above_child_fds(fd: File) -> io::Result<File> {
+    if fd.as_raw_fd() > 3 {
+        return Ok(fd);
+    }
+    // SAFETY: F_DUPFD_CLOEXEC returns a new descriptor (or -1), owned by nothing else.
+    let copy = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 4) };
+    if copy < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above, `copy` is a fresh descriptor.
+    Ok(unsafe { File::from_raw_fd(copy) })
+}
+
+fn c_string(s: &OsStr) -> io::Result<CString> {
+    CString::new(s.as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in an argument"))
+}
+
+/// A non-zero return of a posix_spawn function as an error.
+fn check(ret: libc::c_int) -> io::Result<()> {
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::from_raw_os_error(ret))
+    }
+}
+
+/// The spawn's file actions and attributes, destroyed however the spawn ends.
+struct SpawnSetup {
+    actions: libc::posix_spawn_file_actions_t,
+    attr: libc::posix_spawnattr_t,
+}
+
+impl SpawnSetup {
+    /// Boxed: the structures must not move once initialised.
+    fn new() -> io::Result<Box<Self>> {
+        // SAFETY: both are plain C structures, initialised by their init functions before
+        // any other use; zeroed memory is a valid value for them to be overwritten.
+        let mut s: Box<Self> = Box::new(unsafe { std::mem::zeroed() });
+        unsafe {
+            check(libc::posix_spawn_file_actions_init(&mut s.actions))?;
+            if let Err(e) = check(libc::posix_spawnattr_init(&mut s.attr)) {
+                libc::posix_spawn_file_actions_destroy(&mut s.actions);
+                return Err(e);
+            }
+        }
+        Ok(s)
+    }
+}
+
+impl Drop for SpawnSetup {
+    fn drop(&mut self) {
+        // SAFETY: both were initialised in `new` and are destroyed once.
+        unsafe {
+            libc::posix_spawn_file_actions_destroy(&mut self.actions);
+            libc::posix_spawnattr_destroy(&mut self.attr);
+        }
+    }
+}
+
+/// A child process started by [`spawn`]: the parts of `std::process::Child` the encoders
+/// use.
+#[derive(Debug)]
+pub(super) struct Child {
+    pid: libc::pid_t,
+    /// Set once reaped: the pid may belong to another process after that.
+    status: Option<ExitStatus>,
+    pub stdin: Option<ChildStdin>,
+    pub stdout: Option<ChildStdout>,
+    pub stderr: Option<ChildStderr>,
+}
+
+impl Child {
+    #[cfg(test)]
+    pub fn id(&self) -> u32 {
+        self.pid as u32
+    }
+
+    fn reap(&mut self, flags: libc::c_int) -> io::Result<Option<ExitStatus>> {
+        if let Some(s) = self.status {
+            return Ok(Some(s));
+        }
+        let mut raw: libc::c_int = 0;
+        loop {
+            // SAFETY: waitpid on our own child, writing its status into a local.
+            let r = unsafe { libc::waitpid(self.pid, &mut raw, flags) };
+            if r == self.pid {
+                let s = ExitStatus::from_raw(raw);
+                self.status = Some(s);
+                return Ok(Some(s));
+            }
+            if r == 0 {
+                return Ok(None);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+
+    /// The exit status if the process has exited (reaping it), else `None`.
+    pub fn try_wait(&mut self) -> io::Result<Option<ExitStatus>> {
+        self.reap(libc::WNOHANG)
+    }
+
+    /// Waits for the process to exit and reaps it. Closes its stdin first, as
+    /// `std::process::Child::wait` does, so a process reading it sees the end.
+    pub fn wait(&mut self) -> io::Result<ExitStatus> {
+        drop(self.stdin.take());
+        self.reap(0)
+            .map(|s| s.expect("waitpid without WNOHANG returns a status"))
+    }
+
+    /// Sends SIGKILL, unless the process has been reaped already.
+    pub fn kill(&mut self) -> io::Result<()> {
+        if self.status.is_some() {
+            return Ok(());
+        }
+        // SAFETY: kill(2) on our own child, which is not reaped yet, so the pid is still
+        // its own (a zombie at worst).
+        if unsafe { libc::kill(self.pid, libc::SIGKILL) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
+
+/// Starts `program` (searched on the PATH if it names no directory) with `args`, stdin,
+/// stdout and stderr piped, `fd3` (if any) as its descriptor 3, and `nice` added to this
+/// process's niceness (nothing for 0 or less; at most 19 in all).
+pub(super) fn spawn(
+    program: &Path,
+    args: &[String],
+    fd3: Option<File>,
+    nice: i32,
+) -> io::Result<Child> {
+    let (stdin_r, stdin_w) = pipe()?;
+    let (stdout_r, stdout_w) = pipe()?;
+    let (stderr_r, stderr_w) = pipe()?;
+    let child_ends = [
+        above_child_fds(stdin_r)?,
+        above_child_fds(stdout_w)?,
+        above_child_fds(stderr_w)?,
+    ];
+    let fd3 = fd3.map(above_child_fds).transpose()?;
+
+    let prog = c_string(program.as_os_str())?;
+    let mut argv_owned = vec![prog.clone()];
+    for a in args {
+        argv_owned.push(c_string(OsStr::new(a))?);
+    }
+    let mut argv: Vec<*mut libc::c_char> = argv_owned
+        .iter()
+        .map(|a| a.as_ptr() as *mut libc::c_char)
+        .collect();
+    argv.push(std::ptr::null_mut());
+    let env_owned = std::env::vars_os()
+        .map(|(k, v)| {
+            let mut kv = k;
+            kv.push("=");
+            kv.push(v);
+            c_string(&kv)
+        })
+        .collect::<io::Result<Vec<_>>>()?;
+    let mut envp: Vec<*mut libc::c_char> = env_owned
+        .iter()
+        .map(|a| a.as_ptr() as *mut libc::c_char)
+        .collect();
+    envp.push(std::ptr::null_mut());
+
+    let mut setup = SpawnSetup::new()?;
+    let mut pid: libc::pid_t = 0;
+    // SAFETY: every pointer handed over points into values that outlive the call
+    // (`argv_owned`, `env_owned`, `setup`, the descriptors); the arrays end with a null;
+    // the sets are initialised by sigemptyset before use.
+    unsafe {
+        let mut targets: Vec<(RawFd, RawFd)> = child_ends
+            .iter()
+            .zip(0..)
+            .map(|(f, to)| (f.as_raw_fd(), to))
+            .collect();
+        if let Some(f) = &fd3 {
+            targets.push((f.as_raw_fd(), 3));
+        }
+        for (from, to) in targets {
+            check(libc::posix_spawn_file_actions_adddup2(
+                &mut setup.actions,
+                from,
+                to,
+            ))?;
+        }
+        // The child starts with no signal blocked and SIGPIPE at its default (the service
+        // ignores it, and ignored signals stay ignored across exec): an encoder whose
+        // output is gone ends, as std::process::Command arranges too.
+        let mut empty: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut empty);
+        let mut default: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut default);
+        libc::sigaddset(&mut default, libc::SIGPIPE);
+        check(libc::posix_spawnattr_setsigmask(&mut setup.attr, &empty))?;
+        check(libc::posix_spawnattr_setsigdefault(
+            &mut setup.attr,
+            &default,
+        ))?;
+        check(libc::posix_spawnattr_setflags(
+            &mut setup.attr,
+            (libc::POSIX_SPAWN_SETSIGMASK | libc::POSIX_SPAWN_SETSIGDEF) as libc::c_short,
+        ))?;
+        check(libc::posix_spawnp(
+            &mut pid,
+            prog.as_ptr(),
+            &setup.actions,
+            &setup.attr,
+            argv.as_ptr(),
+            envp.as_ptr(),
+        ))?;
+    }
+    // The child's ends are its own now (they close here, in this process).
+    drop(child_ends);
+    drop(fd3);
+    if nice > 0 {
+        lower_priority(pid, nice);
+    }
+    Ok(Child {
+        pid,
+        status: None,
+        stdin: Some(ChildStdin::from(OwnedFd::from(stdin_w))),
+        stdout: Some(ChildStdout::from(OwnedFd::from(stdout_r))),
+        stderr: Some(ChildStderr::from(OwnedFd::from(stderr_r))),
+    })
+}
+
+/// Makes `pid` run `steps` nicer than this process. Called right after the spawn: the
+/// child is then still one thread (the dynamic linker, or the first lines of its `main`),
+/// and the threads it starts later inherit the niceness. Failing leaves it as it is.
+fn lower_priority(pid: libc::pid_t, steps: i32) {
+    // SAFETY: getpriority/setpriority read and set a scheduling value; -1 from getpriority
+    // is a valid niceness, so errno is cleared first and checked after.
+    unsafe {
+        *libc::__errno_location() = 0;
+        let own = libc::getpriority(libc::PRIO_PROCESS, 0);
+        if own == -1 && *libc::__errno_location() != 0 {
+            return;
+        }
+        libc::setpriority(libc::PRIO_PROCESS, pid as libc::id_t, (own + steps).min(19));
+    }
+}
