@@ -238,7 +238,7 @@ impl Avatar {
     /// Pastes a predicted face (96×96 BGR) into `frame` at avatar frame `i`'s face box, with
     /// the avatar's blend mask, or one from `masks` for a box of another size. `frame` is
     /// the part of the avatar frame whose top left corner is at `origin` (the whole frame:
-    /// `(0, 0)`); it must hold the box.
+    /// `(0, 0)`); it must hold the part of the box the mask weighs ([`Self::face_region`]).
     pub fn paste_at(
         &self,
         frame: &mut Frame,
@@ -248,21 +248,8 @@ impl Avatar {
         masks: &mut BlendMasks,
     ) {
         let b = self.face_at(i);
-        let mask = if (b.width(), b.height()) == (self.face.width(), self.face.height()) {
-            &self.mask
-        } else {
-            masks
-                .0
-                .entry((b.width(), b.height()))
-                .or_insert_with(|| BlendMask::new(self.blend, b.width(), b.height()))
-        };
-        let shifted = FaceBox {
-            x1: b.x1 - origin.0,
-            y1: b.y1 - origin.1,
-            x2: b.x2 - origin.0,
-            y2: b.y2 - origin.1,
-        };
-        face::paste(frame, &shifted, face_bgr, mask);
+        let mask = self.mask_for(&b, masks);
+        face::paste_into(frame, origin, &b, face_bgr, mask);
     }
 
     /// Draws a frame's answer on avatar frame `i` (`frame` is its part at `origin`, see
@@ -283,11 +270,36 @@ impl Avatar {
         }
     }
 
-    /// The even-aligned region around avatar frame `i`'s face box: all that a pasted face
-    /// changes (see [`crate::media::yuv`]).
-    pub fn face_region(&self, i: usize) -> Region {
+    /// The blend mask of box `b` (the avatar's own, or one made for a clip box of another
+    /// size).
+    fn mask_for<'m>(&'m self, b: &FaceBox, masks: &'m mut BlendMasks) -> &'m BlendMask {
+        if (b.width(), b.height()) == (self.face.width(), self.face.height()) {
+            &self.mask
+        } else {
+            masks
+                .0
+                .entry((b.width(), b.height()))
+                .or_insert_with(|| BlendMask::new(self.blend, b.width(), b.height()))
+        }
+    }
+
+    /// The even-aligned region around the part of avatar frame `i`'s face box that its
+    /// blend mask weighs: all that a pasted face changes (see [`crate::media::yuv`]).
+    pub fn face_region(&self, i: usize, masks: &mut BlendMasks) -> Region {
         let b = self.face_at(i);
-        Region::around(b.x1, b.y1, b.x2, b.y2, self.frame.width, self.frame.height)
+        let (cols, rows) = self.mask_for(&b, masks).support();
+        if cols.is_empty() || rows.is_empty() {
+            // Nothing changes; the whole box, as any region holds that.
+            return Region::around(b.x1, b.y1, b.x2, b.y2, self.frame.width, self.frame.height);
+        }
+        Region::around(
+            b.x1 + cols.start as u32,
+            b.y1 + rows.start as u32,
+            b.x1 + cols.end as u32,
+            b.y1 + rows.end as u32,
+            self.frame.width,
+            self.frame.height,
+        )
     }
 
     /// What restoring a face on avatar frame `i` needs (the alignment of its landmarks to the

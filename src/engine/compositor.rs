@@ -111,7 +111,7 @@ impl<'a> Compositor<'a> {
             kept.write_rgb(r.x, r.y, &restored.rgb);
             kept
         } else {
-            let region = a.face_region(i);
+            let region = a.face_region(i, &mut self.masks);
             let patch = match &self.keep.frames {
                 None => {
                     let mut patch = region.crop(&a.frame);

@@ -10,12 +10,13 @@ mod landmarks;
 pub mod restore;
 
 use std::fmt;
+use std::ops::Range;
 use std::str::FromStr;
 
 pub use detect::{detect, Detection};
 pub use landmarks::{LandmarkSource, Landmarks};
 
-use crate::media::image::{resize_linear, Frame};
+use crate::media::image::{resize_linear, resize_linear_window, Frame};
 use crate::media::Error;
 
 /// Side of the model's square face input and output.
@@ -360,6 +361,9 @@ pub struct BlendMask {
     width: usize,
     height: usize,
     alpha: Vec<u16>,
+    /// The columns and rows of the smallest rectangle holding every non-zero weight (empty
+    /// if there is none): all that a paste changes.
+    support: (Range<usize>, Range<usize>),
 }
 
 fn smoothstep(e0: f32, e1: f32, x: f32) -> f32 {
@@ -390,11 +394,20 @@ impl BlendMask {
                 a
             }
         };
+        let support = support(&alpha, w, h);
         BlendMask {
             width: w,
             height: h,
             alpha,
+            support,
         }
+    }
+
+    /// The columns and rows of the box that a paste with this mask changes (the smallest
+    /// rectangle around its non-zero weights; empty ranges if it has none). The feathered
+    /// mask leaves the upper half of the box and the cheeks' edges untouched.
+    pub fn support(&self) -> (Range<usize>, Range<usize>) {
+        self.support.clone()
     }
 
     /// Weight (0–256) at box pixel `(x, y)`.
@@ -407,24 +420,66 @@ impl BlendMask {
     }
 }
 
+/// The columns and rows of the smallest rectangle holding every non-zero weight of `alpha`
+/// (`w` × `h`), or empty ranges.
+fn support(alpha: &[u16], w: usize, h: usize) -> (Range<usize>, Range<usize>) {
+    let (mut cols, mut rows) = ((w, 0), (h, 0));
+    for (y, line) in alpha.chunks_exact(w.max(1)).take(h).enumerate() {
+        if let Some(first) = line.iter().position(|&a| a != 0) {
+            let last = line.iter().rposition(|&a| a != 0).unwrap_or(first);
+            cols = (cols.0.min(first), cols.1.max(last + 1));
+            rows = (rows.0.min(y), y + 1);
+        }
+    }
+    if rows.0 >= rows.1 {
+        return (0..0, 0..0);
+    }
+    (cols.0..cols.1, rows.0..rows.1)
+}
+
 /// Resizes a predicted BGR face (96×96, or square and larger after an enhancer) to the box
 /// (`cv2.resize`, INTER_LINEAR) and blends it
-/// into `frame` with `mask` (sized to the box). Pixels outside the box are never touched.
+/// into `frame` with `mask` (sized to the box). Pixels outside the box, and those of the box
+/// the mask gives no weight, are never touched (and only the mask's support is resized).
 pub fn paste(frame: &mut Frame, b: &FaceBox, face_bgr: &[u8], mask: &BlendMask) {
+    paste_into(frame, (0, 0), b, face_bgr, mask);
+}
+
+/// [`paste`] into a part of the picture: `frame` is the part whose top-left pixel is at
+/// `origin` (in the picture, as the box is). It must hold the mask's support (see
+/// [`BlendMask::support`]), not necessarily the whole box.
+pub fn paste_into(
+    frame: &mut Frame,
+    origin: (u32, u32),
+    b: &FaceBox,
+    face_bgr: &[u8],
+    mask: &BlendMask,
+) {
     let (w, h) = (b.width() as usize, b.height() as usize);
     debug_assert_eq!(mask.size(), (w, h));
     let side = face_side(face_bgr);
-    let resized = resize_linear(face_bgr, side, side, 3, w, h);
+    let (cols, rows) = mask.support();
+    let resized = resize_linear_window(face_bgr, side, side, 3, w, h, cols.clone(), rows.clone());
+    let ww = cols.len();
     let stride = frame.width as usize * 3;
-    for y in 0..h {
-        let row = (b.y1 as usize + y) * stride + b.x1 as usize * 3;
-        for x in 0..w {
+    // The support's top-left pixel in `frame`.
+    let (x0, y0) = (
+        (b.x1 as usize + cols.start)
+            .checked_sub(origin.0 as usize)
+            .expect("the part holds the mask's support"),
+        (b.y1 as usize + rows.start)
+            .checked_sub(origin.1 as usize)
+            .expect("the part holds the mask's support"),
+    );
+    for (ry, y) in rows.enumerate() {
+        let row = (y0 + ry) * stride + x0 * 3;
+        for (rx, x) in cols.clone().enumerate() {
             let a = u32::from(mask.at(x, y));
             if a == 0 {
                 continue;
             }
-            let src = &resized[(y * w + x) * 3..(y * w + x) * 3 + 3];
-            let dst = &mut frame.rgb[row + x * 3..row + x * 3 + 3];
+            let src = &resized[(ry * ww + rx) * 3..(ry * ww + rx) * 3 + 3];
+            let dst = &mut frame.rgb[row + rx * 3..row + rx * 3 + 3];
             // src is BGR, dst RGB.
             for c in 0..3 {
                 let face = u32::from(src[2 - c]);
@@ -444,6 +499,106 @@ mod tests {
             y1: v,
             x2: v + 10,
             y2: v + 10,
+        }
+    }
+
+    /// The paste as it was: the whole box resized, every pixel with a weight blended.
+    fn paste_whole_box(frame: &mut Frame, b: &FaceBox, face_bgr: &[u8], mask: &BlendMask) {
+        let (w, h) = (b.width() as usize, b.height() as usize);
+        let side = face_side(face_bgr);
+        let resized = resize_linear(face_bgr, side, side, 3, w, h);
+        let stride = frame.width as usize * 3;
+        for y in 0..h {
+            for x in 0..w {
+                let a = u32::from(mask.at(x, y));
+                let at = (b.y1 as usize + y) * stride + (b.x1 as usize + x) * 3;
+                for c in 0..3 {
+                    let face = u32::from(resized[(y * w + x) * 3 + 2 - c]);
+                    let photo = u32::from(frame.rgb[at + c]);
+                    frame.rgb[at + c] = ((face * a + photo * (256 - a) + 128) >> 8) as u8;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn pasting_only_the_masks_support_changes_no_byte() {
+        let mut seed = 99u64;
+        let mut next = move |m: u32| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 33) as u32) % m
+        };
+        for round in 0..60 {
+            let (fw, fh) = (40 + next(300), 40 + next(300));
+            let (bw, bh) = (8 + next(fw - 8), 8 + next(fh - 8));
+            let (x1, y1) = (next(fw - bw + 1), next(fh - bh + 1));
+            let b = FaceBox {
+                x1,
+                y1,
+                x2: x1 + bw,
+                y2: y1 + bh,
+            };
+            let side = [96usize, 192][round % 2];
+            let face: Vec<u8> = (0..side * side * 3).map(|_| next(256) as u8).collect();
+            let photo = Frame {
+                width: fw,
+                height: fh,
+                rgb: (0..(fw * fh * 3) as usize)
+                    .map(|_| next(256) as u8)
+                    .collect(),
+            };
+            for blend in [Blend::Feather, Blend::Hard] {
+                let mask = BlendMask::new(blend, bw, bh);
+                let (cols, rows) = mask.support();
+                // Outside the support every weight is zero, inside the edges are not.
+                for y in 0..bh as usize {
+                    for x in 0..bw as usize {
+                        if !cols.contains(&x) || !rows.contains(&y) {
+                            assert_eq!(mask.at(x, y), 0);
+                        }
+                    }
+                }
+                if blend == Blend::Hard {
+                    assert_eq!(
+                        (cols.clone(), rows.clone()),
+                        (0..bw as usize, 0..bh as usize)
+                    );
+                } else if bh >= 16 {
+                    assert!(rows.len() < bh as usize * 2 / 3, "{rows:?} of {bh}");
+                }
+                let (mut got, mut want) = (photo.clone(), photo.clone());
+                paste(&mut got, &b, &face, &mask);
+                paste_whole_box(&mut want, &b, &face, &mask);
+                assert!(
+                    got.rgb == want.rgb,
+                    "round {round}, {blend:?}, box {b:?} in {fw}x{fh}"
+                );
+                // Into a part that holds the support alone: that part of the same picture.
+                if !cols.is_empty() && !rows.is_empty() {
+                    let (px, py) = (x1 + cols.start as u32, y1 + rows.start as u32);
+                    let (pw, ph) = (cols.len(), rows.len());
+                    let crop = |f: &Frame| -> Vec<u8> {
+                        (0..ph)
+                            .flat_map(|y| {
+                                let at = ((py as usize + y) * fw as usize + px as usize) * 3;
+                                f.rgb[at..at + pw * 3].to_vec()
+                            })
+                            .collect()
+                    };
+                    let mut part = Frame {
+                        width: pw as u32,
+                        height: ph as u32,
+                        rgb: crop(&photo),
+                    };
+                    paste_into(&mut part, (px, py), &b, &face, &mask);
+                    assert!(
+                        part.rgb == crop(&want),
+                        "round {round}, {blend:?}: the part"
+                    );
+                }
+            }
         }
     }
 
