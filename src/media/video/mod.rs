@@ -26,6 +26,7 @@ mod segmented;
 mod single;
 pub mod spares;
 mod spawn;
+mod splice;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

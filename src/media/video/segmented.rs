@@ -30,6 +30,7 @@ use std::thread::JoinHandle;
 
 use super::process::{spawn_thread, Process, StdoutConsumer};
 use super::single::SinkError;
+use super::splice::{FrameFeed, FramePool};
 use super::{EncodeSummary, EncoderSettings, Sink, VideoEncoder};
 use crate::media::yuv::{self, Yuv420};
 use crate::media::Error;
@@ -52,6 +53,8 @@ pub struct SegmentedEncoder {
     outputs: Vec<PictureQueue>,
     /// Frames queued for each worker, at most.
     frame_queue: usize,
+    /// Frame buffers the workers' feeders are done with.
+    pool: FramePool,
     joiner: Option<JoinHandle<Result<u64, Error>>>,
     muxer: Process,
     sink_error: SinkError,
@@ -102,6 +105,7 @@ impl SegmentedEncoder {
             workers: (0..k).map(|_| None).collect(),
             outputs,
             frame_queue,
+            pool: FramePool::new(2 * k + 2),
             joiner: Some(joiner),
             muxer,
             sink_error,
@@ -122,7 +126,8 @@ impl SegmentedEncoder {
             .take_stdin()
             .ok_or_else(|| Error::Internal("worker without stdin".into()))?;
         let (tx, rx) = sync_channel::<Vec<u8>>(self.frame_queue);
-        let feeder = spawn_thread("encoder-feeder", move || feed(stdin, rx))?;
+        let pool = self.pool.clone();
+        let feeder = spawn_thread("encoder-feeder", move || feed(stdin, rx, pool))?;
         Ok(Worker {
             frames: Some(tx),
             feeder: Some(feeder),
@@ -186,7 +191,7 @@ impl VideoEncoder for SegmentedEncoder {
                 Ok(_) => Error::Encoder("the encoder stopped early".into()),
             });
         }
-        let data = self.settings.coded_frame(frame)?.to_vec();
+        let data = self.pool.filled(self.settings.coded_frame(frame)?);
         let k = self.workers.len() as u64;
         let w = ((self.frames / self.segment_len) % k) as usize;
         if self.workers[w].is_none() {
@@ -255,11 +260,12 @@ impl Drop for SegmentedEncoder {
 }
 
 /// Writes queued frames to a worker's stdin until the queue closes or ffmpeg stops reading
-/// (the worker's exit status then tells why).
-fn feed(mut stdin: ChildStdin, frames: Receiver<Vec<u8>>) {
-    use std::io::Write;
+/// (the worker's exit status then tells why), handing their buffers back to `pool` once
+/// ffmpeg has read them ([`FrameFeed`]).
+fn feed(stdin: ChildStdin, frames: Receiver<Vec<u8>>, pool: FramePool) {
+    let mut feed = FrameFeed::new(stdin, pool);
     while let Ok(frame) = frames.recv() {
-        if stdin.write_all(&frame).is_err() {
+        if feed.write(frame).is_err() {
             return;
         }
     }
