@@ -538,6 +538,17 @@ fn vertical_any(r0: &[i32], r1: &[i32], b0: i32, b1: i32, out: &mut [u8]) {
     }
 }
 
+/// A seeded generator of numbers below its argument, for tests of many random shapes.
+#[cfg(test)]
+pub(crate) fn lcg(mut seed: u64) -> impl FnMut(usize) -> usize {
+    move |m: usize| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((seed >> 33) as usize) % m
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -593,13 +604,7 @@ mod tests {
 
     #[test]
     fn the_rewrite_gives_the_same_bytes_as_before_for_every_shape() {
-        let mut seed = 12345u64;
-        let mut next = move |m: usize| {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((seed >> 33) as usize) % m
-        };
+        let mut next = lcg(12345);
         for _ in 0..300 {
             let (sw, sh, cn) = (1 + next(140), 1 + next(140), [1, 2, 3, 4, 5][next(5)]);
             let (dw, dh) = (1 + next(200), 1 + next(200));
@@ -614,13 +619,7 @@ mod tests {
 
     #[test]
     fn a_window_of_the_resize_is_that_part_of_the_whole_resize() {
-        let mut seed = 777u64;
-        let mut next = move |m: usize| {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((seed >> 33) as usize) % m
-        };
+        let mut next = lcg(777);
         for _ in 0..300 {
             let (sw, sh, cn) = (1 + next(120), 1 + next(120), [1, 2, 3, 4, 5][next(5)]);
             let (dw, dh) = (1 + next(220), 1 + next(220));

@@ -523,13 +523,8 @@ mod tests {
 
     #[test]
     fn pasting_only_the_masks_support_changes_no_byte() {
-        let mut seed = 99u64;
-        let mut next = move |m: u32| {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((seed >> 33) as u32) % m
-        };
+        let mut lcg = crate::media::image::lcg(99);
+        let mut next = move |m: u32| lcg(m as usize) as u32;
         for round in 0..60 {
             let (fw, fh) = (40 + next(300), 40 + next(300));
             let (bw, bh) = (8 + next(fw - 8), 8 + next(fh - 8));

@@ -277,6 +277,17 @@ impl Drop for Process {
 mod tests {
     use super::*;
 
+    /// The niceness of process `pid` once it runs `cat` (a niced one starts as `nice`, which
+    /// sets its niceness and then runs the program).
+    fn nice_of_cat(pid: &str) -> i32 {
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap() != "cat\n" {
+            assert!(std::time::Instant::now() < until, "{pid} never ran cat");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        nice_of(pid)
+    }
+
     /// The niceness of process `pid` (the 19th field of its stat).
     fn nice_of(pid: &str) -> i32 {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
@@ -389,10 +400,13 @@ mod tests {
             // `cat` waits on its stdin, like an encoder waiting for frames.
             let p = Process::spawn(&cat(steps, &[]), None, "cat", Box::new(|_| {})).unwrap();
             let pid = p.child.as_ref().unwrap().id().to_string();
-            assert_eq!(nice_of(&pid), (own + steps).min(19), "nice {steps}");
+            assert_eq!(nice_of_cat(&pid), (own + steps).min(19), "nice {steps}");
         }
         // Never more priority than the caller.
         let p = Process::spawn(&cat(-5, &[]), None, "cat", Box::new(|_| {})).unwrap();
-        assert_eq!(nice_of(&p.child.as_ref().unwrap().id().to_string()), own);
+        assert_eq!(
+            nice_of_cat(&p.child.as_ref().unwrap().id().to_string()),
+            own
+        );
     }
 }

@@ -7,8 +7,9 @@
 //! exec'd, the first write to every page, on every thread, still takes a fault. `perf` of a
 //! 40 s request on the echo device counted that as most of the instances' kernel time.
 //! `posix_spawn` (glibc: `clone(CLONE_VM | CLONE_VFORK)`, then `exec`) shares the memory
-//! until `exec` and copies nothing; descriptor 3 is a file action, and the niceness is set
-//! from here right after the start, while the child is still one thread.
+//! until `exec` and copies nothing; descriptor 3 is a file action, and a niced process is
+//! started through `nice(1)`, which sets its niceness before it runs ffmpeg (setting it from
+//! here after the start would race with the threads ffmpeg starts).
 
 use std::ffi::{CString, OsStr};
 use std::fs::File;
@@ -166,7 +167,9 @@ impl Child {
 
 /// Starts `program` (searched on the PATH if it names no directory) with `args`, stdin,
 /// stdout and stderr piped, `fd3` (if any) as its descriptor 3, and `nice` added to this
-/// process's niceness (nothing for 0 or less; at most 19 in all).
+/// process's niceness by `nice(1)` (nothing for 0 or less; at most 19 in all). A program
+/// that cannot be run fails here, as with `std::process::Command` (`posix_spawnp` reports
+/// the `exec`'s error); with `nice` in front, `nice` reports it on stderr and exits 127.
 pub(super) fn spawn(
     program: &Path,
     args: &[String],
@@ -183,8 +186,21 @@ pub(super) fn spawn(
     ];
     let fd3 = fd3.map(above_child_fds).transpose()?;
 
-    let prog = c_string(program.as_os_str())?;
-    let mut argv_owned = vec![prog.clone()];
+    // A niced process: `nice -n STEPS program args…` (nice(1) adds to the niceness it
+    // inherits from this process; the kernel stops at 19).
+    let (prog, mut argv_owned) = if nice > 0 {
+        let prog = c_string(OsStr::new("nice"))?;
+        let head = vec![
+            prog.clone(),
+            c_string(OsStr::new("-n"))?,
+            c_string(OsStr::new(&nice.to_string()))?,
+            c_string(program.as_os_str())?,
+        ];
+        (prog, head)
+    } else {
+        let prog = c_string(program.as_os_str())?;
+        (prog.clone(), vec![prog])
+    };
     for a in args {
         argv_owned.push(c_string(OsStr::new(a))?);
     }
@@ -257,9 +273,6 @@ pub(super) fn spawn(
     // The child's ends are its own now (they close here, in this process).
     drop(child_ends);
     drop(fd3);
-    if nice > 0 {
-        lower_priority(pid, nice);
-    }
     Ok(Child {
         pid,
         status: None,
@@ -267,20 +280,4 @@ pub(super) fn spawn(
         stdout: Some(ChildStdout::from(OwnedFd::from(stdout_r))),
         stderr: Some(ChildStderr::from(OwnedFd::from(stderr_r))),
     })
-}
-
-/// Makes `pid` run `steps` nicer than this process. Called right after the spawn: the
-/// child is then still one thread (the dynamic linker, or the first lines of its `main`),
-/// and the threads it starts later inherit the niceness. Failing leaves it as it is.
-fn lower_priority(pid: libc::pid_t, steps: i32) {
-    // SAFETY: getpriority/setpriority read and set a scheduling value; -1 from getpriority
-    // is a valid niceness, so errno is cleared first and checked after.
-    unsafe {
-        *libc::__errno_location() = 0;
-        let own = libc::getpriority(libc::PRIO_PROCESS, 0);
-        if own == -1 && *libc::__errno_location() != 0 {
-            return;
-        }
-        libc::setpriority(libc::PRIO_PROCESS, pid as libc::id_t, (own + steps).min(19));
-    }
 }
