@@ -20,6 +20,29 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{ChildStderr, ChildStdin, ChildStdout, ExitStatus};
 
+/// Where programs are looked for when the environment has no PATH.
+const DEFAULT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
+
+/// `program` itself if it names a directory, else the first executable file of that name
+/// in `path` (a PATH value); not found otherwise.
+fn resolve(program: &OsStr, path: &OsStr) -> io::Result<std::path::PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    if program.as_bytes().contains(&b'/') {
+        return Ok(program.into());
+    }
+    let found = std::env::split_paths(path)
+        .map(|dir| dir.join(program))
+        .find(|p| {
+            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        });
+    found.ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("{} is not on the PATH", program.to_string_lossy()),
+        )
+    })
+}
+
 /// A pipe, both ends close-on-exec: (read end, write end).
 pub(super) fn pipe() -> io::Result<(File, File)> {
     let mut fds = [0 as libc::c_int; 2];
@@ -71,19 +94,22 @@ struct SpawnSetup {
 }
 
 impl SpawnSetup {
-    /// Boxed: the structures must not move once initialised.
+    /// Boxed and initialised in place: the structures are not moved once initialised, and
+    /// `Drop` only ever sees both initialised.
     fn new() -> io::Result<Box<Self>> {
-        // SAFETY: both are plain C structures, initialised by their init functions before
-        // any other use; zeroed memory is a valid value for them to be overwritten.
-        let mut s: Box<Self> = Box::new(unsafe { std::mem::zeroed() });
+        let mut b: Box<std::mem::MaybeUninit<Self>> = Box::new_uninit();
+        let p = b.as_mut_ptr();
+        // SAFETY: the init functions initialise the fields in place; on a failure the
+        // uninitialised box is dropped as plain memory (no `Drop`), after destroying what
+        // was initialised.
         unsafe {
-            check(libc::posix_spawn_file_actions_init(&mut s.actions))?;
-            if let Err(e) = check(libc::posix_spawnattr_init(&mut s.attr)) {
-                libc::posix_spawn_file_actions_destroy(&mut s.actions);
+            check(libc::posix_spawn_file_actions_init(&raw mut (*p).actions))?;
+            if let Err(e) = check(libc::posix_spawnattr_init(&raw mut (*p).attr)) {
+                libc::posix_spawn_file_actions_destroy(&raw mut (*p).actions);
                 return Err(e);
             }
+            Ok(b.assume_init())
         }
-        Ok(s)
     }
 }
 
@@ -168,8 +194,8 @@ impl Child {
 /// Starts `program` (searched on the PATH if it names no directory) with `args`, stdin,
 /// stdout and stderr piped, `fd3` (if any) as its descriptor 3, and `nice` added to this
 /// process's niceness by `nice(1)` (nothing for 0 or less; at most 19 in all). A program
-/// that cannot be run fails here, as with `std::process::Command` (`posix_spawnp` reports
-/// the `exec`'s error); with `nice` in front, `nice` reports it on stderr and exits 127.
+/// that is not there, or cannot be run, fails here, as with `std::process::Command` (glibc's
+/// `posix_spawn` reports the `exec`'s error; glibc 2.24 or later, as Debian 12's 2.36).
 pub(super) fn spawn(
     program: &Path,
     args: &[String],
@@ -186,20 +212,38 @@ pub(super) fn spawn(
     ];
     let fd3 = fd3.map(above_child_fds).transpose()?;
 
-    // A niced process: `nice -n STEPS program args…` (nice(1) adds to the niceness it
+    // The environment is read once, under the standard library's lock, and the programs
+    // are looked up in its PATH here: posix_spawnp would read PATH with getenv, unguarded
+    // against a thread changing the environment.
+    let env: Vec<(std::ffi::OsString, std::ffi::OsString)> = std::env::vars_os().collect();
+    let path = env
+        .iter()
+        .find(|(k, _)| k == "PATH")
+        .map(|(_, v)| v.clone())
+        .unwrap_or_else(|| DEFAULT_PATH.into());
+    let target = resolve(program.as_os_str(), &path)?;
+    // A niced process: `nice -n STEPS -- program args…` (nice(1) adds to the niceness it
     // inherits from this process; the kernel stops at 19).
-    let (prog, mut argv_owned) = if nice > 0 {
-        let prog = c_string(OsStr::new("nice"))?;
+    let (exe, mut argv_owned) = if nice > 0 {
+        let exe = resolve(OsStr::new("nice"), &path).map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                "nice(1), which starts a niced encoder, is not on the PATH",
+            )
+        })?;
         let head = vec![
-            prog.clone(),
+            c_string(OsStr::new("nice"))?,
             c_string(OsStr::new("-n"))?,
             c_string(OsStr::new(&nice.to_string()))?,
-            c_string(program.as_os_str())?,
+            c_string(OsStr::new("--"))?,
+            c_string(target.as_os_str())?,
         ];
-        (prog, head)
+        (c_string(exe.as_os_str())?, head)
     } else {
-        let prog = c_string(program.as_os_str())?;
-        (prog.clone(), vec![prog])
+        (
+            c_string(target.as_os_str())?,
+            vec![c_string(program.as_os_str())?],
+        )
     };
     for a in args {
         argv_owned.push(c_string(OsStr::new(a))?);
@@ -209,7 +253,8 @@ pub(super) fn spawn(
         .map(|a| a.as_ptr() as *mut libc::c_char)
         .collect();
     argv.push(std::ptr::null_mut());
-    let env_owned = std::env::vars_os()
+    let env_owned = env
+        .into_iter()
         .map(|(k, v)| {
             let mut kv = k;
             kv.push("=");
@@ -261,9 +306,9 @@ pub(super) fn spawn(
             &mut setup.attr,
             (libc::POSIX_SPAWN_SETSIGMASK | libc::POSIX_SPAWN_SETSIGDEF) as libc::c_short,
         ))?;
-        check(libc::posix_spawnp(
+        check(libc::posix_spawn(
             &mut pid,
-            prog.as_ptr(),
+            exe.as_ptr(),
             &setup.actions,
             &setup.attr,
             argv.as_ptr(),

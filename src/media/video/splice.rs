@@ -8,19 +8,19 @@
 //! capacity of data, so once later frames have filled that capacity an earlier frame's pages
 //! are out of it: [`FrameFeed`] keeps the buffers of the last frames it spliced, hands older
 //! ones back for reuse ([`FramePool`]), and at the end waits for the pipe to drain (or its
-//! reader to go) before it lets its last buffers go.
+//! reader to go) before it lets its last buffers go. That holds for a reader that copies
+//! with `read(2)`, as ffmpeg reads its input; one that moved the pages on with `splice(2)` or
+//! `tee(2)` would take the references out of this pipe's count.
 
 use std::collections::VecDeque;
 use std::io::{self, Write};
 use std::os::fd::AsRawFd;
 use std::process::ChildStdin;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// How long the end of a feed waits for ffmpeg to read what is in the pipe; past it the
-/// last buffers are leaked rather than freed under a reader (never seen: ffmpeg reads its
-/// input as fast as it encodes).
-const DRAIN_LIMIT: Duration = Duration::from_secs(120);
+/// The longest pause between two looks at a draining pipe.
+const DRAIN_POLL_MAX: Duration = Duration::from_millis(20);
 
 /// Frame buffers handed back by the feeders, for the producer to fill again (a fresh buffer
 /// of a frame's size is mapped page by page on each use).
@@ -85,7 +85,7 @@ impl FrameFeed {
         }
     }
 
-    /// Writes `frame`; an error means the reader has gone.
+    /// Writes `frame`; an error means the reader has gone (or the pipe failed).
     pub(super) fn write(&mut self, frame: Vec<u8>) -> io::Result<()> {
         if !self.splice {
             self.pipe.write_all(&frame)?;
@@ -101,23 +101,31 @@ impl FrameFeed {
             // SAFETY: the iovec points into `frame`, which is kept unchanged in `held` until
             // the pipe can no longer reference it (see `release`).
             let n = unsafe { libc::vmsplice(self.pipe.as_raw_fd(), &iov, 1, 0) };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                match e.kind() {
-                    io::ErrorKind::Interrupted => continue,
-                    // Not a pipe this can splice into: copy, as write(2) does.
-                    _ if at == 0 && e.raw_os_error() == Some(libc::EINVAL) => {
-                        self.splice = false;
-                        return self.write(frame);
-                    }
-                    _ => {
-                        // The reader has gone, so nothing will read the pages any more.
-                        self.held.clear();
-                        return Err(e);
-                    }
+            if n >= 0 {
+                at += n as usize;
+                continue;
+            }
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINTR) => {}
+                // Not a pipe this can splice into, or vmsplice refused (a sandbox): copy, as
+                // write(2) does, from here on.
+                Some(libc::EINVAL | libc::ENOSYS | libc::EPERM) if at == 0 => {
+                    self.splice = false;
+                    return self.write(frame);
+                }
+                // The reader has gone, so nothing will read the pages any more.
+                Some(libc::EPIPE) => {
+                    self.held.clear();
+                    return Err(e);
+                }
+                // Anything else: the pipe may still reference this frame's pages and those
+                // held, so they stay held until the end of the feed.
+                _ => {
+                    self.held.push_back(frame);
+                    return Err(e);
                 }
             }
-            at += n as usize;
         }
         // Some of this frame's pages (or all of a small one's) may be in the pipe now.
         self.held.push_back(frame);
@@ -128,6 +136,10 @@ impl FrameFeed {
     /// Hands back the held frames the pipe can no longer reference: those with at least
     /// the pipe's capacity spliced after them.
     fn release(&mut self) {
+        // The reader could have enlarged the pipe since: count the largest capacity seen.
+        // SAFETY: F_GETPIPE_SZ reads the pipe's capacity (-1 on error).
+        let now = unsafe { libc::fcntl(self.pipe.as_raw_fd(), libc::F_GETPIPE_SZ) };
+        self.capacity = self.capacity.max(usize::try_from(now).unwrap_or(0));
         let mut after = 0;
         let mut keep = 0;
         for f in self.held.iter().rev() {
@@ -144,16 +156,18 @@ impl FrameFeed {
         }
     }
 
-    /// Waits until the pipe is empty or has no reader, so the held buffers can go.
-    fn drained(&self) -> bool {
+    /// Waits until the pipe is empty or has no reader, so the held buffers can go. A reader
+    /// that has stopped reading keeps it waiting, as a blocking `write` of the last frame
+    /// would; an encoder dropped unfinished kills its processes first, which ends the wait.
+    fn drain(&self) {
         let fd = self.pipe.as_raw_fd();
-        let until = Instant::now() + DRAIN_LIMIT;
+        let mut pause = Duration::from_micros(500);
         loop {
             let mut queued: libc::c_int = 0;
             // SAFETY: FIONREAD writes the bytes in the pipe into `queued`.
             let r = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut queued) };
             if r != 0 || queued == 0 {
-                return true;
+                return;
             }
             let mut p = libc::pollfd {
                 fd,
@@ -164,12 +178,10 @@ impl FrameFeed {
             // its reader has closed it.
             unsafe { libc::poll(&mut p, 1, 0) };
             if p.revents & libc::POLLERR != 0 {
-                return true;
+                return;
             }
-            if Instant::now() >= until {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(1));
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(DRAIN_POLL_MAX);
         }
     }
 }
@@ -179,15 +191,9 @@ impl Drop for FrameFeed {
         if self.held.is_empty() {
             return;
         }
-        if self.drained() {
-            for f in self.held.drain(..) {
-                self.pool.put(f);
-            }
-        } else {
-            // Still referenced by a pipe nobody reads: leaked, never reused under it.
-            for f in self.held.drain(..) {
-                std::mem::forget(f);
-            }
+        self.drain();
+        for f in self.held.drain(..) {
+            self.pool.put(f);
         }
     }
 }
@@ -195,8 +201,8 @@ impl Drop for FrameFeed {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs::File;
     use std::io::Read;
-    use std::process::{Command, Stdio};
 
     /// Frames that differ in every byte from the next, so a buffer reused under the reader
     /// would show.
@@ -204,18 +210,20 @@ mod tests {
         (0..len).map(|i| ((i * 31 + k * 17) % 251) as u8).collect()
     }
 
+    /// A pipe whose write end is a `ChildStdin`, as a worker's is.
+    fn pipe_pair() -> (File, ChildStdin) {
+        let (r, w) = super::super::spawn::pipe().unwrap();
+        (r, ChildStdin::from(std::os::fd::OwnedFd::from(w)))
+    }
+
     #[test]
     fn spliced_frames_arrive_whole_and_in_order_while_their_buffers_are_reused() {
         for len in [1000usize, 4096, 70_000, 393_216] {
-            let mut child = Command::new("cat")
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .spawn()
-                .unwrap();
-            let mut out = child.stdout.take().unwrap();
+            let (mut out, stdin) = pipe_pair();
+            // A slow reader that copies with read(2), as ffmpeg does: the feed runs ahead
+            // as far as the pipe lets it.
             let reader = std::thread::spawn(move || {
                 let mut all = Vec::new();
-                // A slow reader: the feed runs ahead as far as the pipe lets it.
                 let mut buf = vec![0u8; 3000];
                 loop {
                     match out.read(&mut buf).unwrap() {
@@ -227,7 +235,7 @@ mod tests {
                 all
             });
             let pool = FramePool::new(4);
-            let mut feed = FrameFeed::new(child.stdin.take().unwrap(), pool.clone());
+            let mut feed = FrameFeed::new(stdin, pool.clone());
             assert!(feed.splice, "a pipe splices");
             let frames = 40;
             for k in 0..frames {
@@ -237,7 +245,6 @@ mod tests {
             }
             drop(feed);
             let all = reader.join().unwrap();
-            child.wait().unwrap();
             assert_eq!(all.len(), frames * len, "frame size {len}");
             for k in 0..frames {
                 assert!(
@@ -251,14 +258,14 @@ mod tests {
 
     #[test]
     fn a_reader_that_goes_is_an_error_and_nothing_waits() {
-        let mut child = Command::new("head")
-            .args(["-c", "10"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut feed = FrameFeed::new(child.stdin.take().unwrap(), FramePool::new(2));
-        let t = Instant::now();
+        let (mut out, stdin) = pipe_pair();
+        let reader = std::thread::spawn(move || {
+            let mut buf = [0u8; 10];
+            out.read_exact(&mut buf).unwrap();
+            // `out` closes here, with most of a frame still in the pipe.
+        });
+        let mut feed = FrameFeed::new(stdin, FramePool::new(2));
+        let t = std::time::Instant::now();
         let mut failed = false;
         for k in 0..100 {
             if feed.write(frame(k, 100_000)).is_err() {
@@ -266,9 +273,9 @@ mod tests {
                 break;
             }
         }
+        reader.join().unwrap();
         assert!(failed, "writing after the reader went must fail");
         drop(feed);
-        child.wait().unwrap();
         assert!(t.elapsed() < Duration::from_secs(10));
     }
 }
