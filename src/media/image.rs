@@ -602,13 +602,28 @@ mod tests {
         dst
     }
 
+    /// A random source (sides up to `src_max`, 1 to 5 channels) and output size (sides up to
+    /// `dst_max`): `(src, sw, sh, cn, dw, dh)`.
+    fn random_resize(
+        next: &mut impl FnMut(usize) -> usize,
+        src_max: usize,
+        dst_max: usize,
+    ) -> (Vec<u8>, usize, usize, usize, usize, usize) {
+        let (sw, sh, cn) = (
+            1 + next(src_max),
+            1 + next(src_max),
+            [1, 2, 3, 4, 5][next(5)],
+        );
+        let (dw, dh) = (1 + next(dst_max), 1 + next(dst_max));
+        let src: Vec<u8> = (0..sw * sh * cn).map(|_| next(256) as u8).collect();
+        (src, sw, sh, cn, dw, dh)
+    }
+
     #[test]
     fn the_rewrite_gives_the_same_bytes_as_before_for_every_shape() {
         let mut next = lcg(12345);
         for _ in 0..300 {
-            let (sw, sh, cn) = (1 + next(140), 1 + next(140), [1, 2, 3, 4, 5][next(5)]);
-            let (dw, dh) = (1 + next(200), 1 + next(200));
-            let src: Vec<u8> = (0..sw * sh * cn).map(|_| next(256) as u8).collect();
+            let (src, sw, sh, cn, dw, dh) = random_resize(&mut next, 140, 200);
             assert_eq!(
                 resize_linear(&src, sw, sh, cn, dw, dh),
                 resize_linear_before(&src, sw, sh, cn, dw, dh),
@@ -621,9 +636,7 @@ mod tests {
     fn a_window_of_the_resize_is_that_part_of_the_whole_resize() {
         let mut next = lcg(777);
         for _ in 0..300 {
-            let (sw, sh, cn) = (1 + next(120), 1 + next(120), [1, 2, 3, 4, 5][next(5)]);
-            let (dw, dh) = (1 + next(220), 1 + next(220));
-            let src: Vec<u8> = (0..sw * sh * cn).map(|_| next(256) as u8).collect();
+            let (src, sw, sh, cn, dw, dh) = random_resize(&mut next, 120, 220);
             let (x0, y0) = (next(dw + 1), next(dh + 1));
             let (x1, y1) = (x0 + next(dw - x0 + 1), y0 + next(dh - y0 + 1));
             let whole = resize_linear(&src, sw, sh, cn, dw, dh);

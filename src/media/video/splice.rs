@@ -24,7 +24,7 @@ const DRAIN_POLL_MAX: Duration = Duration::from_millis(20);
 
 /// Frame buffers handed back by the feeders, for the producer to fill again (a fresh buffer
 /// of a frame's size is mapped page by page on each use).
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub(super) struct FramePool {
     free: Arc<Mutex<Vec<Vec<u8>>>>,
     /// Buffers kept at most.
