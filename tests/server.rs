@@ -873,10 +873,16 @@ async fn half_precision_overflow_is_recomputed_in_f32() {
 
 /// The ffmpeg processes among `pid`'s children whose command line holds `arg`.
 fn children_with_arg(pid: u32, arg: &str) -> usize {
+    child_ids_with_arg(pid, arg).len()
+}
+
+/// Their process ids, in order.
+fn child_ids_with_arg(pid: u32, arg: &str) -> Vec<u32> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
-        return 0;
+        return Vec::new();
     };
-    dir.filter_map(Result::ok)
+    let mut ids: Vec<u32> = dir
+        .filter_map(Result::ok)
         .filter(|e| {
             let p = e.path();
             let stat = std::fs::read_to_string(p.join("stat")).unwrap_or_default();
@@ -887,7 +893,10 @@ fn children_with_arg(pid: u32, arg: &str) -> usize {
             let cmdline = std::fs::read(p.join("cmdline")).unwrap_or_default();
             ppid == Some(pid) && cmdline.split(|&b| b == 0).any(|a| a == arg.as_bytes())
         })
-        .count()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    ids.sort_unstable();
+    ids
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -899,6 +908,7 @@ async fn encoder_processes_started_ahead_serve_the_next_requests_with_any_speech
     let pid = s.child.id();
     let dir = tempfile::tempdir().unwrap();
     let client = reqwest::Client::new();
+    let mut workers = None;
     // WAV, MP3 and FLAC go to ffmpeg through a pipe (`pipe:3`), the processes started ahead;
     // M4A by name (its index may be at the end, which a pipe cannot seek to).
     for (round, audio) in [
@@ -930,11 +940,9 @@ async fn encoder_processes_started_ahead_serve_the_next_requests_with_any_speech
         let v = common::num(&common::stream(&p, "video")["nb_read_frames"]);
         assert!((a - 4.0).abs() < 0.1, "{audio}: {a} s of audio");
         assert_eq!(v, 100.0, "{audio}");
-        // After each request, replacements are started and wait for the next one: the muxer
-        // (speech through the pipe) and the workers (no speech).
-        // (Replacements start 150 ms after a process ends: wait for both kinds, as the
-        // M4A request's muxer leaves the earlier spare muxer in place while its workers'
-        // replacements are still to come.)
+        // After each request a replacement muxer (speech through the pipe) is started and
+        // waits for the next one, 150 ms after the last ended; the workers (no speech) are
+        // the request's own, kept.
         let until = Instant::now() + Duration::from_secs(10);
         while (children_with_arg(pid, "pipe:3") == 0 || children_with_arg(pid, "flv") == 0)
             && Instant::now() < until
@@ -942,14 +950,12 @@ async fn encoder_processes_started_ahead_serve_the_next_requests_with_any_speech
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         assert_eq!(children_with_arg(pid, "pipe:3"), 1, "after {audio}");
-        assert!(children_with_arg(pid, "flv") >= 1, "after {audio}");
+        // The same two workers serve every request, whatever its speech.
+        let ids = child_ids_with_arg(pid, "flv");
+        assert_eq!(ids, *workers.get_or_insert(ids.clone()), "after {audio}");
+        assert_eq!(ids.len(), 2, "after {audio}");
     }
-    // At most two per command line: the workers' processes, all alike, stay at two; none
-    // was started for the M4A request's command line, which names its file.
-    let until = Instant::now() + Duration::from_secs(10);
-    while children_with_arg(pid, "flv") < 2 && Instant::now() < until {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    // None was started for the M4A request's command line, which names its file.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(children_with_arg(pid, "flv"), 2);
     assert_eq!(

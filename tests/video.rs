@@ -110,6 +110,15 @@ fn packets(path: &Path) -> Vec<(f64, bool)> {
         .collect()
 }
 
+/// A decoded 102×76 picture without the encoder's padding row and column.
+fn crop(decoded: &[u8]) -> Vec<u8> {
+    decoded
+        .chunks_exact(102 * 3)
+        .take(H as usize)
+        .flat_map(|row| row[..W as usize * 3].to_vec())
+        .collect()
+}
+
 fn psnr(a: &[u8], b: &[u8]) -> f64 {
     let mse = a
         .iter()
@@ -176,11 +185,7 @@ fn segmented_encoding_makes_the_same_video_as_one_process() {
         let decoded = decode_frames(&path, 102, 76);
         assert_eq!(decoded.len(), n);
         for (i, d) in decoded.iter().enumerate() {
-            let cropped: Vec<u8> = d
-                .chunks_exact(102 * 3)
-                .take(H as usize)
-                .flat_map(|row| row[..W as usize * 3].to_vec())
-                .collect();
+            let cropped = crop(d);
             let q = psnr(&cropped, &frame(i).rgb);
             assert!(q > 33.0, "{workers} workers: frame {i} PSNR {q:.1} dB");
             // Not some other frame: the square moves 2 px a frame.
@@ -198,6 +203,72 @@ fn segmented_encoding_makes_the_same_video_as_one_process() {
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
         assert!(psnr(x, y) > 38.0, "frame {i}: {:.1} dB apart", psnr(x, y));
     }
+}
+
+/// Encodes frames `from..from + n` of the pattern with `s`, checks the video (every frame,
+/// in order, a keyframe every second from the first).
+fn encode_and_check(s: EncoderSettings, from: usize, n: usize, what: &str) {
+    let sink = Memory::default();
+    let mut enc = video::spawn(s, Box::new(sink.clone())).unwrap();
+    for i in 0..n {
+        enc.write_frame(&frame(from + i)).unwrap();
+    }
+    assert_eq!(enc.finish().unwrap().frames, n as u64, "{what}");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v.mp4");
+    std::fs::write(&path, sink.bytes()).unwrap();
+    let pk = packets(&path);
+    assert_eq!(pk.len(), n, "{what}");
+    for (i, &(t, key)) in pk.iter().enumerate() {
+        assert!(
+            (t - i as f64 / 25.0).abs() < 1e-6,
+            "{what}: frame {i} at {t}"
+        );
+        assert_eq!(key, i % 25 == 0, "{what}: frame {i} keyframe {key}");
+    }
+    let decoded = decode_frames(&path, 102, 76);
+    assert_eq!(decoded.len(), n, "{what}");
+    for (i, d) in decoded.iter().enumerate() {
+        // This video's frame: not a picture left over from the last video, nor padding.
+        let q = psnr(&crop(d), &frame(from + i).rgb);
+        assert!(q > 33.0, "{what}: frame {i} PSNR {q:.1} dB");
+        let next = psnr(&crop(d), &frame(from + i + 1).rgb);
+        assert!(q > next + 3.0, "{what}: frame {i} is another frame");
+    }
+}
+
+#[test]
+fn workers_kept_between_videos_make_every_video_whole() {
+    // The service's way: a process pool, so the workers outlive each video.
+    let spares = video::Spares::new();
+    let pooled = || {
+        let mut s = settings(2, None);
+        s.spares = Some(spares.clone());
+        s
+    };
+    let mut first = None;
+    // Lengths that end mid-segment on either worker, on a segment boundary, and a video
+    // that only needs the first worker. Each video's pattern starts somewhere else.
+    for (v, n) in [37usize, 50, 1, 26, 60].into_iter().enumerate() {
+        encode_and_check(pooled(), 3 * v + 1, n, &format!("video {v} ({n} frames)"));
+        let mut ids = spares.kept_ids();
+        ids.sort_unstable();
+        assert_eq!(ids.len(), 2, "video {v}: both workers kept");
+        // The same two processes serve every video.
+        assert_eq!(ids, *first.get_or_insert(ids.clone()), "video {v}");
+    }
+    // A video given up half way ends its workers instead of keeping them; the next one
+    // starts new ones, which are kept after it.
+    let mut enc = video::spawn(pooled(), Box::new(std::io::sink())).unwrap();
+    for i in 0..30 {
+        enc.write_frame(&frame(i)).unwrap();
+    }
+    drop(enc);
+    assert_eq!(spares.kept(), 0, "both were in use, and ended");
+    encode_and_check(pooled(), 3, 40, "after a dropped video");
+    let ids = spares.kept_ids();
+    assert_eq!(ids.len(), 2);
+    assert!(ids.iter().all(|id| !first.as_ref().unwrap().contains(id)));
 }
 
 #[test]

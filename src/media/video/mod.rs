@@ -327,21 +327,6 @@ impl EncoderSettings {
         Ok(process)
     }
 
-    /// Starts ffmpeg with `args` (no speech), or takes a spare started with them.
-    fn start(
-        &self,
-        args: Vec<String>,
-        role: &str,
-        consume: StdoutConsumer,
-    ) -> Result<Process, Error> {
-        Process::spawn(
-            &self.launch(args, false),
-            self.spares.as_ref(),
-            role,
-            consume,
-        )
-    }
-
     /// AAC audio (if any) and fragmented MP4 on stdout.
     fn mp4_output_args(&self, speech: bool) -> Vec<String> {
         let mut a = Vec::new();

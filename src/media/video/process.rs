@@ -245,6 +245,16 @@ impl Process {
         }
     }
 
+    /// Renames the process in its error messages (a kept worker serving another render).
+    pub(super) fn set_role(&mut self, role: &str) {
+        role.clone_into(&mut self.role);
+    }
+
+    /// The process id, while it has not been reaped.
+    pub(super) fn id(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
     /// Whether the process has exited (it is reaped by [`Self::finish`]).
     pub(super) fn exited(&mut self) -> bool {
         self.child

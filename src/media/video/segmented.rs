@@ -21,14 +21,24 @@
 //!
 //! Every queue is bounded, so a slow client still slows the producer down: sink ← muxer ←
 //! joiner ← workers' output queues ← workers ← frame queues ← `write_frame`.
+//!
+//! **Workers kept between renders.** With a process pool ([`EncoderSettings::spares`], the
+//! service's), a worker's input is never closed: at the end of a render each worker gets
+//! padding frames up to its next keyframe (flat grey, whose pictures are dropped), so it
+//! stands at a segment boundary with nothing in flight, and the pool keeps it
+//! ([`super::Spares`]) for the next render of the same command line, whose first frame is then
+//! its next IDR picture. Its stdout reader stays with it and sends its pictures wherever the
+//! render holding it says ([`Route`]). A worker is kept only after a render that finished
+//! cleanly with all its pictures out; one that failed or was dropped is ended as before.
 
 use std::collections::VecDeque;
 use std::process::ChildStdin;
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
-use super::process::{spawn_thread, Process, StdoutConsumer};
+use super::process::{spawn_thread, Launch, Process, StdoutConsumer};
 use super::single::SinkError;
 use super::splice::{FrameFeed, FramePool};
 use super::{EncodeSummary, EncoderSettings, Sink, VideoEncoder};
@@ -40,6 +50,13 @@ const FRAME_QUEUE_BYTES: usize = 128 << 20;
 /// Encoded pictures waiting in each worker's output for their turn, at most (one picture
 /// always fits).
 const PICTURE_QUEUE_BYTES: usize = 16 << 20;
+/// How long the end of a render waits for a worker's last pictures and padding before it
+/// ends that worker instead of keeping it (x264 at zero latency returns each picture as its
+/// frame is read, so this only bounds a worker that holds pictures back, or a slow client).
+const KEEP_WAIT: Duration = Duration::from_secs(2);
+/// Frames a kept worker encodes in all before it is ended: its FLV timestamps (milliseconds,
+/// 32 bits) stay far from wrapping.
+const MAX_WORKER_FRAMES: u64 = 2_000_000;
 
 /// The segmented encoder (`workers > 1`).
 pub struct SegmentedEncoder {
@@ -62,11 +79,38 @@ pub struct SegmentedEncoder {
 }
 
 struct Worker {
-    /// Frames for this worker; dropping it ends the worker's input.
+    /// Frames for this worker; dropping it ends this render's input.
     frames: Option<SyncSender<Vec<u8>>>,
-    /// Writes queued frames to ffmpeg's stdin.
-    feeder: Option<JoinHandle<()>>,
+    /// Writes queued frames to ffmpeg's stdin; returns the stdin if every frame went in.
+    feeder: Option<JoinHandle<Option<ChildStdin>>>,
     process: Process,
+    /// Where its pictures go.
+    route: Arc<Route>,
+    /// Frames of this render sent to it.
+    sent: u64,
+    /// Frames it encoded before this render (a kept worker).
+    before: u64,
+}
+
+/// A worker between renders: its process, blocked on its open stdin at a keyframe boundary,
+/// and its stdout reader's route.
+pub(super) struct KeptWorker {
+    process: Process,
+    stdin: ChildStdin,
+    route: Arc<Route>,
+    /// Frames it has encoded so far.
+    frames: u64,
+}
+
+impl KeptWorker {
+    /// Whether its process still runs.
+    pub(super) fn running(&mut self) -> bool {
+        !self.process.exited()
+    }
+
+    pub(super) fn id(&self) -> Option<u32> {
+        self.process.id()
+    }
 }
 
 impl SegmentedEncoder {
@@ -115,16 +159,34 @@ impl SegmentedEncoder {
         Ok(encoder)
     }
 
-    /// Starts worker `i`'s ffmpeg and the thread that feeds it.
+    /// Starts worker `i`: a kept one from the pool if one waits for this command line, else
+    /// a new ffmpeg; and the thread that feeds it.
     fn start_worker(&self, i: usize) -> Result<Worker, Error> {
-        let mut process = self.settings.start(
-            self.settings.worker_args(),
-            &format!("encoder worker {i}"),
-            flv_consumer(self.outputs[i].clone()),
-        )?;
-        let stdin = process
-            .take_stdin()
-            .ok_or_else(|| Error::Internal("worker without stdin".into()))?;
+        let role = format!("encoder worker {i}");
+        let launch = self.worker_launch();
+        let kept = self
+            .settings
+            .spares
+            .as_ref()
+            .and_then(|s| s.take_kept(&launch));
+        let (process, stdin, route, before) = match kept {
+            Some(k) => {
+                let mut process = k.process;
+                process.set_role(&role);
+                (process, k.stdin, k.route, k.frames)
+            }
+            None => {
+                let route = Arc::new(Route::default());
+                // Not from the spares: a worker is kept after its render, not replaced.
+                let mut process =
+                    Process::spawn(&launch, None, &role, routed_consumer(route.clone()))?;
+                let stdin = process
+                    .take_stdin()
+                    .ok_or_else(|| Error::Internal("worker without stdin".into()))?;
+                (process, stdin, route, 0)
+            }
+        };
+        route.start(self.outputs[i].clone());
         let (tx, rx) = sync_channel::<Vec<u8>>(self.frame_queue);
         let pool = self.pool.clone();
         let feeder = spawn_thread("encoder-feeder", move || feed(stdin, rx, pool))?;
@@ -132,7 +194,14 @@ impl SegmentedEncoder {
             frames: Some(tx),
             feeder: Some(feeder),
             process,
+            route,
+            sent: 0,
+            before,
         })
+    }
+
+    fn worker_launch(&self) -> Launch {
+        self.settings.launch(self.settings.worker_args(), false)
     }
 
     /// Closes the output queues of the workers that never started: the joiner then sees
@@ -147,19 +216,53 @@ impl SegmentedEncoder {
 
     /// Ends every worker's input, waits for all processes and threads, and reports the
     /// first failure in causal order: the output going away, a worker, the muxer, the
-    /// joiner. Returns the bytes written and the frames the joiner forwarded.
-    fn wind_down(&mut self) -> Result<(u64, u64), Error> {
+    /// joiner. Returns the bytes written and the frames the joiner forwarded. With `keep`
+    /// (a render that ends normally, with a process pool) the workers are padded to their
+    /// next keyframe and, if all went well, kept in the pool instead of ended.
+    fn wind_down(&mut self, keep: bool) -> Result<(u64, u64), Error> {
         self.close_unstarted();
+        let pool = if keep {
+            self.settings.spares.clone()
+        } else {
+            None
+        };
+        let grey = pool
+            .as_ref()
+            .map(|_| vec![128u8; yuv::frame_bytes(self.settings.width, self.settings.height)]);
         for w in self.workers.iter_mut().flatten() {
+            if let Some(grey) = &grey {
+                // Up to the worker's next keyframe; the route drops these pictures.
+                let pad = (self.segment_len - w.sent % self.segment_len) % self.segment_len;
+                w.route.end_render(w.sent, pad);
+                if let Some(tx) = &w.frames {
+                    for _ in 0..pad {
+                        if tx.send(self.pool.filled(grey)).is_err() {
+                            break;
+                        }
+                        w.sent += 1;
+                    }
+                }
+            }
             drop(w.frames.take());
         }
+        // A worker to be kept has its stdin back once all it was sent is in the pipe, and
+        // is kept once all its pictures are out; any other worker's input is closed here,
+        // so it finishes and exits.
+        let deadline = Instant::now() + KEEP_WAIT;
+        let mut stdins = Vec::with_capacity(self.workers.len());
+        for w in &mut self.workers {
+            let stdin = w.as_mut().and_then(|w| {
+                let stdin = w.feeder.take().and_then(|f| f.join().ok()).flatten();
+                stdin.filter(|_| pool.is_some() && w.route.wait_through(deadline))
+            });
+            stdins.push(stdin);
+        }
         let mut worker_error = None;
-        for w in self.workers.iter_mut().flatten() {
-            if let Some(f) = w.feeder.take() {
-                let _ = f.join();
-            }
-            if let Err(e) = w.process.finish() {
-                worker_error.get_or_insert(e);
+        for (w, stdin) in self.workers.iter_mut().zip(&stdins) {
+            if let (Some(w), None) = (w, stdin) {
+                if let Err(e) = w.process.finish() {
+                    worker_error.get_or_insert(e);
+                }
             }
         }
         let joined = match self.joiner.take().map(|j| j.join()) {
@@ -168,14 +271,36 @@ impl SegmentedEncoder {
             None => Ok(0),
         };
         let muxed = self.muxer.finish();
-        if let Some(e) = self.sink_error.get() {
-            return Err(e);
+        let result = if let Some(e) = self.sink_error.get() {
+            Err(e)
+        } else if let Some(e) = worker_error {
+            // A failed worker starves the muxer, never the other way round.
+            Err(e)
+        } else {
+            muxed.and_then(|m| joined.map(|j| (m, j)))
+        };
+        if let (Some(pool), Ok(_)) = (pool, &result) {
+            let launch = self.worker_launch();
+            for (slot, stdin) in self.workers.iter_mut().zip(stdins) {
+                if let (Some(stdin), Some(w)) = (stdin, slot.take()) {
+                    let frames = w.before + w.sent;
+                    if frames < MAX_WORKER_FRAMES {
+                        pool.keep(
+                            launch.clone(),
+                            KeptWorker {
+                                process: w.process,
+                                stdin,
+                                route: w.route,
+                                frames,
+                            },
+                        );
+                    }
+                    // else: dropped here, and ended (a fresh worker takes over)
+                }
+            }
         }
-        // A failed worker starves the muxer, never the other way round.
-        if let Some(e) = worker_error {
-            return Err(e);
-        }
-        Ok((muxed?, joined?))
+        // Workers not kept (a failure): their stdin closes here, and Drop ends them.
+        result
     }
 }
 
@@ -186,7 +311,7 @@ impl VideoEncoder for SegmentedEncoder {
         }
         if self.joiner.as_ref().is_some_and(|j| j.is_finished()) {
             // The joiner only stops early when something failed.
-            return Err(match self.wind_down() {
+            return Err(match self.wind_down(false) {
                 Err(e) => e,
                 Ok(_) => Error::Encoder("the encoder stopped early".into()),
             });
@@ -199,18 +324,22 @@ impl VideoEncoder for SegmentedEncoder {
             match started {
                 Ok(worker) => self.workers[w] = Some(worker),
                 Err(e) => {
-                    let _ = self.wind_down();
+                    let _ = self.wind_down(false);
                     return Err(e);
                 }
             }
         }
-        let sent = self.workers[w]
-            .as_ref()
-            .and_then(|worker| worker.frames.as_ref())
-            .is_some_and(|tx| tx.send(data).is_ok());
+        let sent = self.workers[w].as_mut().is_some_and(|worker| {
+            let ok = worker
+                .frames
+                .as_ref()
+                .is_some_and(|tx| tx.send(data).is_ok());
+            worker.sent += u64::from(ok);
+            ok
+        });
         if !sent {
             // That worker's ffmpeg stopped reading: it failed, and its stderr says why.
-            return Err(match self.wind_down() {
+            return Err(match self.wind_down(false) {
                 Err(e) => e,
                 Ok(_) => Error::Encoder(format!("encoder worker {w} stopped reading frames")),
             });
@@ -220,7 +349,7 @@ impl VideoEncoder for SegmentedEncoder {
     }
 
     fn finish(mut self: Box<Self>) -> Result<EncodeSummary, Error> {
-        let (bytes, joined) = self.wind_down()?;
+        let (bytes, joined) = self.wind_down(true)?;
         if joined != self.frames {
             return Err(Error::Encoder(format!(
                 "the encoder workers returned {joined} of {} frames",
@@ -261,14 +390,14 @@ impl Drop for SegmentedEncoder {
 
 /// Writes queued frames to a worker's stdin until the queue closes or ffmpeg stops reading
 /// (the worker's exit status then tells why), handing their buffers back to `pool` once
-/// ffmpeg has read them ([`FrameFeed`]).
-fn feed(stdin: ChildStdin, frames: Receiver<Vec<u8>>, pool: FramePool) {
+/// ffmpeg has read them ([`FrameFeed`]). Returns the stdin, once ffmpeg has read every
+/// frame, if all went in.
+fn feed(stdin: ChildStdin, frames: Receiver<Vec<u8>>, pool: FramePool) -> Option<ChildStdin> {
     let mut feed = FrameFeed::new(stdin, pool);
     while let Ok(frame) = frames.recv() {
-        if feed.write(frame).is_err() {
-            return;
-        }
+        feed.write(frame).ok()?;
     }
+    Some(feed.into_pipe())
 }
 
 /// Forwards the workers' pictures to the muxer, segment by segment in round-robin order,
@@ -427,28 +556,156 @@ struct Picture {
     params: Arc<Vec<u8>>,
 }
 
+/// Where a worker's pictures go: the output queue of the render that holds the worker. The
+/// worker's stdout reader ([`routed_consumer`]) outlives a render when the worker is kept.
+#[derive(Default)]
+struct Route {
+    state: Mutex<RouteState>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct RouteState {
+    /// The render's queue, until all its pictures are in it.
+    queue: Option<PictureQueue>,
+    /// Pictures of this render read from the worker's output.
+    seen: u64,
+    /// Of those, the ones passed on (or dropped as padding).
+    through: u64,
+    /// Set at the end of the render: its frames, and its frames with the padding.
+    frames: Option<u64>,
+    total: Option<u64>,
+    /// The worker's output ended, could not be read, or the render stopped taking it: the
+    /// worker cannot be kept.
+    broken: bool,
+}
+
+impl RouteState {
+    /// Closes the render's queue once all its pictures are in it.
+    fn settle(&mut self) {
+        if self.frames.is_some_and(|f| self.through >= f) {
+            if let Some(q) = self.queue.take() {
+                q.close();
+            }
+        }
+    }
+}
+
+impl Route {
+    fn lock(&self) -> MutexGuard<'_, RouteState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A render takes the worker: its pictures go to `queue` from now on.
+    fn start(&self, queue: PictureQueue) {
+        let mut s = self.lock();
+        s.queue = Some(queue);
+        s.seen = 0;
+        s.through = 0;
+        s.frames = None;
+        s.total = None;
+    }
+
+    /// The render has sent its last frame to the worker, `frames` in all, followed by
+    /// `padding` frames whose pictures are dropped.
+    fn end_render(&self, frames: u64, padding: u64) {
+        let mut s = self.lock();
+        s.frames = Some(frames);
+        s.total = Some(frames + padding);
+        s.settle();
+        self.changed.notify_all();
+    }
+
+    /// One picture from the worker: into the render's queue, or dropped if it is padding.
+    fn deliver(&self, picture: Picture) {
+        let queue = {
+            let mut s = self.lock();
+            s.seen += 1;
+            if s.frames.is_some_and(|f| s.seen > f) {
+                None
+            } else {
+                s.queue.clone()
+            }
+        };
+        // Outside the lock: the push waits while the render's queue is full.
+        let delivered = queue.is_none_or(|q| q.push(Ok(picture)));
+        let mut s = self.lock();
+        s.through += 1;
+        s.broken |= !delivered;
+        s.settle();
+        self.changed.notify_all();
+    }
+
+    /// The worker's output failed: the render hears why, and the worker is not kept.
+    fn fail(&self, error: Error) {
+        let queue = {
+            let mut s = self.lock();
+            s.broken = true;
+            s.queue.clone()
+        };
+        if let Some(q) = queue {
+            q.push(Err(error));
+        }
+        self.changed.notify_all();
+    }
+
+    /// The worker's output has ended: the render's queue closes (the joiner then sees the
+    /// worker's last segment end).
+    fn end(&self) {
+        let mut s = self.lock();
+        s.broken = true;
+        if let Some(q) = s.queue.take() {
+            q.close();
+        }
+        self.changed.notify_all();
+    }
+
+    /// Waits until every picture of the render and its padding has come out of the worker
+    /// (true), or it broke or `deadline` passed (false).
+    fn wait_through(&self, deadline: Instant) -> bool {
+        let mut s = self.lock();
+        loop {
+            if s.broken {
+                return false;
+            }
+            if s.total.is_some_and(|t| s.seen >= t && s.through >= s.seen) {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            s = self
+                .changed
+                .wait_timeout(s, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
 /// A stdout consumer that parses a worker's FLV and sends its pictures (or the first parse
-/// error) to the joiner; after the joiner has gone it just drains.
-fn flv_consumer(queue: PictureQueue) -> StdoutConsumer {
+/// error) where `route` says; after an error it just drains.
+fn routed_consumer(route: Arc<Route>) -> StdoutConsumer {
     let mut reader = FlvReader::default();
-    let mut done = false;
+    let mut failed = false;
     Box::new(move |data| {
         let end = data.is_none();
-        if !done {
+        if !failed {
             let result = match data {
                 Some(d) => reader.push(d),
                 None => reader.end().map(|_| Vec::new()),
             };
             match result {
-                Ok(pictures) => done = !pictures.into_iter().all(|p| queue.push(Ok(p))),
+                Ok(pictures) => pictures.into_iter().for_each(|p| route.deliver(p)),
                 Err(e) => {
-                    queue.push(Err(e));
-                    done = true;
+                    route.fail(e);
+                    failed = true;
                 }
             }
         }
         if end {
-            queue.close();
+            route.end();
         }
     })
 }

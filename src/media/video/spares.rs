@@ -15,12 +15,19 @@
 //! libraries are shared). Spares idle longer than [`MAX_IDLE_AGE`] are ended, at most
 //! [`MAX_IDLE`] are kept, and every spare ends by itself when the service exits (its stdin
 //! closes).
+//!
+//! The pool also keeps the segmented encoder's x264 workers between renders
+//! ([`super::segmented`]): a worker never sees the end of its input, so one render's workers
+//! serve the next render of the same shape, already started and with x264 set up, instead of
+//! two or more processes started (and their replacements started) for every render. Kept
+//! workers go by the same rules: at most [`MAX_KEPT`], ended after [`MAX_IDLE_AGE`] unused.
 
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use super::process::{Launch, Started};
+use super::segmented::KeptWorker;
 
 /// Spares kept per command line: a render takes at most two processes with the same one at
 /// its start (a segmented encoder's first two workers), and later workers start a second
@@ -30,6 +37,9 @@ pub const PER_LAUNCH: usize = 2;
 pub const MAX_IDLE: usize = 12;
 /// A spare unused this long is ended.
 pub const MAX_IDLE_AGE: Duration = Duration::from_secs(600);
+/// Encoder workers kept between renders, at most (the oldest go first): eight workers, a
+/// GPU host's default for one video, for two shapes.
+pub const MAX_KEPT: usize = 16;
 /// How long after a process ends its replacement starts: a render's processes end within
 /// moments of each other, and its last bytes go out meanwhile.
 pub const REFILL_DELAY: Duration = Duration::from_millis(150);
@@ -41,6 +51,8 @@ pub struct Spares(Arc<Pool>);
 #[derive(Default)]
 struct Pool {
     idle: Mutex<Vec<Spare>>,
+    /// Workers a render has finished with, most recent last.
+    kept: Mutex<Vec<Kept>>,
     /// The refill thread's queue, once it runs (it ends with the pool).
     refills: Mutex<Option<Sender<Launch>>>,
 }
@@ -49,6 +61,12 @@ struct Spare {
     launch: Launch,
     started: Started,
     born: Instant,
+}
+
+struct Kept {
+    launch: Launch,
+    worker: KeptWorker,
+    since: Instant,
 }
 
 impl std::fmt::Debug for Spares {
@@ -91,6 +109,67 @@ impl Spares {
         let mut idle = self.lock();
         expire(&mut idle);
         idle.len()
+    }
+
+    /// Workers kept for the next render now.
+    pub fn kept(&self) -> usize {
+        self.expire_kept();
+        self.lock_kept().len()
+    }
+
+    /// The process ids of the workers kept now, most recently kept last.
+    pub fn kept_ids(&self) -> Vec<u32> {
+        self.expire_kept();
+        self.lock_kept()
+            .iter()
+            .filter_map(|k| k.worker.id())
+            .collect()
+    }
+
+    fn lock_kept(&self) -> std::sync::MutexGuard<'_, Vec<Kept>> {
+        self.0.kept.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keeps `worker`, started for `launch`, for the next render that asks for it.
+    pub(super) fn keep(&self, launch: Launch, worker: KeptWorker) {
+        let ended: Vec<Kept> = {
+            let mut kept = self.lock_kept();
+            kept.push(Kept {
+                launch,
+                worker,
+                since: Instant::now(),
+            });
+            let over = kept.len().saturating_sub(MAX_KEPT);
+            kept.drain(..over).collect()
+        };
+        drop(ended); // ends those processes outside the lock
+    }
+
+    /// A kept worker for `launch`, if one waits (the one kept last: its pages are warmest).
+    pub(super) fn take_kept(&self, launch: &Launch) -> Option<KeptWorker> {
+        self.expire_kept();
+        let mut kept = self.lock_kept();
+        let i = kept.iter().rposition(|k| &k.launch == launch)?;
+        Some(kept.remove(i).worker)
+    }
+
+    /// Ends the kept workers that exited or waited too long (outside the lock).
+    fn expire_kept(&self) {
+        let ended: Vec<Kept> = {
+            let mut kept = self.lock_kept();
+            let mut go = Vec::new();
+            let mut stay = Vec::with_capacity(kept.len());
+            for mut k in kept.drain(..) {
+                if k.since.elapsed() < MAX_IDLE_AGE && k.worker.running() {
+                    stay.push(k);
+                } else {
+                    go.push(k);
+                }
+            }
+            *kept = stay;
+            go
+        };
+        drop(ended);
     }
 
     /// A started process for `launch`, if one waits.
@@ -149,6 +228,7 @@ fn refill_loop(pool: &Weak<Pool>, requests: &Receiver<Launch>) {
             spares.refill(launch);
         }
         expire(&mut spares.lock());
+        spares.expire_kept();
     }
 }
 

@@ -136,7 +136,6 @@ pub(super) struct Child {
 }
 
 impl Child {
-    #[cfg(test)]
     pub fn id(&self) -> u32 {
         self.pid as u32
     }

@@ -62,7 +62,8 @@ impl FramePool {
 
 /// Writes whole frames into a pipe (see the module's documentation).
 pub(super) struct FrameFeed {
-    pipe: ChildStdin,
+    /// The pipe (taken out only by [`Self::into_pipe`]).
+    pipe: Option<ChildStdin>,
     /// The last frames spliced, oldest first: the pipe may still reference their pages.
     held: VecDeque<Vec<u8>>,
     /// Bytes the pipe can reference (its capacity).
@@ -77,7 +78,7 @@ impl FrameFeed {
         // SAFETY: F_GETPIPE_SZ reads the pipe's capacity; -1 if `pipe` is not a pipe.
         let capacity = unsafe { libc::fcntl(pipe.as_raw_fd(), libc::F_GETPIPE_SZ) };
         FrameFeed {
-            pipe,
+            pipe: Some(pipe),
             held: VecDeque::new(),
             capacity: usize::try_from(capacity).unwrap_or(0),
             splice: capacity > 0,
@@ -88,7 +89,7 @@ impl FrameFeed {
     /// Writes `frame`; an error means the reader has gone (or the pipe failed).
     pub(super) fn write(&mut self, frame: Vec<u8>) -> io::Result<()> {
         if !self.splice {
-            self.pipe.write_all(&frame)?;
+            self.pipe_mut().write_all(&frame)?;
             self.pool.put(frame);
             return Ok(());
         }
@@ -100,7 +101,7 @@ impl FrameFeed {
             };
             // SAFETY: the iovec points into `frame`, which is kept unchanged in `held` until
             // the pipe can no longer reference it (see `release`).
-            let n = unsafe { libc::vmsplice(self.pipe.as_raw_fd(), &iov, 1, 0) };
+            let n = unsafe { libc::vmsplice(self.fd(), &iov, 1, 0) };
             if n >= 0 {
                 at += n as usize;
                 continue;
@@ -133,12 +134,40 @@ impl FrameFeed {
         Ok(())
     }
 
+    fn fd(&self) -> std::os::fd::RawFd {
+        self.pipe.as_ref().map_or(-1, |p| p.as_raw_fd())
+    }
+
+    fn pipe_mut(&mut self) -> &mut ChildStdin {
+        self.pipe
+            .as_mut()
+            .expect("the pipe is taken only by into_pipe")
+    }
+
+    /// Waits for the pipe to drain (see [`Drop`]), hands every held buffer back, and returns
+    /// the pipe for more frames later (an encoder process kept for the next render).
+    pub(super) fn into_pipe(mut self) -> ChildStdin {
+        self.release_all();
+        self.pipe.take().expect("the pipe is taken only once")
+    }
+
+    /// After the pipe has drained (or lost its reader), no buffer is referenced any more.
+    fn release_all(&mut self) {
+        if self.held.is_empty() {
+            return;
+        }
+        self.drain();
+        for f in std::mem::take(&mut self.held) {
+            self.pool.put(f);
+        }
+    }
+
     /// Hands back the held frames the pipe can no longer reference: those with at least
     /// the pipe's capacity spliced after them.
     fn release(&mut self) {
         // The reader could have enlarged the pipe since: count the largest capacity seen.
         // SAFETY: F_GETPIPE_SZ reads the pipe's capacity (-1 on error).
-        let now = unsafe { libc::fcntl(self.pipe.as_raw_fd(), libc::F_GETPIPE_SZ) };
+        let now = unsafe { libc::fcntl(self.fd(), libc::F_GETPIPE_SZ) };
         self.capacity = self.capacity.max(usize::try_from(now).unwrap_or(0));
         let mut after = 0;
         let mut keep = 0;
@@ -160,7 +189,7 @@ impl FrameFeed {
     /// that has stopped reading keeps it waiting, as a blocking `write` of the last frame
     /// would; an encoder dropped unfinished kills its processes first, which ends the wait.
     fn drain(&self) {
-        let fd = self.pipe.as_raw_fd();
+        let fd = self.fd();
         let mut pause = Duration::from_micros(500);
         loop {
             let mut queued: libc::c_int = 0;
@@ -188,12 +217,8 @@ impl FrameFeed {
 
 impl Drop for FrameFeed {
     fn drop(&mut self) {
-        if self.held.is_empty() {
-            return;
-        }
-        self.drain();
-        for f in self.held.drain(..) {
-            self.pool.put(f);
+        if self.pipe.is_some() {
+            self.release_all();
         }
     }
 }
