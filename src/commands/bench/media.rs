@@ -133,9 +133,10 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 // Processes: CPU of a tree, memory.
 
 /// Waits until `root`'s encoders are done, at most `limit`: whether it got there. What stays
-/// are the encoder processes the service starts ahead of the next render (its spares,
-/// [`lipsync::media::video::Spares`]), blocked on their input: the tree is quiet once its CPU
-/// has not grown for 200 ms and no more processes are left than the spares may be. (The
+/// are the encoder processes the service starts ahead of the next render and the workers it
+/// keeps between renders (its spares, [`lipsync::media::video::Spares`]), blocked on their
+/// input: the tree is quiet once its CPU has not grown for 200 ms and no more processes are
+/// left than those may be. (The
 /// spares' start is counted where it happens: a render's tree CPU includes the start of the
 /// processes that replace the ones it took.)
 fn wait_quiet(root: u32, limit: Duration) -> bool {
@@ -144,7 +145,9 @@ fn wait_quiet(root: u32, limit: Duration) -> bool {
     loop {
         let procs = tree(root);
         let ticks: u64 = procs.iter().map(|p| p.ticks).sum();
-        if procs.len() <= 1 + lipsync::media::video::spares::MAX_IDLE && last == Some(ticks) {
+        let idle =
+            lipsync::media::video::spares::MAX_IDLE + lipsync::media::video::spares::MAX_KEPT;
+        if procs.len() <= 1 + idle && last == Some(ticks) {
             return true;
         }
         last = Some(ticks);

@@ -190,6 +190,39 @@ impl Child {
     }
 }
 
+/// glibc's malloc thresholds for the encoders, unless the environment sets its own: ffmpeg
+/// allocates a buffer for every raw frame it reads (0.4 MB at 512², 1.4 MB at 720p) and frees
+/// it once the frame is encoded. glibc's dynamic thresholds handed that memory back to the
+/// kernel and took it again frame after frame, so ffmpeg page-faulted in every frame's
+/// buffer as it copied the frame in from its pipe. Fixed thresholds keep it: `mmap` only for
+/// blocks of 16 MiB and more, the heap trimmed only when 256 MiB at its top is free.
+const MALLOC_TUNABLES: &str =
+    "glibc.malloc.mmap_threshold=16777216:glibc.malloc.trim_threshold=268435456";
+
+/// The environment a child gets: this one, with [`MALLOC_TUNABLES`] added to
+/// `GLIBC_TUNABLES` unless that already sets a malloc threshold.
+fn child_env(
+    mut env: Vec<(std::ffi::OsString, std::ffi::OsString)>,
+) -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
+    match env.iter_mut().find(|(k, _)| k == "GLIBC_TUNABLES") {
+        Some((_, v)) => {
+            let set = v.to_string_lossy();
+            if !set.contains("glibc.malloc.mmap_threshold")
+                && !set.contains("glibc.malloc.trim_threshold")
+            {
+                let mut joined = std::ffi::OsString::from(MALLOC_TUNABLES);
+                if !v.is_empty() {
+                    joined.push(":");
+                    joined.push(&*v);
+                }
+                *v = joined;
+            }
+        }
+        None => env.push(("GLIBC_TUNABLES".into(), MALLOC_TUNABLES.into())),
+    }
+    env
+}
+
 /// Starts `program` (searched on the PATH if it names no directory) with `args`, stdin,
 /// stdout and stderr piped, `fd3` (if any) as its descriptor 3, and `nice` added to this
 /// process's niceness by `nice(1)` (nothing for 0 or less; at most 19 in all). A program
@@ -252,7 +285,7 @@ pub(super) fn spawn(
         .map(|a| a.as_ptr() as *mut libc::c_char)
         .collect();
     argv.push(std::ptr::null_mut());
-    let env_owned = env
+    let env_owned = child_env(env)
         .into_iter()
         .map(|(k, v)| {
             let mut kv = k;
@@ -324,4 +357,60 @@ pub(super) fn spawn(
         stdout: Some(ChildStdout::from(OwnedFd::from(stdout_r))),
         stderr: Some(ChildStderr::from(OwnedFd::from(stderr_r))),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
+        pairs.iter().map(|(k, v)| (k.into(), v.into())).collect()
+    }
+
+    fn tunables(e: &[(std::ffi::OsString, std::ffi::OsString)]) -> Option<String> {
+        e.iter()
+            .find(|(k, _)| k == "GLIBC_TUNABLES")
+            .map(|(_, v)| v.to_string_lossy().into_owned())
+    }
+
+    #[test]
+    fn encoders_get_fixed_malloc_thresholds_unless_the_environment_sets_them() {
+        let plain = child_env(env(&[("PATH", "/bin")]));
+        assert_eq!(tunables(&plain).as_deref(), Some(MALLOC_TUNABLES));
+        assert_eq!(plain.len(), 2, "nothing else changes");
+        // Other tunables stay, after ours.
+        let other = child_env(env(&[("GLIBC_TUNABLES", "glibc.rtld.nns=4")]));
+        assert_eq!(
+            tunables(&other),
+            Some(format!("{MALLOC_TUNABLES}:glibc.rtld.nns=4"))
+        );
+        // A threshold of the operator's own wins.
+        let own = "glibc.malloc.trim_threshold=1000";
+        assert_eq!(
+            tunables(&child_env(env(&[("GLIBC_TUNABLES", own)]))).as_deref(),
+            Some(own)
+        );
+        // And the child sees them.
+        let mut child = spawn(
+            Path::new("sh"),
+            &["-c".into(), "printf %s \"$GLIBC_TUNABLES\"".into()],
+            None,
+            0,
+        )
+        .unwrap();
+        let mut out = String::new();
+        std::io::Read::read_to_string(child.stdout.as_mut().unwrap(), &mut out).unwrap();
+        assert!(child.wait().unwrap().success());
+        let expected = match std::env::var("GLIBC_TUNABLES") {
+            Ok(v)
+                if v.contains("glibc.malloc.mmap_threshold")
+                    || v.contains("glibc.malloc.trim_threshold") =>
+            {
+                v
+            }
+            Ok(v) if !v.is_empty() => format!("{MALLOC_TUNABLES}:{v}"),
+            _ => MALLOC_TUNABLES.to_string(),
+        };
+        assert_eq!(out, expected);
+    }
 }
