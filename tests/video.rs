@@ -269,6 +269,23 @@ fn workers_kept_between_videos_make_every_video_whole() {
     let ids = spares.kept_ids();
     assert_eq!(ids.len(), 2);
     assert!(ids.iter().all(|id| !first.as_ref().unwrap().contains(id)));
+    // Kept workers that die meanwhile (killed from outside) are not used: the next video
+    // starts its own.
+    for id in &ids {
+        let killed = Command::new("kill")
+            .args(["-KILL", &id.to_string()])
+            .status()
+            .unwrap();
+        assert!(killed.success());
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    encode_and_check(pooled(), 7, 30, "after the kept workers died");
+    let fresh = spares.kept_ids();
+    assert_eq!(fresh.len(), 2);
+    assert!(
+        fresh.iter().all(|id| !ids.contains(id)),
+        "{fresh:?} {ids:?}"
+    );
 }
 
 #[test]

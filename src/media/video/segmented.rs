@@ -54,8 +54,9 @@ const PICTURE_QUEUE_BYTES: usize = 16 << 20;
 /// ends that worker instead of keeping it (x264 at zero latency returns each picture as its
 /// frame is read, so this only bounds a worker that holds pictures back, or a slow client).
 const KEEP_WAIT: Duration = Duration::from_secs(2);
-/// Frames a kept worker encodes in all before it is ended: its FLV timestamps (milliseconds,
-/// 32 bits) stay far from wrapping.
+/// Frames a kept worker encodes in all before it is ended (22 hours of video at 25 fps): its
+/// FLV timestamps grow with them, and although the joiner does not read them, ffmpeg should
+/// not have to write ones near their 32-bit limit.
 const MAX_WORKER_FRAMES: u64 = 2_000_000;
 
 /// The segmented encoder (`workers > 1`).
@@ -168,7 +169,9 @@ impl SegmentedEncoder {
             .settings
             .spares
             .as_ref()
-            .and_then(|s| s.take_kept(&launch));
+            .and_then(|s| s.take_kept(&launch))
+            // One whose output has ended since it was kept is ended (dropped) here.
+            .filter(|k| k.route.start(self.outputs[i].clone()));
         let (process, stdin, route, before) = match kept {
             Some(k) => {
                 let mut process = k.process;
@@ -176,7 +179,9 @@ impl SegmentedEncoder {
                 (process, k.stdin, k.route, k.frames)
             }
             None => {
-                let route = Arc::new(Route::default());
+                // The route has the queue before the reader starts: an output that ends at
+                // once still closes it.
+                let route = Arc::new(Route::to(self.outputs[i].clone()));
                 // Not from the spares: a worker is kept after its render, not replaced.
                 let mut process =
                     Process::spawn(&launch, None, &role, routed_consumer(route.clone()))?;
@@ -186,7 +191,6 @@ impl SegmentedEncoder {
                 (process, stdin, route, 0)
             }
         };
-        route.start(self.outputs[i].clone());
         let (tx, rx) = sync_channel::<Vec<u8>>(self.frame_queue);
         let pool = self.pool.clone();
         let feeder = spawn_thread("encoder-feeder", move || feed(stdin, rx, pool))?;
@@ -248,21 +252,31 @@ impl SegmentedEncoder {
         // A worker to be kept has its stdin back once all it was sent is in the pipe, and
         // is kept once all its pictures are out; any other worker's input is closed here,
         // so it finishes and exits.
-        let deadline = Instant::now() + KEEP_WAIT;
-        let mut stdins = Vec::with_capacity(self.workers.len());
-        for w in &mut self.workers {
-            let stdin = w.as_mut().and_then(|w| {
+        let mut stdins: Vec<Option<ChildStdin>> = self
+            .workers
+            .iter_mut()
+            .map(|w| {
+                let w = w.as_mut()?;
                 let stdin = w.feeder.take().and_then(|f| f.join().ok()).flatten();
-                stdin.filter(|_| pool.is_some() && w.route.wait_through(deadline))
-            });
-            stdins.push(stdin);
+                stdin.filter(|_| pool.is_some())
+            })
+            .collect();
+        let deadline = Instant::now() + KEEP_WAIT;
+        for (w, stdin) in self.workers.iter().zip(&mut stdins) {
+            if let Some(w) = w {
+                if stdin.is_some() && !w.route.wait_through(deadline) {
+                    drop(stdin.take());
+                }
+            }
         }
         let mut worker_error = None;
-        for (w, stdin) in self.workers.iter_mut().zip(&stdins) {
+        for ((w, stdin), queue) in self.workers.iter_mut().zip(&stdins).zip(&self.outputs) {
             if let (Some(w), None) = (w, stdin) {
                 if let Err(e) = w.process.finish() {
                     worker_error.get_or_insert(e);
                 }
+                // Its reader has ended with it; the joiner must not wait for it any more.
+                queue.close();
             }
         }
         let joined = match self.joiner.take().map(|j| j.join()) {
@@ -279,10 +293,13 @@ impl SegmentedEncoder {
         } else {
             muxed.and_then(|m| joined.map(|j| (m, j)))
         };
-        if let (Some(pool), Ok(_)) = (pool, &result) {
+        // Kept only after a render whose every frame came out.
+        let whole = matches!(&result, Ok((_, joined)) if *joined == self.frames);
+        if let (Some(pool), true) = (pool, whole) {
             let launch = self.worker_launch();
             for (slot, stdin) in self.workers.iter_mut().zip(stdins) {
-                if let (Some(stdin), Some(w)) = (stdin, slot.take()) {
+                let Some(stdin) = stdin else { continue };
+                if let Some(w) = slot.take() {
                     let frames = w.before + w.sent;
                     if frames < MAX_WORKER_FRAMES {
                         pool.keep(
@@ -380,6 +397,10 @@ impl Drop for SegmentedEncoder {
                 let _ = f.join();
             }
             w.process.kill();
+        }
+        // Every reader has ended with its process: nothing more comes to the joiner.
+        for q in &self.outputs {
+            q.close();
         }
         if let Some(j) = self.joiner.take() {
             let _ = j.join();
@@ -596,14 +617,30 @@ impl Route {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A render takes the worker: its pictures go to `queue` from now on.
-    fn start(&self, queue: PictureQueue) {
+    /// A new worker's route, to `queue`.
+    fn to(queue: PictureQueue) -> Self {
+        Route {
+            state: Mutex::new(RouteState {
+                queue: Some(queue),
+                ..RouteState::default()
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    /// A render takes a kept worker: its pictures go to `queue` from now on. False (and
+    /// the queue untouched) if the worker's output has ended meanwhile.
+    fn start(&self, queue: PictureQueue) -> bool {
         let mut s = self.lock();
+        if s.broken {
+            return false;
+        }
         s.queue = Some(queue);
         s.seen = 0;
         s.through = 0;
         s.frames = None;
         s.total = None;
+        true
     }
 
     /// The render has sent its last frame to the worker, `frames` in all, followed by
@@ -631,7 +668,8 @@ impl Route {
         let delivered = queue.is_none_or(|q| q.push(Ok(picture)));
         let mut s = self.lock();
         s.through += 1;
-        s.broken |= !delivered;
+        // More pictures than frames and padding: the worker is off its keyframe phase.
+        s.broken |= !delivered || s.total.is_some_and(|t| s.seen > t);
         s.settle();
         self.changed.notify_all();
     }
@@ -668,7 +706,7 @@ impl Route {
             if s.broken {
                 return false;
             }
-            if s.total.is_some_and(|t| s.seen >= t && s.through >= s.seen) {
+            if s.total.is_some_and(|t| s.seen == t && s.through == t) {
                 return true;
             }
             let left = deadline.saturating_duration_since(Instant::now());

@@ -72,7 +72,12 @@ struct Kept {
 impl std::fmt::Debug for Spares {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Only counted: formatting ends no process.
-        write!(f, "Spares({} idle)", self.lock().len())
+        write!(
+            f,
+            "Spares({} idle, {} kept)",
+            self.lock().len(),
+            self.lock_kept().len()
+        )
     }
 }
 
@@ -87,6 +92,15 @@ impl Spares {
 
     /// [`Self::refill`] [`REFILL_DELAY`] from now, on the pool's thread.
     pub(super) fn refill_later(&self, launch: Launch) {
+        if let Some(tx) = self.thread().as_ref() {
+            let _ = tx.send(launch);
+        }
+    }
+
+    /// The pool's thread (started on first use), which starts spares and ends the ones,
+    /// and the kept workers, that wait too long. None if it cannot start: then renders
+    /// start their own processes, and kept workers are ended only as others replace them.
+    fn thread(&self) -> std::sync::MutexGuard<'_, Option<Sender<Launch>>> {
         let mut refills = self.0.refills.lock().unwrap_or_else(|p| p.into_inner());
         if refills.is_none() {
             let (tx, rx) = channel();
@@ -94,14 +108,11 @@ impl Spares {
             let started = std::thread::Builder::new()
                 .name("encoder-spares".into())
                 .spawn(move || refill_loop(&pool, &rx));
-            if started.is_err() {
-                return; // no thread, no spares: renders start their own processes
+            if started.is_ok() {
+                *refills = Some(tx);
             }
-            *refills = Some(tx);
         }
-        if let Some(tx) = refills.as_ref() {
-            let _ = tx.send(launch);
-        }
+        refills
     }
 
     /// Spares waiting now.
@@ -132,6 +143,7 @@ impl Spares {
 
     /// Keeps `worker`, started for `launch`, for the next render that asks for it.
     pub(super) fn keep(&self, launch: Launch, worker: KeptWorker) {
+        drop(self.thread()); // it ends the workers that wait too long
         let ended: Vec<Kept> = {
             let mut kept = self.lock_kept();
             kept.push(Kept {

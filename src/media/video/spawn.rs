@@ -200,10 +200,17 @@ const MALLOC_TUNABLES: &str =
     "glibc.malloc.mmap_threshold=16777216:glibc.malloc.trim_threshold=268435456";
 
 /// The environment a child gets: this one, with [`MALLOC_TUNABLES`] added to
-/// `GLIBC_TUNABLES` unless that already sets a malloc threshold.
+/// `GLIBC_TUNABLES` unless a malloc threshold is set already (there, or by glibc's older
+/// `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_`).
 fn child_env(
     mut env: Vec<(std::ffi::OsString, std::ffi::OsString)>,
 ) -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
+    if env
+        .iter()
+        .any(|(k, _)| k == "MALLOC_MMAP_THRESHOLD_" || k == "MALLOC_TRIM_THRESHOLD_")
+    {
+        return env;
+    }
     match env.iter_mut().find(|(k, _)| k == "GLIBC_TUNABLES") {
         Some((_, v)) => {
             let set = v.to_string_lossy();
@@ -384,12 +391,14 @@ mod tests {
             tunables(&other),
             Some(format!("{MALLOC_TUNABLES}:glibc.rtld.nns=4"))
         );
-        // A threshold of the operator's own wins.
+        // A threshold of the operator's own wins, in either spelling.
         let own = "glibc.malloc.trim_threshold=1000";
         assert_eq!(
             tunables(&child_env(env(&[("GLIBC_TUNABLES", own)]))).as_deref(),
             Some(own)
         );
+        let old = child_env(env(&[("MALLOC_MMAP_THRESHOLD_", "65536")]));
+        assert_eq!(tunables(&old), None);
         // And the child sees them.
         let mut child = spawn(
             Path::new("sh"),
@@ -401,7 +410,10 @@ mod tests {
         let mut out = String::new();
         std::io::Read::read_to_string(child.stdout.as_mut().unwrap(), &mut out).unwrap();
         assert!(child.wait().unwrap().success());
+        let aliased = std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_some()
+            || std::env::var_os("MALLOC_TRIM_THRESHOLD_").is_some();
         let expected = match std::env::var("GLIBC_TUNABLES") {
+            _ if aliased => std::env::var("GLIBC_TUNABLES").unwrap_or_default(),
             Ok(v)
                 if v.contains("glibc.malloc.mmap_threshold")
                     || v.contains("glibc.malloc.trim_threshold") =>
