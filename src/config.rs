@@ -221,7 +221,7 @@ pub struct MediaArgs {
     #[arg(long, env = "LIPSYNC_ENCODER_THREADS", value_parser = clap::value_parser!(u16).range(1..=256))]
     pub encoder_threads: Option<u16>,
     /// x264 processes per stream, encoding one-second segments in parallel (1-64) [default:
-    /// half the cores, at most 8, on cuda; 1 on cpu, where the model is the bottleneck].
+    /// one per core, at most 8, on cuda and echo; 1 on cpu, where the model is the bottleneck].
     #[arg(long, env = "LIPSYNC_ENCODER_WORKERS", value_parser = clap::value_parser!(u16).range(1..=64))]
     pub encoder_workers: Option<u16>,
 }
