@@ -277,6 +277,16 @@ fn encoder_settings(
     s
 }
 
+/// Starts ahead the encoder workers a render on `avatar` will take at its own size and rate
+/// (a photo's: the default rate), so that its first render does not wait for them.
+pub fn start_encoders_ahead(settings: &Settings, avatar: &Avatar) -> Result<(), Error> {
+    let mut s = settings.encoder.clone();
+    s.width = avatar.frame.width;
+    s.height = avatar.frame.height;
+    s.fps = avatar.fps().unwrap_or_default();
+    Ok(video::start_workers_ahead(&s)?)
+}
+
 /// The speech in a temporary file, for the encoder.
 fn audio_file(bytes: &[u8]) -> Result<tempfile::NamedTempFile, Error> {
     let failed = |source| Error::Output {

@@ -39,7 +39,7 @@ use crate::media::yuv::{self, Yuv420};
 use crate::media::Error;
 
 pub use remux::faststart;
-pub use segmented::SegmentedEncoder;
+pub use segmented::{start_workers_ahead, SegmentedEncoder};
 pub use single::FfmpegEncoder;
 pub use spares::Spares;
 

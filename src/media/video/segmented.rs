@@ -409,6 +409,43 @@ impl Drop for SegmentedEncoder {
     }
 }
 
+/// Starts the workers a render with `settings` will take (as many as its pool does not keep
+/// already), so that the first render of a new frame size does not wait for their start
+/// either: the service calls it when an avatar is prepared. Nothing without a pool or with
+/// one worker (the single-process encoder).
+pub fn start_workers_ahead(settings: &EncoderSettings) -> Result<(), Error> {
+    let Some(pool) = settings.spares.as_ref() else {
+        return Ok(());
+    };
+    if settings.workers <= 1 {
+        return Ok(());
+    }
+    settings.validate()?;
+    let launch = settings.launch(settings.worker_args(), false);
+    for _ in pool.kept_for(&launch)..settings.workers {
+        let route = Arc::new(Route::default());
+        let mut process = Process::spawn(
+            &launch,
+            None,
+            "encoder worker",
+            routed_consumer(route.clone()),
+        )?;
+        let stdin = process
+            .take_stdin()
+            .ok_or_else(|| Error::Internal("worker without stdin".into()))?;
+        pool.keep(
+            launch.clone(),
+            KeptWorker {
+                process,
+                stdin,
+                route,
+                frames: 0,
+            },
+        );
+    }
+    Ok(())
+}
+
 /// Writes queued frames to a worker's stdin until the queue closes or ffmpeg stops reading
 /// (the worker's exit status then tells why), handing their buffers back to `pool` once
 /// ffmpeg has read them ([`FrameFeed`]). Returns the stdin, once ffmpeg has read every

@@ -128,6 +128,15 @@ impl Spares {
         self.lock_kept().len()
     }
 
+    /// Workers kept now for `launch`.
+    pub(super) fn kept_for(&self, launch: &Launch) -> usize {
+        self.expire_kept();
+        self.lock_kept()
+            .iter()
+            .filter(|k| &k.launch == launch)
+            .count()
+    }
+
     /// The process ids of the workers kept now, most recently kept last.
     pub fn kept_ids(&self) -> Vec<u32> {
         self.expire_kept();
