@@ -260,10 +260,7 @@ fn encoder_settings(
     fps: Fps,
     audio: PathBuf,
 ) -> EncoderSettings {
-    let mut s = settings.encoder.clone();
-    s.width = avatar.frame.width;
-    s.height = avatar.frame.height;
-    s.fps = fps;
+    let mut s = sized_for(settings, avatar, fps);
     s.audio = Some(audio);
     if let Some(crf) = options.crf {
         s.crf = crf;
@@ -280,11 +277,19 @@ fn encoder_settings(
 /// Starts ahead the encoder workers a render on `avatar` will take at its own size and rate
 /// (a photo's: the default rate), so that its first render does not wait for them.
 pub fn start_encoders_ahead(settings: &Settings, avatar: &Avatar) -> Result<(), Error> {
+    let fps = avatar.fps().unwrap_or_default();
+    Ok(video::start_workers_ahead(&sized_for(
+        settings, avatar, fps,
+    ))?)
+}
+
+/// The shared encoder settings at `avatar`'s frame size and rate `fps`.
+fn sized_for(settings: &Settings, avatar: &Avatar, fps: Fps) -> EncoderSettings {
     let mut s = settings.encoder.clone();
     s.width = avatar.frame.width;
     s.height = avatar.frame.height;
-    s.fps = avatar.fps().unwrap_or_default();
-    Ok(video::start_workers_ahead(&s)?)
+    s.fps = fps;
+    s
 }
 
 /// The speech in a temporary file, for the encoder.

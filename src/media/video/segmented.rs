@@ -182,12 +182,7 @@ impl SegmentedEncoder {
                 // The route has the queue before the reader starts: an output that ends at
                 // once still closes it.
                 let route = Arc::new(Route::to(self.outputs[i].clone()));
-                // Not from the spares: a worker is kept after its render, not replaced.
-                let mut process =
-                    Process::spawn(&launch, None, &role, routed_consumer(route.clone()))?;
-                let stdin = process
-                    .take_stdin()
-                    .ok_or_else(|| Error::Internal("worker without stdin".into()))?;
+                let (process, stdin) = spawn_worker(&launch, &role, &route)?;
                 (process, stdin, route, 0)
             }
         };
@@ -424,15 +419,7 @@ pub fn start_workers_ahead(settings: &EncoderSettings) -> Result<(), Error> {
     let launch = settings.launch(settings.worker_args(), false);
     for _ in pool.kept_for(&launch)..settings.workers {
         let route = Arc::new(Route::default());
-        let mut process = Process::spawn(
-            &launch,
-            None,
-            "encoder worker",
-            routed_consumer(route.clone()),
-        )?;
-        let stdin = process
-            .take_stdin()
-            .ok_or_else(|| Error::Internal("worker without stdin".into()))?;
+        let (process, stdin) = spawn_worker(&launch, "encoder worker", &route)?;
         pool.keep(
             launch.clone(),
             KeptWorker {
@@ -444,6 +431,20 @@ pub fn start_workers_ahead(settings: &EncoderSettings) -> Result<(), Error> {
         );
     }
     Ok(())
+}
+
+/// A new worker's ffmpeg, its output read into `route`, and its stdin. Never from the
+/// spares: a worker is kept after its render, not replaced.
+fn spawn_worker(
+    launch: &Launch,
+    role: &str,
+    route: &Arc<Route>,
+) -> Result<(Process, ChildStdin), Error> {
+    let mut process = Process::spawn(launch, None, role, routed_consumer(route.clone()))?;
+    let stdin = process
+        .take_stdin()
+        .ok_or_else(|| Error::Internal("worker without stdin".into()))?;
+    Ok((process, stdin))
 }
 
 /// Writes queued frames to a worker's stdin until the queue closes or ffmpeg stops reading
