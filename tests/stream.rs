@@ -81,6 +81,9 @@ struct Received {
     /// `fmp4` output: the binary messages as they came.
     fmp4: bool,
     raw: Vec<Vec<u8>>,
+    /// `jpeg` output: keep each frame's JPEG in `jpegs`.
+    keep_jpegs: bool,
+    jpegs: Vec<Vec<u8>>,
 }
 
 impl Received {
@@ -112,6 +115,9 @@ async fn read_until(ws: &mut Ws, got: &mut Received, stop: impl Fn(&Received) ->
                 let n = u32::from_le_bytes(b[12..16].try_into().unwrap()) as usize;
                 let jpeg = &b[16..16 + n];
                 assert_eq!(&jpeg[..2], &[0xff, 0xd8], "frame {index} is not a JPEG");
+                if got.keep_jpegs {
+                    got.jpegs.push(jpeg.to_vec());
+                }
                 got.frames.push((index, pts, n, b.len() - 16 - n));
             }
             Message::Close(c) => {
@@ -934,7 +940,8 @@ fn a_session_draws_the_file_paths_frames() {
             Ok(())
         }
         fn frame(&mut self, f: OutFrame<'_>) -> Result<(), lipsync::engine::Error> {
-            self.0.push((f.index, f.image.rgb.clone(), f.idle));
+            self.0
+                .push((f.index, f.picture.decoded()?.rgb.clone(), f.idle));
             Ok(())
         }
     }
@@ -1482,10 +1489,15 @@ async fn a_video_avatar_idles_on_its_own_frames_and_speaks_on_them() {
     ws.send(Message::Text(open.to_string().into()))
         .await
         .unwrap();
-    let mut got = Received::default();
+    let mut got = Received {
+        keep_jpegs: true,
+        ..Received::default()
+    };
     read_until(&mut ws, &mut got, |g| g.frames.len() >= 6).await;
     assert_eq!(got.texts[0]["type"], "ready", "{:?}", got.texts);
     assert_eq!(got.texts[0]["width"], v["width"]);
+    let size = |k: &str| v[k].as_u64().unwrap() as u32;
+    let (width, height) = (size("width"), size("height"));
     // Idle frames are the clip's own frames: they change (photo idle frames are all alike).
     let sizes: std::collections::BTreeSet<usize> = got.frames.iter().map(|f| f.2).collect();
     assert!(sizes.len() > 1, "idle frames do not move: {sizes:?}");
@@ -1499,6 +1511,14 @@ async fn a_video_avatar_idles_on_its_own_frames_and_speaks_on_them() {
     assert_eq!(end["stats"]["speaking_frames"], 25, "{end}");
     for (i, f) in got.frames.iter().enumerate() {
         assert_eq!(f.0 as usize, i);
+    }
+    // Idle frames go out as the clip stores them and speaking ones with only the face's rows
+    // encoded again: every one is a whole JPEG of the clip's size.
+    assert_eq!(got.jpegs.len(), got.frames.len());
+    for (i, j) in got.jpegs.iter().enumerate() {
+        let f = lipsync::media::image::decode_jpeg(std::io::Cursor::new(j))
+            .unwrap_or_else(|e| panic!("frame {i}: {e}"));
+        assert_eq!((f.width, f.height), (width, height), "frame {i}");
     }
 }
 
@@ -1592,6 +1612,7 @@ async fn a_client_that_stops_reading_is_cut_by_the_send_timeout() {
 /// same face inputs, so the composited frames match the file path's.
 #[test]
 fn a_video_avatar_session_draws_the_file_paths_frames() {
+    use lipsync::engine::avatar::Picture;
     use lipsync::engine::session::{Activity, Input, OutFrame, Session, Sink};
     use lipsync::engine::Loop;
 
@@ -1637,7 +1658,8 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
         want.push(composite(k, &last_face));
     }
 
-    struct Collect(Vec<Vec<u8>>, Vec<Activity>);
+    /// Each frame's pixels, the events, and whether each frame came as the clip stores it.
+    struct Collect(Vec<Vec<u8>>, Vec<Activity>, Vec<bool>);
     impl Sink for Collect {
         fn event(
             &mut self,
@@ -1650,7 +1672,8 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
             Ok(())
         }
         fn frame(&mut self, f: OutFrame<'_>) -> Result<(), lipsync::engine::Error> {
-            self.0.push(f.image.rgb.clone());
+            self.2.push(matches!(f.picture, Picture::StoredJpeg(_)));
+            self.0.push(f.picture.decoded()?.into_owned().rgb);
             Ok(())
         }
     }
@@ -1662,7 +1685,7 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
         tx.send(Input::Audio(piece.to_vec(), start)).unwrap();
     }
     tx.send(Input::End).unwrap();
-    let mut sink = Collect(Vec::new(), Vec::new());
+    let mut sink = Collect(Vec::new(), Vec::new(), Vec::new());
     let stats = Session::new(
         &engine,
         avatar.clone(),
@@ -1699,5 +1722,10 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
         .unwrap()
         .into_owned();
     assert_eq!(sink.0[next], raw.rgb);
+    // Speaking frames come decoded (their face pasted); the idle one as the clip stores it
+    // (a JPEG output sends it as it is), but for clip frame 0, which the avatar keeps decoded.
+    assert!(sink.2[..next].iter().all(|stored| !stored));
+    assert_ne!(avatar.select(next, mode), 0);
+    assert!(sink.2[next], "the idle frame was decoded before the sink");
     engine.shutdown();
 }

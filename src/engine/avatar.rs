@@ -370,10 +370,22 @@ impl Avatar {
 
     /// Avatar frame `i` as it appears in the video.
     pub fn background(&self, i: usize) -> Result<Cow<'_, Frame>, Error> {
-        match &self.clip {
-            Some(c) if i > 0 => Ok(Cow::Owned(c.frame(i)?)),
-            _ => Ok(Cow::Borrowed(&self.frame)),
+        self.picture(i).decoded()
+    }
+
+    /// Avatar frame `i` as it appears in the video, not yet decoded: a video avatar's frames
+    /// (but the first, which the avatar keeps decoded) as it stores them.
+    pub fn picture(&self, i: usize) -> Picture<'_> {
+        match self.stored_jpeg(i) {
+            Some(j) => Picture::StoredJpeg(j),
+            None => Picture::Image(&self.frame),
         }
+    }
+
+    /// A video avatar's frame `i` as it stores it (JPEG); `None` for a photo, and for a
+    /// clip's first frame, which the avatar keeps decoded as it came.
+    pub fn stored_jpeg(&self, i: usize) -> Option<&[u8]> {
+        self.clip.as_ref().filter(|_| i > 0).map(|c| c.jpeg(i))
     }
 
     /// The same avatar with another blend mode (a new mask; the rest is shared data copied).
@@ -440,6 +452,33 @@ pub(super) fn scale_box(b: FaceBox, from: (u32, u32), to: (u32, u32)) -> FaceBox
         y1,
         x2: hi(b.x2, sx, to.0).max(x1 + 1),
         y2: hi(b.y2, sy, to.1).max(y1 + 1),
+    }
+}
+
+/// A frame's pixels: decoded, or a video avatar's frame as the avatar stores it (a JPEG by MCU
+/// rows, 4:2:0, at the quality it was stored with: see [`crate::media::jpeg`]). What takes a
+/// picture decodes it only if it needs the pixels: a live session's JPEG output sends a stored
+/// frame as it is, and encodes only the rows a face changed on one.
+#[derive(Debug, Clone)]
+pub enum Picture<'a> {
+    Image(&'a Frame),
+    StoredJpeg(&'a [u8]),
+    /// A stored frame with a face drawn on it: `image` is `stored` decoded, but for the pixel
+    /// rows `rows`.
+    Drawn {
+        image: &'a Frame,
+        stored: &'a [u8],
+        rows: std::ops::Range<u32>,
+    },
+}
+
+impl<'a> Picture<'a> {
+    /// The pixels (a stored frame decoded).
+    pub fn decoded(self) -> Result<Cow<'a, Frame>, Error> {
+        match self {
+            Picture::Image(f) | Picture::Drawn { image: f, .. } => Ok(Cow::Borrowed(f)),
+            Picture::StoredJpeg(j) => Ok(Cow::Owned(image::decode_jpeg(std::io::Cursor::new(j))?)),
+        }
     }
 }
 

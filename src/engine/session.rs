@@ -49,6 +49,7 @@ use std::time::{Duration, Instant};
 
 use rubato::{Fft, FixedSync, Resampler};
 
+use super::avatar::Picture;
 use super::front::{Engine, Submission};
 use super::metrics as m;
 use super::render::video_frames;
@@ -211,7 +212,9 @@ pub struct OutFrame<'a> {
     pub index: u64,
     /// Presentation time, `index / fps` seconds.
     pub pts: f64,
-    pub image: &'a Frame,
+    /// The frame's pixels: a video avatar's idle frame as the avatar stores it (see
+    /// [`Picture`]), others decoded.
+    pub picture: Picture<'a>,
     /// Where this frame can differ from the session's other frames: a photo avatar's face
     /// region (the rest is always the photo); `None` (a video avatar): anywhere. A sink that
     /// keeps a converted copy of the frame converts only this part again.
@@ -630,6 +633,10 @@ pub struct Session<'a> {
     idle_frame: Frame,
     /// Where a photo avatar's frames change ([`OutFrame::region`]).
     region: Option<Region>,
+    /// Whether the session's faces are restored (they change more than the face box).
+    restoring: bool,
+    /// A video avatar: the pixel rows of `scratch` that differ from its clip frame.
+    drawn_rows: std::ops::Range<u32>,
     start: Instant,
     /// Next frame to send.
     next: u64,
@@ -687,6 +694,8 @@ impl<'a> Session<'a> {
             scratch: idle_frame.clone(),
             idle_frame,
             region: (!clip).then(|| avatar.drawn_region(0, restoring)),
+            restoring,
+            drawn_rows: 0..0,
             avatar,
             cfg,
             start,
@@ -1140,18 +1149,16 @@ impl<'a> Session<'a> {
             self.shown = Some(Activity::Idle);
         }
         let audio = self.audio_out(k);
-        let raw;
-        let image = if self.clip {
-            let i = self.avatar.select(k as usize, self.cfg.loop_mode);
-            raw = self.avatar.background(i)?.into_owned();
-            &raw
+        let picture = if self.clip {
+            self.avatar
+                .picture(self.avatar.select(k as usize, self.cfg.loop_mode))
         } else {
-            &self.idle_frame
+            Picture::Image(&self.idle_frame)
         };
         sink.frame(OutFrame {
             index: k,
             pts: self.pts(k),
-            image,
+            picture,
             region: self.region,
             audio: &audio,
             idle: !self.clip,
@@ -1226,10 +1233,24 @@ impl<'a> Session<'a> {
             // or the idle face before any.
             let audio = self.audio_out(k);
             let image = std::mem::replace(&mut self.scratch, Frame::new(0, 0, Vec::new()));
+            let stored = if self.clip {
+                self.avatar
+                    .stored_jpeg(self.avatar.select(k as usize, self.cfg.loop_mode))
+            } else {
+                None
+            };
+            let picture = match stored {
+                Some(stored) => Picture::Drawn {
+                    image: &image,
+                    stored,
+                    rows: self.drawn_rows.clone(),
+                },
+                None => Picture::Image(&image),
+            };
             let r = sink.frame(OutFrame {
                 index: k,
                 pts: self.pts(k),
-                image: &image,
+                picture,
                 region: self.region,
                 audio: &audio,
                 idle: false,
@@ -1292,10 +1313,17 @@ impl<'a> Session<'a> {
             let a = self.avatar.clone();
             let i = a.select(k as usize, self.cfg.loop_mode);
             self.scratch = a.background(i)?.into_owned();
+            self.drawn_rows = 0..0;
             let Some(face) = face else {
                 return Ok(());
             };
             a.draw_at(&mut self.scratch, (0, 0), i, face, &mut self.masks);
+            let r = if self.restoring {
+                a.drawn_region(i, true)
+            } else {
+                a.face_region(i, &mut self.masks)
+            };
+            self.drawn_rows = r.y..r.y + r.height;
         } else if let Some(Drawn {
             restored: Some(patch),
             ..

@@ -364,14 +364,16 @@ fn sniff_other(b: &[u8]) -> String {
 pub fn encode_jpeg(frame: &Frame, quality: u8, out: &mut Vec<u8>) -> Result<(), Error> {
     let failed = |e: String| Error::Internal(format!("JPEG encoding failed: {e}"));
     let side = |v: u32| u16::try_from(v).map_err(|_| failed(format!("a side of {v} px")));
-    jpeg_encoder::Encoder::new(out, quality)
-        .encode(
-            &frame.rgb,
-            side(frame.width)?,
-            side(frame.height)?,
-            jpeg_encoder::ColorType::Rgb,
-        )
-        .map_err(|e| failed(e.to_string()))
+    let mut e = jpeg_encoder::Encoder::new(out, quality);
+    // The crate's default above quality 89 is 4:4:4.
+    e.set_sampling_factor(jpeg_encoder::SamplingFactor::F_2_2);
+    e.encode(
+        &frame.rgb,
+        side(frame.width)?,
+        side(frame.height)?,
+        jpeg_encoder::ColorType::Rgb,
+    )
+    .map_err(|e| failed(e.to_string()))
 }
 
 /// Decodes a JPEG this process wrote (no limits: its size is known).

@@ -4,6 +4,7 @@
 pub mod audio;
 pub mod face;
 pub mod image;
+pub mod jpeg;
 pub mod video;
 pub mod yuv;
 

@@ -7,8 +7,8 @@
 //! megapixel of live frame, as a moving average of samples: the process tree's CPU time
 //! (this process's threads, its reaped children and its live children, i.e. the session
 //! encoders), less the model instances' threads (the model's side of the offer counts them),
-//! over the live pixels sent in the same second ([`metered_pixels`]: a video avatar's pixels
-//! count [`CLIP_FRAME_COST`] times). Until live frames have gone out it uses
+//! over the live pixels sent in the same second ([`metered_pixels`]: weighed by what a frame
+//! of a photo or a video avatar, as fMP4 or as JPEG, costs against a photo's fMP4 frame). Until live frames have gone out it uses
 //! [`PRIOR_SECONDS_PER_MEGAPIXEL`], measured on a 2-core VM.
 //!
 //! The limit applies where the model does not run on the CPU (cuda, echo). On the CPU device
@@ -38,16 +38,32 @@ pub const PRIOR_SECONDS_PER_MEGAPIXEL: f64 = 0.014;
 /// grain) against 5.3 ms per 512×512 photo frame, 44 against 20 ms per megapixel.
 pub const CLIP_FRAME_COST: f64 = 2.2;
 
+/// What a live frame sent as JPEG costs the cores against an fMP4 frame of a photo of the
+/// same size, for a photo ([`PHOTO_JPEG_FRAME_COST`]) and for a video avatar
+/// ([`CLIP_JPEG_FRAME_COST`]). A JPEG frame is encoded alone, and only in the MCU rows its face
+/// changed (see [`crate::media::jpeg`]); a video avatar's idle frames go out as stored.
+/// Measured with `lipsync bench --sections media` on the echo device (25 fps, speaking half
+/// the time; 2-vCPU VM, 2026-11-28): 0.82–1.43 ms of CPU per 512×512 photo JPEG frame and
+/// 3.8–4.0 ms per 1280×720 clip JPEG frame, against 4.0–4.8 ms per 512×512 photo fMP4 frame
+/// (15–18 ms per megapixel), rounded up.
+pub const PHOTO_JPEG_FRAME_COST: f64 = 0.35;
+/// See [`PHOTO_JPEG_FRAME_COST`].
+pub const CLIP_JPEG_FRAME_COST: f64 = 0.3;
+
 /// The pixels the meter counts for a live frame of `width` × `height`, of a photo or of a
-/// video avatar (`clip`): its pixels, weighed by [`CLIP_FRAME_COST`] for a clip, so one
-/// figure per megapixel serves both kinds and a clip's sessions are offered what they take.
-pub fn metered_pixels(width: u32, height: u32, clip: bool) -> u64 {
+/// video avatar (`clip`), sent as fMP4 or as JPEG (`jpeg`): its pixels, weighed by what such a
+/// frame costs against a photo's fMP4 frame ([`CLIP_FRAME_COST`],
+/// [`PHOTO_JPEG_FRAME_COST`], [`CLIP_JPEG_FRAME_COST`]), so one figure per megapixel serves
+/// every kind and each session is offered what it takes.
+pub fn metered_pixels(width: u32, height: u32, clip: bool, jpeg: bool) -> u64 {
     let pixels = u64::from(width) * u64::from(height);
-    if clip {
-        (pixels as f64 * CLIP_FRAME_COST).round() as u64
-    } else {
-        pixels
-    }
+    let cost = match (clip, jpeg) {
+        (false, false) => 1.0,
+        (true, false) => CLIP_FRAME_COST,
+        (false, true) => PHOTO_JPEG_FRAME_COST,
+        (true, true) => CLIP_JPEG_FRAME_COST,
+    };
+    ((pixels as f64 * cost).round() as u64).max(1)
 }
 
 /// Share of the cores live sessions may fill: the rest absorbs bursts (a batch's frames
@@ -301,13 +317,20 @@ mod tests {
 
     #[test]
     fn a_clip_frame_counts_its_cost_against_a_photo_frames() {
-        assert_eq!(metered_pixels(512, 512, false), 512 * 512);
-        assert_eq!(metered_pixels(1280, 720, true), 2_027_520);
-        // With the prior on two cores: 17 sessions of a 512² photo, 2 of a 720p clip.
+        assert_eq!(metered_pixels(512, 512, false, false), 512 * 512);
+        assert_eq!(metered_pixels(1280, 720, true, false), 2_027_520);
+        assert_eq!(metered_pixels(512, 512, false, true), 91_750);
+        assert_eq!(metered_pixels(1280, 720, true, true), 276_480);
+        // With the prior on two cores, 512² photo sessions: 17 fMP4, 49 JPEG; 720p clip
+        // sessions: 2 fMP4, 16 JPEG.
         let meter = CpuMeter::new(2);
-        let fps = |p| meter.frames_per_second(p) / 25.0;
-        assert_eq!(fps(metered_pixels(512, 512, false)).floor(), 17.0);
-        assert_eq!(fps(metered_pixels(1280, 720, true)).floor(), 2.0);
+        let sessions = |clip, jpeg, w, h| {
+            (meter.frames_per_second(metered_pixels(w, h, clip, jpeg)) / 25.0).floor()
+        };
+        assert_eq!(sessions(false, false, 512, 512), 17.0);
+        assert_eq!(sessions(false, true, 512, 512), 49.0);
+        assert_eq!(sessions(true, false, 1280, 720), 2.0);
+        assert_eq!(sessions(true, true, 1280, 720), 16.0);
     }
 
     #[test]

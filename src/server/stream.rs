@@ -21,6 +21,7 @@ use tokio::sync::mpsc;
 use super::error::ApiError;
 use super::live_cpu::{self, CpuMeter};
 use super::{avatars, constant_time_eq, App};
+use crate::engine::avatar::Picture;
 use crate::engine::metrics as m;
 use crate::engine::session::{
     self, Activity, AudioFormat, FairShare, Input, OutFrame, SampleFormat, Session, SessionConfig,
@@ -28,7 +29,9 @@ use crate::engine::session::{
 };
 use crate::engine::{self, Avatar, Engine};
 use crate::media::audio::Fps;
+use crate::media::jpeg;
 use crate::media::video::live;
+use crate::media::yuv::Region;
 
 /// Close codes.
 const NORMAL: u16 = 1000;
@@ -788,6 +791,7 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
         avatar.frame.width,
         avatar.frame.height,
         avatar.clip.is_some(),
+        opened.output == Output::Jpeg,
     );
     let fps = opened.fps.value();
     let enhancer_seconds = enhance.as_ref().map_or(0.0, |e| e.seconds_per_face);
@@ -1057,7 +1061,7 @@ fn session_thread(
     let sink = &mut Metered {
         inner,
         meter: &app.sessions.cpu,
-        pixels: live_cpu::metered_pixels(w, h, clip),
+        pixels: live_cpu::metered_pixels(w, h, clip, matches!(output, Output::Jpeg)),
     };
     let result = session.run(&inputs, sink).and_then(|mut stats| {
         if let Some(f) = fmp4.take() {
@@ -1092,12 +1096,22 @@ struct JpegSink {
     last: Option<(crate::media::image::Frame, Vec<u8>)>,
 }
 
-/// A live frame as JPEG (baseline, 4:2:0, [`JPEG_QUALITY`]): the `jpeg-encoder` crate takes a
-/// 512×512 frame in about a fifth of the image crate's time.
-fn encode_jpeg(frame: &crate::media::image::Frame) -> Result<Vec<u8>, engine::Error> {
+/// A live frame as JPEG (baseline, 4:2:0, [`JPEG_QUALITY`], by MCU rows: see
+/// [`jpeg`]); with `base`, a JPEG of this quality by rows of a picture that equals `frame`
+/// outside a region, only the rows over the region are encoded.
+fn encode_jpeg(
+    frame: &crate::media::image::Frame,
+    base: Option<(&[u8], Region)>,
+) -> Result<Vec<u8>, engine::Error> {
+    if let Some((base, r)) = base {
+        if let Some(rows) = jpeg::Rows::parse(base) {
+            if let Some(j) = rows.with_rows(frame, r.y..r.y + r.height)? {
+                return Ok(j);
+            }
+        }
+    }
     let mut buf = Vec::with_capacity(frame.rgb.len() / 8);
-    crate::media::image::encode_jpeg(frame, JPEG_QUALITY, &mut buf)
-        .map_err(|e| engine::Error::Inference(e.to_string()))?;
+    jpeg::encode_rows(frame, JPEG_QUALITY, &mut buf)?;
     Ok(buf)
 }
 
@@ -1115,6 +1129,20 @@ fn send_event(
     });
     out.blocking_send(Out::Text(e.to_string()))
         .map_err(|_| engine::Error::Cancelled)
+}
+
+/// `image` as JPEG, encoded unless it is `last`'s image (a held frame), and kept as `last`;
+/// `base`: a JPEG by rows of a picture that equals `image` outside a region, whose other rows
+/// it keeps.
+fn encode_last<'l>(
+    last: &'l mut Option<(crate::media::image::Frame, Vec<u8>)>,
+    image: &crate::media::image::Frame,
+    base: Option<(&[u8], Region)>,
+) -> Result<&'l [u8], engine::Error> {
+    if !last.as_ref().is_some_and(|(l, _)| l == image) {
+        *last = Some((image.clone(), encode_jpeg(image, base)?));
+    }
+    Ok(last.as_ref().map_or(&[][..], |(_, jpeg)| jpeg))
 }
 
 impl JpegSink {
@@ -1137,20 +1165,38 @@ impl Sink for JpegSink {
     }
 
     fn frame(&mut self, f: OutFrame<'_>) -> Result<(), engine::Error> {
-        let jpeg: &[u8] = if f.idle {
-            if self.idle_jpeg.is_none() {
-                self.idle_jpeg = Some(encode_jpeg(f.image)?);
+        let drawn;
+        let jpeg: &[u8] = match f.picture {
+            // A video avatar's idle frame as it is stored: neither decoded nor encoded again
+            // (one generation of JPEG loss fewer, at the quality the clip was stored with).
+            Picture::StoredJpeg(stored) => stored,
+            // A face on a stored frame: only the rows it changed encoded, with the stored
+            // frame's tables.
+            Picture::Drawn {
+                image,
+                stored,
+                rows,
+            } => {
+                drawn = match jpeg::Rows::parse(stored) {
+                    Some(base) => base.with_rows(image, rows)?,
+                    None => None,
+                };
+                match &drawn {
+                    Some(j) => j,
+                    None => encode_last(&mut self.last, image, None)?,
+                }
             }
-            self.idle_jpeg.as_deref().unwrap_or_default()
-        } else {
-            if !self
-                .last
-                .as_ref()
-                .is_some_and(|(image, _)| image == f.image)
-            {
-                self.last = Some((f.image.clone(), encode_jpeg(f.image)?));
+            Picture::Image(image) if f.idle => {
+                if self.idle_jpeg.is_none() {
+                    self.idle_jpeg = Some(encode_jpeg(image, None)?);
+                }
+                self.idle_jpeg.as_deref().unwrap_or_default()
             }
-            self.last.as_ref().map_or(&[][..], |(_, jpeg)| jpeg)
+            Picture::Image(image) => {
+                // A photo's frame differs from its idle frame only in `f.region`.
+                let base = self.idle_jpeg.as_deref().zip(f.region);
+                encode_last(&mut self.last, image, base)?
+            }
         };
         let mut msg = Vec::with_capacity(16 + jpeg.len() + f.audio.len() * 2);
         msg.extend_from_slice(&(f.index as u32).to_le_bytes());
@@ -1296,7 +1342,8 @@ impl Sink for Fmp4Sink {
             .encoder
             .as_mut()
             .ok_or_else(|| engine::Error::Inference("the encoder is closed".into()))?;
-        Ok(enc.write(self.converted.update(f.image, f.region), s16le(f.audio))?)
+        let image = f.picture.decoded()?;
+        Ok(enc.write(self.converted.update(&image, f.region), s16le(f.audio))?)
     }
 
     fn audio_lead(&self) -> Duration {
@@ -1511,7 +1558,7 @@ mod tests {
             sink.frame(OutFrame {
                 index: index as u64,
                 pts: index as f64 / 25.0,
-                image: img,
+                picture: Picture::Image(img),
                 region: None,
                 audio: &audio,
                 idle: *is_idle,
@@ -1521,8 +1568,120 @@ mod tests {
         let got = sent_jpegs(&mut rx);
         assert_eq!(got.len(), order.len());
         for (jpeg, (img, _)) in got.iter().zip(order) {
-            assert_eq!(jpeg, &encode_jpeg(img).unwrap());
+            assert_eq!(jpeg, &encode_jpeg(img, None).unwrap());
         }
         assert_ne!(got[3], got[4], "a new image is encoded anew");
+    }
+
+    #[test]
+    fn a_stored_frame_goes_out_as_it_is_stored() {
+        let (tx, mut rx) = mpsc::channel(16);
+        let mut sink = JpegSink {
+            out: tx,
+            idle_jpeg: None,
+            last: None,
+        };
+        let image = |v: u8| Frame::new(16, 8, vec![v; 16 * 8 * 3]);
+        // Stored at another quality than the sink's, as a clip's frames are.
+        let stored = |v: u8| {
+            let mut j = Vec::new();
+            crate::media::image::encode_jpeg(&image(v), 95, &mut j).unwrap();
+            j
+        };
+        let (s1, s2, face) = (stored(30), stored(90), image(200));
+        let audio = [0.0f32; 640];
+        let pictures = [
+            Picture::StoredJpeg(&s1),
+            Picture::Image(&face),
+            Picture::StoredJpeg(&s2),
+            Picture::StoredJpeg(&s1),
+        ];
+        for (index, picture) in pictures.iter().enumerate() {
+            sink.frame(OutFrame {
+                index: index as u64,
+                pts: index as f64 / 25.0,
+                picture: picture.clone(),
+                region: None,
+                audio: &audio,
+                idle: false,
+            })
+            .unwrap();
+        }
+        let got = sent_jpegs(&mut rx);
+        assert_eq!(
+            got,
+            vec![s1.clone(), encode_jpeg(&face, None).unwrap(), s2, s1]
+        );
+    }
+
+    /// A 64×48 picture with a gradient, and the same with rows `rows` brighter.
+    fn pictures(rows: std::ops::Range<usize>) -> (Frame, Frame) {
+        let base = Frame::new(64, 48, (0..64 * 48 * 3).map(|i| (i % 251) as u8).collect());
+        let mut changed = base.clone();
+        for v in &mut changed.rgb[rows.start * 64 * 3..rows.end * 64 * 3] {
+            *v = v.saturating_add(60);
+        }
+        (base, changed)
+    }
+
+    #[test]
+    fn only_the_rows_a_face_changed_are_encoded_and_the_jpeg_is_the_whole_frames() {
+        let (tx, mut rx) = mpsc::channel(16);
+        let mut sink = JpegSink {
+            out: tx,
+            idle_jpeg: None,
+            last: None,
+        };
+        let audio = [0.0f32; 640];
+        let mut send = |sink: &mut JpegSink, picture: Picture<'_>, region, idle| {
+            sink.frame(OutFrame {
+                index: 0,
+                pts: 0.0,
+                picture,
+                region,
+                audio: &audio,
+                idle,
+            })
+            .unwrap();
+        };
+        // A photo: the idle frame, then one that differs in rows 20..30 (its region).
+        let (idle, speaking) = pictures(20..30);
+        let region = Region {
+            x: 0,
+            y: 20,
+            width: 64,
+            height: 10,
+        };
+        send(&mut sink, Picture::Image(&idle), Some(region), true);
+        send(&mut sink, Picture::Image(&speaking), Some(region), false);
+        // A clip's stored frame (quality 95) with a face drawn in rows 33..48.
+        let (frame, drawn) = pictures(33..48);
+        let mut stored = Vec::new();
+        jpeg::encode_rows(&frame, 95, &mut stored).unwrap();
+        let picture = Picture::Drawn {
+            image: &drawn,
+            stored: &stored,
+            rows: 33..48,
+        };
+        send(&mut sink, picture, None, false);
+        let got = sent_jpegs(&mut rx);
+        let mut whole = Vec::new();
+        jpeg::encode_rows(&drawn, 95, &mut whole).unwrap();
+        assert_eq!(
+            got,
+            vec![
+                encode_jpeg(&idle, None).unwrap(),
+                encode_jpeg(&speaking, None).unwrap(),
+                whole
+            ]
+        );
+        // The rows were spliced, not the frames encoded whole: a base whose rows outside the
+        // region differ from the frame's shows through.
+        let (other, _) = pictures(0..0);
+        let mut shifted = other.clone();
+        shifted.rgb.rotate_left(3);
+        let base = encode_jpeg(&shifted, None).unwrap();
+        let spliced = encode_jpeg(&speaking, Some((&base, region))).unwrap();
+        assert_ne!(spliced, encode_jpeg(&speaking, None).unwrap());
     }
 }
