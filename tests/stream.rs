@@ -1658,9 +1658,13 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
         want.push(composite(k, &last_face));
     }
 
-    /// Each frame's pixels, the events, and whether each frame came as the clip stores it.
-    struct Collect(Vec<Vec<u8>>, Vec<Activity>, Vec<bool>);
+    /// Each frame's pixels, the events, and how each frame came (0: decoded, 1: as the clip
+    /// stores it, 2: decoded only in the rows of its face); whether it takes stored frames.
+    struct Collect(Vec<Vec<u8>>, Vec<Activity>, Vec<u8>, bool);
     impl Sink for Collect {
+        fn takes_stored_jpeg(&self) -> bool {
+            self.3
+        }
         fn event(
             &mut self,
             a: Activity,
@@ -1672,29 +1676,37 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
             Ok(())
         }
         fn frame(&mut self, f: OutFrame<'_>) -> Result<(), lipsync::engine::Error> {
-            self.2.push(matches!(f.picture, Picture::StoredJpeg(_)));
+            self.2.push(match f.picture {
+                Picture::Image(_) => 0,
+                Picture::StoredJpeg(_) => 1,
+                Picture::Band { .. } => 2,
+            });
             self.0.push(f.picture.decoded()?.into_owned().rgb);
             Ok(())
         }
     }
-    let scfg = session_config(fps, mode);
-    // The audio arrives at the session's start: speech from frame 0.
-    let start = Instant::now();
-    let (tx, rx) = std::sync::mpsc::channel();
-    for piece in pcm.chunks(640) {
-        tx.send(Input::Audio(piece.to_vec(), start)).unwrap();
-    }
-    tx.send(Input::End).unwrap();
-    let mut sink = Collect(Vec::new(), Vec::new(), Vec::new());
-    let stats = Session::new(
-        &engine,
-        avatar.clone(),
-        &Drawn::face(Vec::new()),
-        scfg,
-        start,
-    )
-    .run(&rx, &mut sink)
-    .unwrap();
+    let session = |takes_stored| {
+        let scfg = session_config(fps, mode);
+        // The audio arrives at the session's start: speech from frame 0.
+        let start = Instant::now();
+        let (tx, rx) = std::sync::mpsc::channel();
+        for piece in pcm.chunks(640) {
+            tx.send(Input::Audio(piece.to_vec(), start)).unwrap();
+        }
+        tx.send(Input::End).unwrap();
+        let mut sink = Collect(Vec::new(), Vec::new(), Vec::new(), takes_stored);
+        let stats = Session::new(
+            &engine,
+            avatar.clone(),
+            &Drawn::face(Vec::new()),
+            scfg,
+            start,
+        )
+        .run(&rx, &mut sink)
+        .unwrap();
+        (sink, stats)
+    };
+    let (sink, stats) = session(false);
     assert_eq!(sink.1[0], Activity::Speaking, "speech starts at frame 0");
     assert_eq!(stats.speaking_frames as usize, want.len());
     assert_eq!(
@@ -1724,8 +1736,24 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
     assert_eq!(sink.0[next], raw.rgb);
     // Speaking frames come decoded (their face pasted); the idle one as the clip stores it
     // (a JPEG output sends it as it is), but for clip frame 0, which the avatar keeps decoded.
-    assert!(sink.2[..next].iter().all(|stored| !stored));
+    assert!(sink.2[..next].iter().all(|&how| how == 0));
     assert_ne!(avatar.select(next, mode), 0);
-    assert!(sink.2[next], "the idle frame was decoded before the sink");
+    assert_eq!(
+        sink.2[next], 1,
+        "the idle frame was decoded before the sink"
+    );
+    // A sink that takes stored frames (JPEG output) gets the speaking frames decoded only in
+    // their face's rows, and the same pixels.
+    let (by_rows, stats) = session(true);
+    assert_eq!((stats.drawn_frames, stats.held_frames), (22, 3));
+    let how: Vec<u8> = (0..=next)
+        .map(|k| match (k == next, avatar.select(k, mode)) {
+            (true, _) => 1,
+            (false, 0) => 0,
+            (false, _) => 2,
+        })
+        .collect();
+    assert_eq!(by_rows.2, how);
+    assert!(by_rows.0 == sink.0, "frames decoded by rows differ");
     engine.shutdown();
 }

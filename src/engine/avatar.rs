@@ -463,21 +463,35 @@ pub(super) fn scale_box(b: FaceBox, from: (u32, u32), to: (u32, u32)) -> FaceBox
 pub enum Picture<'a> {
     Image(&'a Frame),
     StoredJpeg(&'a [u8]),
-    /// A stored frame with a face drawn on it: `image` is `stored` decoded, but for the pixel
-    /// rows `rows`.
-    Drawn {
-        image: &'a Frame,
+    /// A stored frame with a face drawn on it, decoded only in the MCU rows the face changed:
+    /// `band` is the frame's pixel rows from `top` (whole MCU rows, see
+    /// [`crate::media::jpeg::Rows::decode_rows`]), the rest is `stored` as it is. Only for a
+    /// sink that takes stored frames ([`super::session::Sink::takes_stored_jpeg`]).
+    Band {
+        band: &'a Frame,
+        top: u32,
         stored: &'a [u8],
-        rows: std::ops::Range<u32>,
     },
 }
 
 impl<'a> Picture<'a> {
     /// The pixels (a stored frame decoded).
     pub fn decoded(self) -> Result<Cow<'a, Frame>, Error> {
+        let decode = |j: &[u8]| image::decode_jpeg(std::io::Cursor::new(j));
         match self {
-            Picture::Image(f) | Picture::Drawn { image: f, .. } => Ok(Cow::Borrowed(f)),
-            Picture::StoredJpeg(j) => Ok(Cow::Owned(image::decode_jpeg(std::io::Cursor::new(j))?)),
+            Picture::Image(f) => Ok(Cow::Borrowed(f)),
+            Picture::StoredJpeg(j) => Ok(Cow::Owned(decode(j)?)),
+            Picture::Band { band, top, stored } => {
+                let mut f = decode(stored)?;
+                let stride = f.width as usize * 3;
+                let at = top as usize * stride;
+                f.rgb
+                    .get_mut(at..at + band.rgb.len())
+                    .filter(|_| band.width == f.width)
+                    .ok_or_else(|| Error::Internal("a band outside its frame".into()))?
+                    .copy_from_slice(&band.rgb);
+                Ok(Cow::Owned(f))
+            }
         }
     }
 }

@@ -60,6 +60,7 @@ use crate::media::audio::mel::{self, HOP, SAMPLE_RATE};
 use crate::media::audio::{mel_spectrogram, Fps, FramePlan, MIN_SAMPLES, WINDOW};
 use crate::media::face;
 use crate::media::image::Frame;
+use crate::media::jpeg;
 use crate::media::yuv::Region;
 
 /// Audio after a frame's time that the model needs to draw it: 16 mel columns of 200 samples
@@ -227,6 +228,17 @@ pub struct OutFrame<'a> {
     pub idle: bool,
 }
 
+/// What a session's scratch frame holds of a video avatar's frame it composed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Composed {
+    /// The whole frame.
+    Whole,
+    /// The frame's pixel rows from this one on, a face drawn on them ([`Picture::Band`]).
+    Band(u32),
+    /// Nothing: the frame is its stored JPEG as it is.
+    Stored,
+}
+
 /// Where a session's output goes (the server's WebSocket, a test).
 pub trait Sink {
     /// The avatar starts speaking or goes idle at `frame`; `so_far` counts the frames sent
@@ -239,6 +251,12 @@ pub trait Sink {
         so_far: &SessionStats,
     ) -> Result<(), Error>;
     fn frame(&mut self, frame: OutFrame<'_>) -> Result<(), Error>;
+    /// Whether this sink takes a video avatar's frames as stored ([`Picture::StoredJpeg`],
+    /// [`Picture::Band`]): a JPEG output, which sends them or re-encodes only the rows a face
+    /// changed, so the session decodes only those rows.
+    fn takes_stored_jpeg(&self) -> bool {
+        false
+    }
     /// How far ahead of the frames this sink wants the session's audio (an encoder whose
     /// audio codec holds samples back before it gives out a packet, which the video would
     /// otherwise wait for). Whole frames' audio goes ahead through [`Sink::audio`] once it is
@@ -635,8 +653,8 @@ pub struct Session<'a> {
     region: Option<Region>,
     /// Whether the session's faces are restored (they change more than the face box).
     restoring: bool,
-    /// A video avatar: the pixel rows of `scratch` that differ from its clip frame.
-    drawn_rows: std::ops::Range<u32>,
+    /// A video avatar: what `scratch` holds of the frame composed last.
+    composed: Composed,
     start: Instant,
     /// Next frame to send.
     next: u64,
@@ -695,7 +713,7 @@ impl<'a> Session<'a> {
             idle_frame,
             region: (!clip).then(|| avatar.drawn_region(0, restoring)),
             restoring,
-            drawn_rows: 0..0,
+            composed: Composed::Whole,
             avatar,
             cfg,
             start,
@@ -1220,12 +1238,13 @@ impl<'a> Session<'a> {
                 self.shown = Some(Activity::Speaking);
             }
             let drawn = face.is_some();
+            let by_rows = sink.takes_stored_jpeg();
             if let Some(face) = face {
-                self.compose(k, Some(&face))?;
+                self.compose(k, Some(&face), by_rows)?;
                 self.last_face = Some(face);
             } else if self.clip {
                 let last = self.last_face.take();
-                let r = self.compose(k, last.as_ref());
+                let r = self.compose(k, last.as_ref(), by_rows);
                 self.last_face = last;
                 r?;
             }
@@ -1239,13 +1258,14 @@ impl<'a> Session<'a> {
             } else {
                 None
             };
-            let picture = match stored {
-                Some(stored) => Picture::Drawn {
-                    image: &image,
+            let picture = match (self.composed, stored) {
+                (Composed::Band(top), Some(stored)) => Picture::Band {
+                    band: &image,
+                    top,
                     stored,
-                    rows: self.drawn_rows.clone(),
                 },
-                None => Picture::Image(&image),
+                (Composed::Stored, Some(stored)) => Picture::StoredJpeg(stored),
+                _ => Picture::Image(&image),
             };
             let r = sink.frame(OutFrame {
                 index: k,
@@ -1308,22 +1328,43 @@ impl<'a> Session<'a> {
     /// Composites frame `k` into `scratch`: `face` pasted on the avatar's frame, or its
     /// restored region written there (a video avatar: on clip frame `k`'s background; with
     /// no face, the background alone).
-    fn compose(&mut self, k: u64, face: Option<&Drawn>) -> Result<(), Error> {
+    /// `by_rows`: the sink takes stored frames ([`Sink::takes_stored_jpeg`]), so a video
+    /// avatar's frame is decoded and drawn only in the rows its face changes.
+    fn compose(&mut self, k: u64, face: Option<&Drawn>, by_rows: bool) -> Result<(), Error> {
         if self.clip {
             let a = self.avatar.clone();
             let i = a.select(k as usize, self.cfg.loop_mode);
-            self.scratch = a.background(i)?.into_owned();
-            self.drawn_rows = 0..0;
+            // By rows: only the stored frame's MCU rows that the face changes are decoded.
+            let rows = a
+                .stored_jpeg(i)
+                .filter(|_| by_rows)
+                .and_then(jpeg::Rows::parse);
+            self.composed = Composed::Whole;
             let Some(face) = face else {
+                if rows.is_some() {
+                    self.composed = Composed::Stored;
+                } else {
+                    self.scratch = a.background(i)?.into_owned();
+                }
                 return Ok(());
             };
-            a.draw_at(&mut self.scratch, (0, 0), i, face, &mut self.masks);
-            let r = if self.restoring {
-                a.drawn_region(i, true)
-            } else {
-                a.face_region(i, &mut self.masks)
-            };
-            self.drawn_rows = r.y..r.y + r.height;
+            match rows {
+                Some(rows) => {
+                    let r = if self.restoring {
+                        a.drawn_region(i, true)
+                    } else {
+                        a.face_region(i, &mut self.masks)
+                    };
+                    let (band, top) = rows.decode_rows(r.y..r.y + r.height)?;
+                    self.scratch = band;
+                    a.draw_at(&mut self.scratch, (0, top), i, face, &mut self.masks);
+                    self.composed = Composed::Band(top);
+                }
+                None => {
+                    self.scratch = a.background(i)?.into_owned();
+                    a.draw_at(&mut self.scratch, (0, 0), i, face, &mut self.masks);
+                }
+            }
         } else if let Some(Drawn {
             restored: Some(patch),
             ..

@@ -186,6 +186,17 @@ impl<'a> Rows<'a> {
         (self.width, self.height)
     }
 
+    /// The MCU rows `first..end` that hold the pixel rows `changed`, and their pixel rows.
+    pub fn mcu_rows(&self, changed: Range<u32>) -> (Range<u32>, Range<u32>) {
+        let n = self.rows.len() as u32;
+        let first = (changed.start / MCU_ROWS).min(n);
+        let end = changed.end.min(self.height).div_ceil(MCU_ROWS).max(first);
+        (
+            first..end,
+            first * MCU_ROWS..(end * MCU_ROWS).min(self.height),
+        )
+    }
+
     /// The JPEG of `frame`, whose pixels equal this JPEG's source outside the pixel rows
     /// `changed`: the MCU rows that hold `changed` encoded from `frame` with this JPEG's
     /// tables, the others copied (byte for byte what [`encode_rows`] would give for `frame`).
@@ -198,14 +209,63 @@ impl<'a> Rows<'a> {
                 frame.width, frame.height, self.width, self.height
             )));
         }
-        let n = self.rows.len() as u32;
-        let first = (changed.start / MCU_ROWS).min(n);
-        let end = changed.end.min(self.height).div_ceil(MCU_ROWS).max(first);
-        // The changed MCU rows as a picture of their own, with this JPEG's tables.
-        let (y0, y1) = (first * MCU_ROWS, (end * MCU_ROWS).min(self.height));
+        let (mcus, pixels) = self.mcu_rows(changed);
         let stride = frame.width as usize * 3;
+        let rgb = &frame.rgb[pixels.start as usize * stride..pixels.end as usize * stride];
+        self.splice(rgb, mcus)
+    }
+
+    /// [`Rows::with_rows`] from the changed rows alone: `band` is the picture's pixel rows
+    /// from `top`, which [`Rows::decode_rows`] gave (the MCU rows over the change).
+    pub fn with_band(&self, band: &Frame, top: u32) -> Result<Option<Vec<u8>>, Error> {
+        let (mcus, pixels) = self.mcu_rows(top..top + band.height);
+        if band.width != self.width || pixels != (top..top + band.height) {
+            return Err(Error::Internal(format!(
+                "a band of {}x{} from row {top} is not whole MCU rows of a {}x{} JPEG",
+                band.width, band.height, self.width, self.height
+            )));
+        }
+        self.splice(&band.rgb, mcus)
+    }
+
+    /// The pixel rows of the MCU rows over `changed` (see [`Rows::mcu_rows`]), decoded
+    /// alone, and the first of them: the same pixels as the whole picture decoded, as one MCU
+    /// row more on each side is decoded with them (a decoder's chroma upsampling reads the
+    /// rows next to each).
+    pub fn decode_rows(&self, changed: Range<u32>) -> Result<(Frame, u32), Error> {
+        let (mcus, pixels) = self.mcu_rows(changed);
+        let n = self.rows.len() as u32;
+        let context = mcus.start.saturating_sub(1)..(mcus.end + 1).min(n);
+        let top = context.start * MCU_ROWS;
+        let height = (context.end * MCU_ROWS).min(self.height) - top;
+        let mut jpeg = Vec::with_capacity(self.bytes.len() / 2);
+        jpeg.extend_from_slice(&self.bytes[self.head.clone()]);
+        jpeg[self.height_at..self.height_at + 2].copy_from_slice(&(height as u16).to_be_bytes());
+        let last = context.end.saturating_sub(1);
+        for r in context.clone() {
+            jpeg.extend_from_slice(&self.bytes[self.rows[r as usize].clone()]);
+            let marker = if r < last {
+                RST0 + ((r - context.start) % 8) as u8
+            } else {
+                EOI
+            };
+            jpeg.extend_from_slice(&[0xFF, marker]);
+        }
+        let decoded = super::image::decode_jpeg(std::io::Cursor::new(&jpeg))?;
+        let stride = self.width as usize * 3;
+        let from = (pixels.start - top) as usize * stride;
+        let rgb = decoded.rgb[from..from + pixels.len() * stride].to_vec();
+        Ok((
+            Frame::new(self.width, pixels.len() as u32, rgb),
+            pixels.start,
+        ))
+    }
+
+    /// This JPEG with MCU rows `mcus` encoded from `rgb` (their pixel rows).
+    fn splice(&self, rgb: &[u8], mcus: Range<u32>) -> Result<Option<Vec<u8>>, Error> {
+        let stride = self.width as usize * 3;
         let mut band = Vec::new();
-        if y1 > y0 {
+        if !rgb.is_empty() {
             let mut e = jpeg_encoder::Encoder::new(&mut band, 100);
             e.set_sampling_factor(jpeg_encoder::SamplingFactor::F_2_2);
             e.set_restart_interval(side(mcu_columns(self.width))?);
@@ -214,29 +274,28 @@ impl<'a> Rows<'a> {
                 jpeg_encoder::QuantizationTableType::Custom(Box::new(self.tables[1])),
             );
             e.encode(
-                &frame.rgb[y0 as usize * stride..y1 as usize * stride],
-                side(frame.width)?,
-                side(y1 - y0)?,
+                rgb,
+                side(self.width)?,
+                side((rgb.len() / stride) as u32)?,
                 jpeg_encoder::ColorType::Rgb,
             )
             .map_err(failed)?;
         }
-        let band = if y1 > y0 {
+        let band = if rgb.is_empty() {
+            None
+        } else {
             match Rows::parse(&band) {
-                Some(r) if r.same_head(self) => Some(r),
+                Some(r) if r.same_head(self) && r.rows.len() == mcus.len() => Some(r),
                 _ => return Ok(None),
             }
-        } else {
-            None
         };
+        let n = self.rows.len() as u32;
         let mut out =
             Vec::with_capacity(self.bytes.len() + band.as_ref().map_or(0, |b| b.bytes.len()));
         out.extend_from_slice(&self.bytes[self.head.clone()]);
         for r in 0..n {
             let coded = match &band {
-                Some(b) if (first..end).contains(&r) => {
-                    &b.bytes[b.rows[(r - first) as usize].clone()]
-                }
+                Some(b) if mcus.contains(&r) => &b.bytes[b.rows[(r - mcus.start) as usize].clone()],
                 _ => &self.bytes[self.rows[r as usize].clone()],
             };
             out.extend_from_slice(coded);
@@ -327,9 +386,22 @@ mod tests {
                 spliced == whole,
                 "case {case}: {w}x{h} q{quality}, rows {y0}..{y1}"
             );
-            // And it decodes to the new picture's JPEG as any decoder reads it.
-            let decoded = super::super::image::decode_jpeg(std::io::Cursor::new(&spliced)).unwrap();
-            assert_eq!((decoded.width, decoded.height), (w, h));
+            // The changed rows decoded alone are those rows of the whole picture decoded, and
+            // spliced back from them give what the whole decoded picture gives.
+            let decoded =
+                super::super::image::decode_jpeg(std::io::Cursor::new(&base_jpeg)).unwrap();
+            let (band, top) = rows.decode_rows(y0..y1).unwrap();
+            let (_, pixels) = rows.mcu_rows(y0..y1);
+            assert_eq!((top, band.height), (pixels.start, pixels.len() as u32));
+            assert!(
+                band.rgb == decoded.rgb[top as usize * stride..pixels.end as usize * stride],
+                "case {case}: rows {pixels:?} decoded alone differ"
+            );
+            let from_whole = rows.with_rows(&decoded, y0..y1).unwrap().unwrap();
+            assert!(
+                rows.with_band(&band, top).unwrap().unwrap() == from_whole,
+                "case {case}"
+            );
         }
     }
 

@@ -1154,6 +1154,10 @@ impl JpegSink {
 }
 
 impl Sink for JpegSink {
+    fn takes_stored_jpeg(&self) -> bool {
+        true
+    }
+
     fn event(
         &mut self,
         activity: Activity,
@@ -1171,20 +1175,20 @@ impl Sink for JpegSink {
             // (one generation of JPEG loss fewer, at the quality the clip was stored with).
             Picture::StoredJpeg(stored) => stored,
             // A face on a stored frame: only the rows it changed encoded, with the stored
-            // frame's tables.
-            Picture::Drawn {
-                image,
-                stored,
-                rows,
-            } => {
-                drawn = match jpeg::Rows::parse(stored) {
-                    Some(base) => base.with_rows(image, rows)?,
+            // frame's tables (a band the session decoded from it, so it is by rows).
+            Picture::Band { band, top, stored } => {
+                let spliced = match jpeg::Rows::parse(stored) {
+                    Some(base) => base.with_band(band, top)?,
                     None => None,
                 };
-                match &drawn {
+                drawn = match spliced {
                     Some(j) => j,
-                    None => encode_last(&mut self.last, image, None)?,
-                }
+                    None => {
+                        let whole = Picture::Band { band, top, stored }.decoded()?;
+                        encode_jpeg(&whole, None)?
+                    }
+                };
+                &drawn
             }
             Picture::Image(image) if f.idle => {
                 if self.idle_jpeg.is_none() {
@@ -1406,6 +1410,10 @@ impl Sink for Metered<'_> {
     fn frame(&mut self, frame: OutFrame<'_>) -> Result<(), engine::Error> {
         self.meter.frame_sent(self.pixels);
         self.inner.frame(frame)
+    }
+
+    fn takes_stored_jpeg(&self) -> bool {
+        self.inner.takes_stored_jpeg()
     }
 
     fn audio_lead(&self) -> Duration {
@@ -1654,27 +1662,37 @@ mod tests {
         };
         send(&mut sink, Picture::Image(&idle), Some(region), true);
         send(&mut sink, Picture::Image(&speaking), Some(region), false);
-        // A clip's stored frame (quality 95) with a face drawn in rows 33..48.
-        let (frame, drawn) = pictures(33..48);
+        // A clip's stored frame (quality 95) with a face drawn in rows 33..48: the session
+        // decoded MCU rows 2..3 (pixel rows 32..48) and drew on them.
+        let (frame, _) = pictures(0..0);
         let mut stored = Vec::new();
         jpeg::encode_rows(&frame, 95, &mut stored).unwrap();
-        let picture = Picture::Drawn {
-            image: &drawn,
+        let rows = jpeg::Rows::parse(&stored).unwrap();
+        let (mut band, top) = rows.decode_rows(33..48).unwrap();
+        assert_eq!((top, band.height), (32, 16));
+        for v in &mut band.rgb[64 * 3..] {
+            *v = v.saturating_add(60);
+        }
+        let picture = Picture::Band {
+            band: &band,
+            top,
             stored: &stored,
-            rows: 33..48,
         };
+        let drawn = picture.clone().decoded().unwrap().into_owned();
         send(&mut sink, picture, None, false);
         let got = sent_jpegs(&mut rx);
-        let mut whole = Vec::new();
-        jpeg::encode_rows(&drawn, 95, &mut whole).unwrap();
-        assert_eq!(
-            got,
-            vec![
-                encode_jpeg(&idle, None).unwrap(),
-                encode_jpeg(&speaking, None).unwrap(),
-                whole
-            ]
-        );
+        // The stored frame's rows but for the face's, which are `drawn`'s (and the whole
+        // frame's encoding where the picture is the JPEG's own: see media::jpeg's tests).
+        let on_stored = rows.with_rows(&drawn, 32..48).unwrap().unwrap();
+        let want = [
+            encode_jpeg(&idle, None).unwrap(),
+            encode_jpeg(&speaking, None).unwrap(),
+            on_stored,
+        ];
+        assert_eq!(got.len(), 3);
+        for (k, (got, want)) in got.iter().zip(&want).enumerate() {
+            assert!(got == want, "JPEG {k} differs");
+        }
         // The rows were spliced, not the frames encoded whole: a base whose rows outside the
         // region differ from the frame's shows through.
         let (other, _) = pictures(0..0);
