@@ -148,7 +148,7 @@ impl<'a> Rows<'a> {
         let mut start = scan;
         let mut i = scan;
         loop {
-            let ff = i + b.get(i..)?.iter().position(|&x| x == 0xFF)?;
+            let ff = i + memchr::memchr(0xFF, b.get(i..)?)?;
             let next = *b.get(ff + 1)?;
             match next {
                 0x00 => i = ff + 2,
