@@ -43,9 +43,10 @@ pub const CLIP_FRAME_COST: f64 = 2.2;
 /// ([`CLIP_JPEG_FRAME_COST`]). A JPEG frame is encoded alone, and only in the MCU rows its face
 /// changed (see [`crate::media::jpeg`]); a video avatar's idle frames go out as stored.
 /// Measured with `lipsync bench --sections media` on the echo device (25 fps, speaking half
-/// the time; 2-vCPU VM, 2026-11-28): 0.82–1.43 ms of CPU per 512×512 photo JPEG frame and
-/// 3.8–4.0 ms per 1280×720 clip JPEG frame, against 4.0–4.8 ms per 512×512 photo fMP4 frame
-/// (15–18 ms per megapixel), rounded up.
+/// the time; 2-vCPU VM, 2026-11-29, docs/BENCHMARKS.md): 0.85–1.70 ms of CPU per 512×512
+/// photo JPEG frame and 2.0–2.9 ms per 1280×720 clip JPEG frame, against 3.4–4.6 ms per
+/// 512×512 photo fMP4 frame (13–18 ms per megapixel); rounded up, the clip's more, as its
+/// sessions are late in bursts before the cores are full.
 pub const PHOTO_JPEG_FRAME_COST: f64 = 0.35;
 /// See [`PHOTO_JPEG_FRAME_COST`].
 pub const CLIP_JPEG_FRAME_COST: f64 = 0.3;

@@ -1641,7 +1641,7 @@ mod tests {
             last: None,
         };
         let audio = [0.0f32; 640];
-        let mut send = |sink: &mut JpegSink, picture: Picture<'_>, region, idle| {
+        let send = |sink: &mut JpegSink, picture: Picture<'_>, region, idle| {
             sink.frame(OutFrame {
                 index: 0,
                 pts: 0.0,
