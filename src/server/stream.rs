@@ -1049,11 +1049,7 @@ fn session_thread(
         return;
     }
     let session = Session::new(engine, avatar, &face, cfg, start);
-    let mut jpeg = JpegSink {
-        out: out.clone(),
-        idle_jpeg: None,
-        last: None,
-    };
+    let mut jpeg = JpegSink::new(out.clone());
     let inner: &mut dyn Sink = match &mut fmp4 {
         Some(f) => f,
         None => &mut jpeg,
@@ -1146,6 +1142,14 @@ fn encode_last<'l>(
 }
 
 impl JpegSink {
+    fn new(out: mpsc::Sender<Out>) -> JpegSink {
+        JpegSink {
+            out,
+            idle_jpeg: None,
+            last: None,
+        }
+    }
+
     fn send(&self, msg: Out) -> Result<(), engine::Error> {
         self.out
             .blocking_send(msg)
@@ -1546,11 +1550,7 @@ mod tests {
     #[test]
     fn jpeg_frames_are_encoded_once_per_distinct_image_and_each_shows_its_own() {
         let (tx, mut rx) = mpsc::channel(16);
-        let mut sink = JpegSink {
-            out: tx,
-            idle_jpeg: None,
-            last: None,
-        };
+        let mut sink = JpegSink::new(tx);
         let image = |v: u8| Frame::new(16, 8, vec![v; 16 * 8 * 3]);
         let (a, b, idle) = (image(40), image(200), image(120));
         let audio = [0.0f32; 640];
@@ -1584,11 +1584,7 @@ mod tests {
     #[test]
     fn a_stored_frame_goes_out_as_it_is_stored() {
         let (tx, mut rx) = mpsc::channel(16);
-        let mut sink = JpegSink {
-            out: tx,
-            idle_jpeg: None,
-            last: None,
-        };
+        let mut sink = JpegSink::new(tx);
         let image = |v: u8| Frame::new(16, 8, vec![v; 16 * 8 * 3]);
         // Stored at another quality than the sink's, as a clip's frames are.
         let stored = |v: u8| {
@@ -1635,11 +1631,7 @@ mod tests {
     #[test]
     fn only_the_rows_a_face_changed_are_encoded_and_the_jpeg_is_the_whole_frames() {
         let (tx, mut rx) = mpsc::channel(16);
-        let mut sink = JpegSink {
-            out: tx,
-            idle_jpeg: None,
-            last: None,
-        };
+        let mut sink = JpegSink::new(tx);
         let audio = [0.0f32; 640];
         let send = |sink: &mut JpegSink, picture: Picture<'_>, region, idle| {
             sink.frame(OutFrame {
