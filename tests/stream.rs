@@ -1744,6 +1744,7 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
     );
     // A sink that takes stored frames (JPEG output) gets the speaking frames decoded only in
     // their face's rows, and the same pixels.
+    assert!(avatar.stored_by_rows());
     let (by_rows, stats) = session(true);
     assert_eq!((stats.drawn_frames, stats.held_frames), (22, 3));
     let how: Vec<u8> = (0..=next)

@@ -382,6 +382,15 @@ impl Avatar {
         }
     }
 
+    /// Whether a video avatar's frames are stored by MCU rows ([`crate::media::jpeg`]): a
+    /// clip stored by an earlier version is not, and a live JPEG session encodes its frames
+    /// whole.
+    pub fn stored_by_rows(&self) -> bool {
+        self.clip
+            .as_ref()
+            .is_some_and(|c| !c.is_empty() && crate::media::jpeg::Rows::parse(c.jpeg(0)).is_some())
+    }
+
     /// A video avatar's frame `i` as it stores it (JPEG); `None` for a photo, and for a
     /// clip's first frame, which the avatar keeps decoded as it came.
     pub fn stored_jpeg(&self, i: usize) -> Option<&[u8]> {

@@ -768,6 +768,34 @@ mod tests {
         )
     }
 
+    #[test]
+    fn a_clip_stored_before_frames_were_stored_by_rows_is_told_apart() {
+        // `clip()` stores its frames as an earlier version did: whole JPEGs, no restarts.
+        assert!(!clip().stored_by_rows());
+        let f = frame(64, 48, 1);
+        let mut jpeg = Vec::new();
+        crate::media::jpeg::encode_rows(&f, 90, &mut jpeg).unwrap();
+        let by_rows = Clip::from_stored(
+            Fps::new(25.0).unwrap(),
+            0.04,
+            (64, 48),
+            vec![(
+                bx(10, 8, 50, 40),
+                crate::media::face::crop_bgr(&f, &bx(10, 8, 50, 40)),
+                jpeg,
+            )],
+        );
+        let a = Avatar::from_clip(
+            f,
+            bx(10, 8, 50, 40),
+            (64, 48),
+            None,
+            Blend::Feather,
+            Arc::new(by_rows),
+        );
+        assert!(a.stored_by_rows());
+    }
+
     /// Every field, bit for bit.
     fn assert_same(a: &Avatar, b: &Avatar) {
         assert_eq!(a.frame.width, b.frame.width);

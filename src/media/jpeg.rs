@@ -187,13 +187,13 @@ impl<'a> Rows<'a> {
     }
 
     /// The MCU rows `first..end` that hold the pixel rows `changed`, and their pixel rows.
+    /// A change that starts at or past the last pixel row holds no row.
     pub fn mcu_rows(&self, changed: Range<u32>) -> (Range<u32>, Range<u32>) {
-        let n = self.rows.len() as u32;
-        let first = (changed.start / MCU_ROWS).min(n);
+        let first = (changed.start / MCU_ROWS).min(self.rows.len() as u32);
         let end = changed.end.min(self.height).div_ceil(MCU_ROWS).max(first);
         (
             first..end,
-            first * MCU_ROWS..(end * MCU_ROWS).min(self.height),
+            (first * MCU_ROWS).min(self.height)..(end * MCU_ROWS).min(self.height),
         )
     }
 
@@ -423,6 +423,24 @@ mod tests {
         broken[at] = 0xFF;
         broken[at + 1] = 0xC4;
         assert!(Rows::parse(&broken).is_none());
+    }
+
+    #[test]
+    fn a_change_past_the_last_row_holds_no_row() {
+        let f = noise(40, 20, 4);
+        let mut j = Vec::new();
+        encode_rows(&f, 85, &mut j).unwrap();
+        let rows = Rows::parse(&j).unwrap();
+        for changed in [20..20, 21..30, 35..36, 16..40] {
+            let (_, pixels) = rows.mcu_rows(changed.clone());
+            assert!(
+                pixels.start <= pixels.end && pixels.end <= 20,
+                "{changed:?}"
+            );
+            assert!(rows.with_rows(&f, changed.clone()).unwrap().is_some());
+            let (band, _) = rows.decode_rows(changed).unwrap();
+            assert_eq!(band.rgb.len(), pixels.len() * 40 * 3);
+        }
     }
 
     #[test]

@@ -787,12 +787,7 @@ async fn run(mut socket: WebSocket, app: Arc<App>, slot: Slot) {
         Ok(e) => e,
         Err(e) => return fail(&mut socket, TRY_LATER, e.kind, &e.message).await,
     };
-    let pixels = live_cpu::metered_pixels(
-        avatar.frame.width,
-        avatar.frame.height,
-        avatar.clip.is_some(),
-        opened.output == Output::Jpeg,
-    );
+    let pixels = metered_pixels(&avatar, opened.output);
     let fps = opened.fps.value();
     let enhancer_seconds = enhance.as_ref().map_or(0.0, |e| e.seconds_per_face);
     let claimed = slot.claim(
@@ -1020,7 +1015,7 @@ fn session_thread(
         }
     };
     let (w, h) = (avatar.frame.width, avatar.frame.height);
-    let clip = avatar.clip.is_some();
+    let pixels = metered_pixels(&avatar, output);
     let mut settings = app.args.media.encoder(w, h, cfg.fps, 1);
     // One x264 thread per session unless --encoder-threads says otherwise: the sessions give
     // the parallelism, and x264's own threads only add their overhead beside them.
@@ -1057,7 +1052,7 @@ fn session_thread(
     let sink = &mut Metered {
         inner,
         meter: &app.sessions.cpu,
-        pixels: live_cpu::metered_pixels(w, h, clip, matches!(output, Output::Jpeg)),
+        pixels,
     };
     let result = session.run(&inputs, sink).and_then(|mut stats| {
         if let Some(f) = fmp4.take() {
@@ -1079,6 +1074,15 @@ fn session_thread(
         }
         Err(e) => send_error(&e),
     }
+}
+
+/// What the CPU meter counts for each of a session's frames ([`live_cpu::metered_pixels`]). A
+/// video avatar stored before its frames were stored by rows costs a JPEG session what it
+/// costs an fMP4 one (each frame decoded and encoded whole).
+fn metered_pixels(avatar: &Avatar, output: Output) -> u64 {
+    let clip = avatar.clip.is_some();
+    let jpeg = output == Output::Jpeg && (!clip || avatar.stored_by_rows());
+    live_cpu::metered_pixels(avatar.frame.width, avatar.frame.height, clip, jpeg)
 }
 
 /// `jpeg` output: per frame one binary message: u32 LE index, f64 LE pts (s), u32 LE length
