@@ -38,30 +38,26 @@ pub const PRIOR_SECONDS_PER_MEGAPIXEL: f64 = 0.014;
 /// grain) against 5.3 ms per 512×512 photo frame, 44 against 20 ms per megapixel.
 pub const CLIP_FRAME_COST: f64 = 2.2;
 
-/// What a live frame sent as JPEG costs the cores against an fMP4 frame of a photo of the
-/// same size, for a photo ([`PHOTO_JPEG_FRAME_COST`]) and for a video avatar
-/// ([`CLIP_JPEG_FRAME_COST`]). A JPEG frame is encoded alone, and only in the MCU rows its face
-/// changed (see [`crate::media::jpeg`]); a video avatar's idle frames go out as stored.
-/// Measured with `lipsync bench --sections media` on the echo device (25 fps, speaking half
-/// the time; 2-vCPU VM, 2026-11-29, docs/BENCHMARKS.md): 0.85–1.70 ms of CPU per 512×512
-/// photo JPEG frame and 2.0–2.9 ms per 1280×720 clip JPEG frame, against 3.4–4.6 ms per
-/// 512×512 photo fMP4 frame (13–18 ms per megapixel); rounded up, the clip's more, as its
-/// sessions are late in bursts before the cores are full.
-pub const PHOTO_JPEG_FRAME_COST: f64 = 0.35;
-/// See [`PHOTO_JPEG_FRAME_COST`].
+/// What a video avatar's live frame sent as JPEG costs the cores against a photo's frame of
+/// the same size: it is sent as stored while idle, and encoded only in the MCU rows its face
+/// changed while speaking (see [`crate::media::jpeg`]). Measured with `lipsync bench
+/// --sections media` on the echo device (25 fps, speaking half the time; 2-vCPU VM,
+/// 2026-11-29, docs/BENCHMARKS.md): 2.0–2.9 ms of CPU per 1280×720 clip JPEG frame against
+/// 3.4–4.6 ms per 512×512 photo fMP4 frame (13–18 ms per megapixel), rounded up, as its
+/// sessions are late in bursts before the cores are full. A photo's frames count the same
+/// whatever the output (`/info`'s `max_sessions` counts 512×512 photo sessions).
 pub const CLIP_JPEG_FRAME_COST: f64 = 0.3;
 
 /// The pixels the meter counts for a live frame of `width` × `height`, of a photo or of a
-/// video avatar (`clip`), sent as fMP4 or as JPEG (`jpeg`): its pixels, weighed by what such a
-/// frame costs against a photo's fMP4 frame ([`CLIP_FRAME_COST`],
-/// [`PHOTO_JPEG_FRAME_COST`], [`CLIP_JPEG_FRAME_COST`]), so one figure per megapixel serves
-/// every kind and each session is offered what it takes.
+/// video avatar (`clip`), sent as fMP4 or as JPEG (`jpeg`): its pixels, weighed by what a
+/// video avatar's frame costs against a photo's ([`CLIP_FRAME_COST`],
+/// [`CLIP_JPEG_FRAME_COST`]), so one figure per megapixel serves every kind and each session
+/// is offered what it takes.
 pub fn metered_pixels(width: u32, height: u32, clip: bool, jpeg: bool) -> u64 {
     let pixels = u64::from(width) * u64::from(height);
     let cost = match (clip, jpeg) {
-        (false, false) => 1.0,
+        (false, _) => 1.0,
         (true, false) => CLIP_FRAME_COST,
-        (false, true) => PHOTO_JPEG_FRAME_COST,
         (true, true) => CLIP_JPEG_FRAME_COST,
     };
     ((pixels as f64 * cost).round() as u64).max(1)
@@ -320,16 +316,16 @@ mod tests {
     fn a_clip_frame_counts_its_cost_against_a_photo_frames() {
         assert_eq!(metered_pixels(512, 512, false, false), 512 * 512);
         assert_eq!(metered_pixels(1280, 720, true, false), 2_027_520);
-        assert_eq!(metered_pixels(512, 512, false, true), 91_750);
+        assert_eq!(metered_pixels(512, 512, false, true), 512 * 512);
         assert_eq!(metered_pixels(1280, 720, true, true), 276_480);
-        // With the prior on two cores, 512² photo sessions: 17 fMP4, 49 JPEG; 720p clip
+        // With the prior on two cores, 512² photo sessions: 17 fMP4 or JPEG; 720p clip
         // sessions: 2 fMP4, 16 JPEG.
         let meter = CpuMeter::new(2);
         let sessions = |clip, jpeg, w, h| {
             (meter.frames_per_second(metered_pixels(w, h, clip, jpeg)) / 25.0).floor()
         };
         assert_eq!(sessions(false, false, 512, 512), 17.0);
-        assert_eq!(sessions(false, true, 512, 512), 49.0);
+        assert_eq!(sessions(false, true, 512, 512), 17.0);
         assert_eq!(sessions(true, false, 1280, 720), 2.0);
         assert_eq!(sessions(true, true, 1280, 720), 16.0);
     }
