@@ -362,18 +362,7 @@ fn sniff_other(b: &[u8]) -> String {
 /// 1280×720 frame of similar size and quality after conversion to 4:2:0 decodes in about 0.8
 /// of the time, and encodes in a third).
 pub fn encode_jpeg(frame: &Frame, quality: u8, out: &mut Vec<u8>) -> Result<(), Error> {
-    let failed = |e: String| Error::Internal(format!("JPEG encoding failed: {e}"));
-    let side = |v: u32| u16::try_from(v).map_err(|_| failed(format!("a side of {v} px")));
-    let mut e = jpeg_encoder::Encoder::new(out, quality);
-    // The crate's default above quality 89 is 4:4:4.
-    e.set_sampling_factor(jpeg_encoder::SamplingFactor::F_2_2);
-    e.encode(
-        &frame.rgb,
-        side(frame.width)?,
-        side(frame.height)?,
-        jpeg_encoder::ColorType::Rgb,
-    )
-    .map_err(|e| failed(e.to_string()))
+    super::jpeg::encode(frame, quality, false, out)
 }
 
 /// Decodes a JPEG this process wrote (no limits: its size is known).

@@ -49,10 +49,22 @@ fn mcu_columns(width: u32) -> u32 {
 /// Encodes `frame` as baseline 4:2:0 JPEG at `quality` (1–100) with a restart marker after every
 /// MCU row, into `out`: the picture [`super::image::encode_jpeg`] gives, a few bytes larger.
 pub fn encode_rows(frame: &Frame, quality: u8, out: &mut Vec<u8>) -> Result<(), Error> {
+    encode(frame, quality, true, out)
+}
+
+/// Baseline 4:2:0 at every quality (the crate's default above 89 is 4:4:4), with a restart
+/// marker after every MCU row when `by_rows`.
+pub(super) fn encode(
+    frame: &Frame,
+    quality: u8,
+    by_rows: bool,
+    out: &mut Vec<u8>,
+) -> Result<(), Error> {
     let mut e = jpeg_encoder::Encoder::new(out, quality);
-    // 4:2:0 at every quality (the crate's default above 89 is 4:4:4).
     e.set_sampling_factor(jpeg_encoder::SamplingFactor::F_2_2);
-    e.set_restart_interval(side(mcu_columns(frame.width))?);
+    if by_rows {
+        e.set_restart_interval(side(mcu_columns(frame.width))?);
+    }
     e.encode(
         &frame.rgb,
         side(frame.width)?,
