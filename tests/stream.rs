@@ -1617,9 +1617,22 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
     use lipsync::engine::Loop;
 
     let (engine, media_args) = test_engine();
+    // The clip padded to 320 pixels wide, its face moved 72 pixels right: 20 MCU columns,
+    // stored in segments of 4 (64 pixels), so a face's segments start inside a row.
+    let dir = tempfile::tempdir().unwrap();
+    let wide = dir.path().join("carphone_wide.mp4");
+    let padded = std::process::Command::new("ffmpeg")
+        .args(["-v", "error", "-i"])
+        .arg(common::media_path("carphone.mp4"))
+        .args(["-vf", "pad=320:144:72:0", "-c:v", "libx264", "-crf", "12"])
+        .args(["-pix_fmt", "yuv420p", "-an"])
+        .arg(&wide)
+        .status()
+        .unwrap();
+    assert!(padded.success());
     let avatar = Arc::new(
         lipsync::engine::clip::prepare(
-            &media("carphone.mp4"),
+            &std::fs::read(&wide).unwrap(),
             &media_args.clip_options(true),
             None,
             Default::default(),
@@ -1659,8 +1672,9 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
     }
 
     /// Each frame's pixels, the events, and how each frame came (0: decoded, 1: as the clip
-    /// stores it, 2: decoded only in the rows of its face); whether it takes stored frames.
-    struct Collect(Vec<Vec<u8>>, Vec<Activity>, Vec<u8>, bool);
+    /// stores it, 2: decoded only in the segments of its face); whether it takes stored
+    /// frames; where the decoded parts were.
+    struct Collect(Vec<Vec<u8>>, Vec<Activity>, Vec<u8>, bool, Vec<(u32, u32)>);
     impl Sink for Collect {
         fn takes_stored_jpeg(&self) -> bool {
             self.3
@@ -1679,7 +1693,10 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
             self.2.push(match f.picture {
                 Picture::Image(_) => 0,
                 Picture::StoredJpeg(_) => 1,
-                Picture::Band { .. } => 2,
+                Picture::Part { at, .. } => {
+                    self.4.push(at);
+                    2
+                }
             });
             self.0.push(f.picture.decoded()?.into_owned().rgb);
             Ok(())
@@ -1694,7 +1711,7 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
             tx.send(Input::Audio(piece.to_vec(), start)).unwrap();
         }
         tx.send(Input::End).unwrap();
-        let mut sink = Collect(Vec::new(), Vec::new(), Vec::new(), takes_stored);
+        let mut sink = Collect(Vec::new(), Vec::new(), Vec::new(), takes_stored, Vec::new());
         let stats = Session::new(
             &engine,
             avatar.clone(),
@@ -1743,9 +1760,9 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
         "the idle frame was decoded before the sink"
     );
     // A sink that takes stored frames (JPEG output) gets the speaking frames decoded only in
-    // their face's rows, and the same pixels.
-    assert!(avatar.stored_by_rows());
-    let (by_rows, stats) = session(true);
+    // their face's segments, and the same pixels.
+    assert!(avatar.stored_by_segments());
+    let (in_parts, stats) = session(true);
     assert_eq!((stats.drawn_frames, stats.held_frames), (22, 3));
     let how: Vec<u8> = (0..=next)
         .map(|k| match (k == next, avatar.select(k, mode)) {
@@ -1754,7 +1771,15 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
             (false, _) => 2,
         })
         .collect();
-    assert_eq!(by_rows.2, how);
-    assert!(by_rows.0 == sink.0, "frames decoded by rows differ");
+    assert_eq!(in_parts.2, how);
+    assert!(in_parts.0 == sink.0, "frames decoded in segments differ");
+    assert!(
+        in_parts
+            .4
+            .iter()
+            .all(|&(x, y)| x > 0 && x % 64 == 0 && y % 16 == 0),
+        "parts at {:?}",
+        in_parts.4
+    );
     engine.shutdown();
 }

@@ -382,13 +382,13 @@ impl Avatar {
         }
     }
 
-    /// Whether a video avatar's frames are stored by MCU rows ([`crate::media::jpeg`]): a
-    /// clip stored by an earlier version is not, and a live JPEG session encodes its frames
-    /// whole.
-    pub fn stored_by_rows(&self) -> bool {
-        self.clip
-            .as_ref()
-            .is_some_and(|c| !c.is_empty() && crate::media::jpeg::Rows::parse(c.jpeg(0)).is_some())
+    /// Whether a video avatar's frames are stored in restart segments
+    /// ([`crate::media::jpeg`]; one per MCU row or narrower): a clip stored by an earlier
+    /// version is not, and a live JPEG session encodes its frames whole.
+    pub fn stored_by_segments(&self) -> bool {
+        self.clip.as_ref().is_some_and(|c| {
+            !c.is_empty() && crate::media::jpeg::Segments::parse(c.jpeg(0)).is_some()
+        })
     }
 
     /// A video avatar's frame `i` as it stores it (JPEG); `None` for a photo, and for a
@@ -464,21 +464,21 @@ pub(super) fn scale_box(b: FaceBox, from: (u32, u32), to: (u32, u32)) -> FaceBox
     }
 }
 
-/// A frame's pixels: decoded, or a video avatar's frame as the avatar stores it (a JPEG by MCU
-/// rows, 4:2:0, at the quality it was stored with: see [`crate::media::jpeg`]). What takes a
-/// picture decodes it only if it needs the pixels: a live session's JPEG output sends a stored
-/// frame as it is, and encodes only the rows a face changed on one.
+/// A frame's pixels: decoded, or a video avatar's frame as the avatar stores it (a JPEG in
+/// restart segments, 4:2:0, at the quality it was stored with: see [`crate::media::jpeg`]).
+/// What takes a picture decodes it only if it needs the pixels: a live session's JPEG output
+/// sends a stored frame as it is, and encodes only the segments a face changed on one.
 #[derive(Debug, Clone)]
 pub enum Picture<'a> {
     Image(&'a Frame),
     StoredJpeg(&'a [u8]),
-    /// A stored frame with a face drawn on it, decoded only in the MCU rows the face changed:
-    /// `band` is the frame's pixel rows from `top` (whole MCU rows, see
-    /// [`crate::media::jpeg::Rows::decode_rows`]), the rest is `stored` as it is. Only for a
-    /// sink that takes stored frames ([`super::session::Sink::takes_stored_jpeg`]).
-    Band {
-        band: &'a Frame,
-        top: u32,
+    /// A stored frame with a face drawn on it, decoded only in the segments the face changed:
+    /// `part` is the frame's pixels at `at` (whole segments, see
+    /// [`crate::media::jpeg::Segments::decode_region`]), the rest is `stored` as it is. Only
+    /// for a sink that takes stored frames ([`super::session::Sink::takes_stored_jpeg`]).
+    Part {
+        part: &'a Frame,
+        at: (u32, u32),
         stored: &'a [u8],
     },
 }
@@ -490,15 +490,16 @@ impl<'a> Picture<'a> {
         match self {
             Picture::Image(f) => Ok(Cow::Borrowed(f)),
             Picture::StoredJpeg(j) => Ok(Cow::Owned(decode(j)?)),
-            Picture::Band { band, top, stored } => {
+            Picture::Part { part, at, stored } => {
                 let mut f = decode(stored)?;
-                let stride = f.width as usize * 3;
-                let at = top as usize * stride;
-                f.rgb
-                    .get_mut(at..at + band.rgb.len())
-                    .filter(|_| band.width == f.width)
-                    .ok_or_else(|| Error::Internal("a band outside its frame".into()))?
-                    .copy_from_slice(&band.rgb);
+                if at.0 + part.width > f.width || at.1 + part.height > f.height {
+                    return Err(Error::Internal("a part outside its frame".into()));
+                }
+                let (stride, across) = (f.width as usize * 3, part.width as usize * 3);
+                for (y, row) in part.rgb.chunks_exact(across.max(1)).enumerate() {
+                    let from = (at.1 as usize + y) * stride + at.0 as usize * 3;
+                    f.rgb[from..from + across].copy_from_slice(row);
+                }
                 Ok(Cow::Owned(f))
             }
         }

@@ -769,13 +769,13 @@ mod tests {
     }
 
     #[test]
-    fn a_clip_stored_before_frames_were_stored_by_rows_is_told_apart() {
+    fn a_clip_stored_before_frames_were_stored_by_segments_is_told_apart() {
         // `clip()` stores its frames as an earlier version did: whole JPEGs, no restarts.
-        assert!(!clip().stored_by_rows());
+        assert!(!clip().stored_by_segments());
         let f = frame(64, 48, 1);
         let mut jpeg = Vec::new();
-        crate::media::jpeg::encode_rows(&f, 90, &mut jpeg).unwrap();
-        let by_rows = Clip::from_stored(
+        crate::media::jpeg::encode_segmented(&f, 90, &mut jpeg).unwrap();
+        let segmented = Clip::from_stored(
             Fps::new(25.0).unwrap(),
             0.04,
             (64, 48),
@@ -791,9 +791,9 @@ mod tests {
             (64, 48),
             None,
             Blend::Feather,
-            Arc::new(by_rows),
+            Arc::new(segmented),
         );
-        assert!(a.stored_by_rows());
+        assert!(a.stored_by_segments());
     }
 
     /// Every field, bit for bit.

@@ -200,14 +200,15 @@ impl Clip {
     }
 }
 
-/// The frame as a JPEG at the best quality within the size budget, 4:2:0, by MCU rows (so a
-/// live JPEG session re-encodes only the rows a face changes: see [`crate::media::jpeg`]).
+/// The frame as a JPEG at the best quality within the size budget, 4:2:0, in restart segments
+/// (so a live JPEG session re-encodes only the segments a face changes: see
+/// [`crate::media::jpeg`]).
 fn encode_jpeg(frame: &Frame) -> Result<Vec<u8>, Error> {
     let budget = (f64::from(frame.width) * f64::from(frame.height) * JPEG_BYTES_PER_PIXEL) as usize;
     let mut out = Vec::with_capacity(budget);
     for &q in JPEG_QUALITIES {
         out.clear();
-        crate::media::jpeg::encode_rows(frame, q, &mut out)?;
+        crate::media::jpeg::encode_segmented(frame, q, &mut out)?;
         if out.len() <= budget {
             break;
         }

@@ -233,8 +233,9 @@ pub struct OutFrame<'a> {
 enum Composed {
     /// The whole frame.
     Whole,
-    /// The frame's pixel rows from this one on, a face drawn on them ([`Picture::Band`]).
-    Band(u32),
+    /// The frame's pixels at this place (whole segments of the stored JPEG), a face drawn on
+    /// them ([`Picture::Part`]).
+    Part((u32, u32)),
     /// Nothing: the frame is its stored JPEG as it is.
     Stored,
 }
@@ -252,8 +253,8 @@ pub trait Sink {
     ) -> Result<(), Error>;
     fn frame(&mut self, frame: OutFrame<'_>) -> Result<(), Error>;
     /// Whether this sink takes a video avatar's frames as stored ([`Picture::StoredJpeg`],
-    /// [`Picture::Band`]): a JPEG output, which sends them or re-encodes only the rows a face
-    /// changed, so the session decodes only those rows.
+    /// [`Picture::Part`]): a JPEG output, which sends them or re-encodes only the segments a
+    /// face changed, so the session decodes only those.
     fn takes_stored_jpeg(&self) -> bool {
         false
     }
@@ -1238,13 +1239,13 @@ impl<'a> Session<'a> {
                 self.shown = Some(Activity::Speaking);
             }
             let drawn = face.is_some();
-            let by_rows = sink.takes_stored_jpeg();
+            let in_parts = sink.takes_stored_jpeg();
             if let Some(face) = face {
-                self.compose(k, Some(&face), by_rows)?;
+                self.compose(k, Some(&face), in_parts)?;
                 self.last_face = Some(face);
             } else if self.clip {
                 let last = self.last_face.take();
-                let r = self.compose(k, last.as_ref(), by_rows);
+                let r = self.compose(k, last.as_ref(), in_parts);
                 self.last_face = last;
                 r?;
             }
@@ -1259,9 +1260,9 @@ impl<'a> Session<'a> {
                 None
             };
             let picture = match (self.composed, stored) {
-                (Composed::Band(top), Some(stored)) => Picture::Band {
-                    band: &image,
-                    top,
+                (Composed::Part(at), Some(stored)) => Picture::Part {
+                    part: &image,
+                    at,
                     stored,
                 },
                 (Composed::Stored, Some(stored)) => Picture::StoredJpeg(stored),
@@ -1328,37 +1329,37 @@ impl<'a> Session<'a> {
     /// Composites frame `k` into `scratch`: `face` pasted on the avatar's frame, or its
     /// restored region written there (a video avatar: on clip frame `k`'s background; with
     /// no face, the background alone).
-    /// `by_rows`: the sink takes stored frames ([`Sink::takes_stored_jpeg`]), so a video
-    /// avatar's frame is decoded and drawn only in the rows its face changes.
-    fn compose(&mut self, k: u64, face: Option<&Drawn>, by_rows: bool) -> Result<(), Error> {
+    /// `in_parts`: the sink takes stored frames ([`Sink::takes_stored_jpeg`]), so a video
+    /// avatar's frame is decoded and drawn only in the segments its face changes.
+    fn compose(&mut self, k: u64, face: Option<&Drawn>, in_parts: bool) -> Result<(), Error> {
         if self.clip {
             let a = self.avatar.clone();
             let i = a.select(k as usize, self.cfg.loop_mode);
-            // By rows: only the stored frame's MCU rows that the face changes are decoded.
-            let rows = a
+            // In parts: only the stored frame's segments that the face changes are decoded.
+            let segments = a
                 .stored_jpeg(i)
-                .filter(|_| by_rows)
-                .and_then(jpeg::Rows::parse);
+                .filter(|_| in_parts)
+                .and_then(jpeg::Segments::parse);
             self.composed = Composed::Whole;
             let Some(face) = face else {
-                if rows.is_some() {
+                if segments.is_some() {
                     self.composed = Composed::Stored;
                 } else {
                     self.scratch = a.background(i)?.into_owned();
                 }
                 return Ok(());
             };
-            match rows {
-                Some(rows) => {
+            match segments {
+                Some(segments) => {
                     let r = if self.restoring {
                         a.drawn_region(i, true)
                     } else {
                         a.face_region(i, &mut self.masks)
                     };
-                    let (band, top) = rows.decode_rows(r.y..r.y + r.height)?;
-                    self.scratch = band;
-                    a.draw_at(&mut self.scratch, (0, top), i, face, &mut self.masks);
-                    self.composed = Composed::Band(top);
+                    let (part, at) = segments.decode_region(&r)?;
+                    self.scratch = part;
+                    a.draw_at(&mut self.scratch, at, i, face, &mut self.masks);
+                    self.composed = Composed::Part(at);
                 }
                 None => {
                     self.scratch = a.background(i)?.into_owned();

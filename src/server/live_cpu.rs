@@ -39,7 +39,7 @@ pub const PRIOR_SECONDS_PER_MEGAPIXEL: f64 = 0.014;
 pub const CLIP_FRAME_COST: f64 = 2.2;
 
 /// What a video avatar's live frame sent as JPEG costs the cores against a photo's frame of
-/// the same size: it is sent as stored while idle, and encoded only in the MCU rows its face
+/// the same size: it is sent as stored while idle, and encoded only in the segments its face
 /// changed while speaking (see [`crate::media::jpeg`]). Measured with `lipsync bench
 /// --sections media` on the echo device (25 fps, speaking half the time; 2-vCPU VM,
 /// 2026-11-29, docs/BENCHMARKS.md): 2.0–2.9 ms of CPU per 1280×720 clip JPEG frame against

@@ -1077,11 +1077,11 @@ fn session_thread(
 }
 
 /// What the CPU meter counts for each of a session's frames ([`live_cpu::metered_pixels`]). A
-/// video avatar stored before its frames were stored by rows costs a JPEG session what it
+/// video avatar stored before its frames were stored in segments costs a JPEG session what it
 /// costs an fMP4 one (each frame decoded and encoded whole).
 fn metered_pixels(avatar: &Avatar, output: Output) -> u64 {
     let clip = avatar.clip.is_some();
-    let jpeg = output == Output::Jpeg && (!clip || avatar.stored_by_rows());
+    let jpeg = output == Output::Jpeg && (!clip || avatar.stored_by_segments());
     live_cpu::metered_pixels(avatar.frame.width, avatar.frame.height, clip, jpeg)
 }
 
@@ -1096,22 +1096,22 @@ struct JpegSink {
     last: Option<(crate::media::image::Frame, Vec<u8>)>,
 }
 
-/// A live frame as JPEG (baseline, 4:2:0, [`JPEG_QUALITY`], by MCU rows: see
-/// [`jpeg`]); with `base`, a JPEG of this quality by rows of a picture that equals `frame`
-/// outside a region, only the rows over the region are encoded.
+/// A live frame as JPEG (baseline, 4:2:0, [`JPEG_QUALITY`], in restart segments: see
+/// [`jpeg`]); with `base`, a JPEG of this quality in segments of a picture that equals
+/// `frame` outside a region, only the segments over the region are encoded.
 fn encode_jpeg(
     frame: &crate::media::image::Frame,
     base: Option<(&[u8], Region)>,
 ) -> Result<Vec<u8>, engine::Error> {
     if let Some((base, r)) = base {
-        if let Some(rows) = jpeg::Rows::parse(base) {
-            if let Some(j) = rows.with_rows(frame, r.y..r.y + r.height)? {
+        if let Some(segments) = jpeg::Segments::parse(base) {
+            if let Some(j) = segments.with_region(frame, &r)? {
                 return Ok(j);
             }
         }
     }
     let mut buf = Vec::with_capacity(frame.rgb.len() / 8);
-    jpeg::encode_rows(frame, JPEG_QUALITY, &mut buf)?;
+    jpeg::encode_segmented(frame, JPEG_QUALITY, &mut buf)?;
     Ok(buf)
 }
 
@@ -1132,8 +1132,8 @@ fn send_event(
 }
 
 /// `image` as JPEG, encoded unless it is `last`'s image (a held frame), and kept as `last`;
-/// `base`: a JPEG by rows of a picture that equals `image` outside a region, whose other rows
-/// it keeps.
+/// `base`: a JPEG in segments of a picture that equals `image` outside a region, whose other
+/// segments it keeps.
 fn encode_last<'l>(
     last: &'l mut Option<(crate::media::image::Frame, Vec<u8>)>,
     image: &crate::media::image::Frame,
@@ -1182,17 +1182,17 @@ impl Sink for JpegSink {
             // A video avatar's idle frame as it is stored: neither decoded nor encoded again
             // (one generation of JPEG loss fewer, at the quality the clip was stored with).
             Picture::StoredJpeg(stored) => stored,
-            // A face on a stored frame: only the rows it changed encoded, with the stored
-            // frame's tables (a band the session decoded from it, so it is by rows).
-            Picture::Band { band, top, stored } => {
-                let spliced = match jpeg::Rows::parse(stored) {
-                    Some(base) => base.with_band(band, top)?,
+            // A face on a stored frame: only the segments it changed encoded, with the stored
+            // frame's tables (a part the session decoded from it, so it is in segments).
+            Picture::Part { part, at, stored } => {
+                let spliced = match jpeg::Segments::parse(stored) {
+                    Some(base) => base.with_part(part, at)?,
                     None => None,
                 };
                 drawn = match spliced {
                     Some(j) => j,
                     None => {
-                        let whole = Picture::Band { band, top, stored }.decoded()?;
+                        let whole = Picture::Part { part, at, stored }.decoded()?;
                         encode_jpeg(&whole, None)?
                     }
                 };
@@ -1622,18 +1622,25 @@ mod tests {
         );
     }
 
-    /// A 64×48 picture with a gradient, and the same with rows `rows` brighter.
-    fn pictures(rows: std::ops::Range<usize>) -> (Frame, Frame) {
-        let base = Frame::new(64, 48, (0..64 * 48 * 3).map(|i| (i % 251) as u8).collect());
+    /// A 192×48 picture with a gradient, and the same brighter in `region`.
+    fn pictures(region: Region) -> (Frame, Frame) {
+        let base = Frame::new(
+            192,
+            48,
+            (0..192 * 48 * 3).map(|i| (i % 251) as u8).collect(),
+        );
         let mut changed = base.clone();
-        for v in &mut changed.rgb[rows.start * 64 * 3..rows.end * 64 * 3] {
-            *v = v.saturating_add(60);
+        for y in region.y..region.y + region.height {
+            let at = (y * 192 + region.x) as usize * 3;
+            for v in &mut changed.rgb[at..at + region.width as usize * 3] {
+                *v = v.saturating_add(60);
+            }
         }
         (base, changed)
     }
 
     #[test]
-    fn only_the_rows_a_face_changed_are_encoded_and_the_jpeg_is_the_whole_frames() {
+    fn only_the_segments_a_face_changed_are_encoded_and_the_jpeg_is_the_whole_frames() {
         let (tx, mut rx) = mpsc::channel(16);
         let mut sink = JpegSink::new(tx);
         let audio = [0.0f32; 640];
@@ -1648,38 +1655,40 @@ mod tests {
             })
             .unwrap();
         };
-        // A photo: the idle frame, then one that differs in rows 20..30 (its region).
-        let (idle, speaking) = pictures(20..30);
-        let region = Region {
-            x: 0,
-            y: 20,
-            width: 64,
-            height: 10,
+        let at = |x, y, width, height| Region {
+            x,
+            y,
+            width,
+            height,
         };
+        // A photo: the idle frame, then one that differs in its face region.
+        let region = at(70, 20, 40, 10);
+        let (idle, speaking) = pictures(region);
         send(&mut sink, Picture::Image(&idle), Some(region), true);
         send(&mut sink, Picture::Image(&speaking), Some(region), false);
-        // A clip's stored frame (quality 95) with a face drawn in rows 33..48: the session
-        // decoded MCU rows 2..3 (pixel rows 32..48) and drew on them.
-        let (frame, _) = pictures(0..0);
+        // A clip's stored frame (quality 95) with a face drawn in 80..112 × 33..48: the
+        // session decoded the segments over it (pixels 64..128 × 32..48) and drew on them.
+        let (frame, _) = pictures(at(0, 0, 0, 0));
         let mut stored = Vec::new();
-        jpeg::encode_rows(&frame, 95, &mut stored).unwrap();
-        let rows = jpeg::Rows::parse(&stored).unwrap();
-        let (mut band, top) = rows.decode_rows(33..48).unwrap();
-        assert_eq!((top, band.height), (32, 16));
-        for v in &mut band.rgb[64 * 3..] {
+        jpeg::encode_segmented(&frame, 95, &mut stored).unwrap();
+        let segments = jpeg::Segments::parse(&stored).unwrap();
+        let face = at(80, 33, 32, 15);
+        let (mut part, origin) = segments.decode_region(&face).unwrap();
+        assert_eq!((origin, part.width, part.height), ((64, 32), 64, 16));
+        for v in &mut part.rgb[64 * 3..] {
             *v = v.saturating_add(60);
         }
-        let picture = Picture::Band {
-            band: &band,
-            top,
+        let picture = Picture::Part {
+            part: &part,
+            at: origin,
             stored: &stored,
         };
         let drawn = picture.clone().decoded().unwrap().into_owned();
         send(&mut sink, picture, None, false);
         let got = sent_jpegs(&mut rx);
-        // The stored frame's rows but for the face's, which are `drawn`'s (and the whole
+        // The stored frame's segments but for the face's, which are `drawn`'s (and the whole
         // frame's encoding where the picture is the JPEG's own: see media::jpeg's tests).
-        let on_stored = rows.with_rows(&drawn, 32..48).unwrap().unwrap();
+        let on_stored = segments.with_region(&drawn, &face).unwrap().unwrap();
         let want = [
             encode_jpeg(&idle, None).unwrap(),
             encode_jpeg(&speaking, None).unwrap(),
@@ -1689,9 +1698,23 @@ mod tests {
         for (k, (got, want)) in got.iter().zip(&want).enumerate() {
             assert!(got == want, "JPEG {k} differs");
         }
-        // The rows were spliced, not the frames encoded whole: a base whose rows outside the
-        // region differ from the frame's shows through.
-        let (other, _) = pictures(0..0);
+        // `drawn` is the stored frame decoded, with the part's pixels in their place.
+        let whole = Picture::StoredJpeg(&stored).decoded().unwrap().into_owned();
+        for y in 0..48usize {
+            for x in 0..192usize {
+                let i = (y * 192 + x) * 3;
+                let inside = (64..128).contains(&x) && (32..48).contains(&y);
+                let want = if inside {
+                    &part.rgb[((y - 32) * 64 + x - 64) * 3..][..3]
+                } else {
+                    &whole.rgb[i..i + 3]
+                };
+                assert_eq!(&drawn.rgb[i..i + 3], want, "pixel {x}, {y}");
+            }
+        }
+        // The segments were spliced, not the frames encoded whole: a base whose segments
+        // outside the region differ from the frame's shows through.
+        let (other, _) = pictures(at(0, 0, 0, 0));
         let mut shifted = other.clone();
         shifted.rgb.rotate_left(3);
         let base = encode_jpeg(&shifted, None).unwrap();
