@@ -42,11 +42,14 @@ pub const CLIP_FRAME_COST: f64 = 2.2;
 /// the same size: it is sent as stored while idle, and encoded only in the segments its face
 /// changed while speaking (see [`crate::media::jpeg`]). Measured with `lipsync bench
 /// --sections media` on the echo device (25 fps, speaking half the time; 2-vCPU VM,
-/// 2026-11-29, docs/BENCHMARKS.md): 2.0–2.9 ms of CPU per 1280×720 clip JPEG frame against
-/// 3.4–4.6 ms per 512×512 photo fMP4 frame (13–18 ms per megapixel), rounded up, as its
-/// sessions are late in bursts before the cores are full. A photo's frames count the same
-/// whatever the output (`/info`'s `max_sessions` counts 512×512 photo sessions).
-pub const CLIP_JPEG_FRAME_COST: f64 = 0.3;
+/// 2026-11-29, docs/BENCHMARKS.md, 1, 4 and 16 sessions): 0.78–1.39 ms of CPU per 1280×720
+/// clip JPEG frame against 2.41–3.47 ms per 512×512 photo fMP4 frame (0.09–0.11 of its cost
+/// per megapixel), rounded up, as a clip's speaking frames cost several times its idle ones
+/// and come in bursts: on the prior, 2 cores then admit 24 clip JPEG sessions, which held
+/// every speaking frame in the same bench, where 32 (0.15) held half of them. A photo's
+/// frames count the same whatever the output (`/info`'s `max_sessions` counts 512×512 photo
+/// sessions).
+pub const CLIP_JPEG_FRAME_COST: f64 = 0.2;
 
 /// The pixels the meter counts for a live frame of `width` × `height`, of a photo or of a
 /// video avatar (`clip`), sent as fMP4 or as JPEG (`jpeg`): its pixels, weighed by what a
@@ -317,9 +320,9 @@ mod tests {
         assert_eq!(metered_pixels(512, 512, false, false), 512 * 512);
         assert_eq!(metered_pixels(1280, 720, true, false), 2_027_520);
         assert_eq!(metered_pixels(512, 512, false, true), 512 * 512);
-        assert_eq!(metered_pixels(1280, 720, true, true), 276_480);
+        assert_eq!(metered_pixels(1280, 720, true, true), 184_320);
         // With the prior on two cores, 512² photo sessions: 17 fMP4 or JPEG; 720p clip
-        // sessions: 2 fMP4, 16 JPEG.
+        // sessions: 2 fMP4, 24 JPEG.
         let meter = CpuMeter::new(2);
         let sessions = |clip, jpeg, w, h| {
             (meter.frames_per_second(metered_pixels(w, h, clip, jpeg)) / 25.0).floor()
@@ -327,7 +330,7 @@ mod tests {
         assert_eq!(sessions(false, false, 512, 512), 17.0);
         assert_eq!(sessions(false, true, 512, 512), 17.0);
         assert_eq!(sessions(true, false, 1280, 720), 2.0);
-        assert_eq!(sessions(true, true, 1280, 720), 16.0);
+        assert_eq!(sessions(true, true, 1280, 720), 24.0);
     }
 
     #[test]
