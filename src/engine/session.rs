@@ -1351,11 +1351,16 @@ impl<'a> Session<'a> {
             };
             match segments {
                 Some(segments) => {
-                    let r = if self.restoring {
+                    let mut r = if self.restoring {
                         a.drawn_region(i, true)
                     } else {
                         a.face_region(i, &mut self.masks)
                     };
+                    // A face restored on this frame writes its own region, which the
+                    // avatar's landmarks, if found since (by another session), may not hold.
+                    if let Some(p) = face.restored.as_ref().filter(|p| p.frame == i) {
+                        r = r.union(&p.region);
+                    }
                     let (part, at) = segments.decode_region(&r)?;
                     self.scratch = part;
                     a.draw_at(&mut self.scratch, at, i, face, &mut self.masks);

@@ -252,7 +252,11 @@ impl<'a> Segments<'a> {
         let across = self.interval * MCU;
         let x0 = (changed.x / across).min(self.per_row);
         let y0 = (changed.y / MCU).min(self.mcu_rows());
-        if changed.width == 0 || changed.height == 0 {
+        if changed.width == 0
+            || changed.height == 0
+            || changed.x >= self.width
+            || changed.y >= self.height
+        {
             return Blocks {
                 columns: x0..x0,
                 rows: y0..y0,
@@ -626,6 +630,11 @@ mod tests {
             at(10, 10, 0, 5),
         ] {
             let cover = segments.cover(&changed);
+            let outside = changed.x >= 200 || changed.y >= 20 || changed.width == 0;
+            assert!(
+                !outside || cover.width == 0 || cover.height == 0,
+                "{changed:?}: {cover:?}"
+            );
             assert!(
                 cover.x + cover.width <= 200 && cover.y + cover.height <= 20,
                 "{changed:?}: {cover:?}"

@@ -101,6 +101,17 @@ pub struct Region {
 }
 
 impl Region {
+    /// The smallest region that holds both.
+    pub fn union(&self, other: &Region) -> Region {
+        let (x, y) = (self.x.min(other.x), self.y.min(other.y));
+        Region {
+            x,
+            y,
+            width: (self.x + self.width).max(other.x + other.width) - x,
+            height: (self.y + self.height).max(other.y + other.height) - y,
+        }
+    }
+
     /// The smallest even-aligned region of a `frame_w`×`frame_h` picture's coded size that
     /// holds the pixels `x1..x2`, `y1..y2`.
     pub fn around(x1: u32, y1: u32, x2: u32, y2: u32, frame_w: u32, frame_h: u32) -> Region {
@@ -280,6 +291,18 @@ impl Converted {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_union_holds_both_regions() {
+        let r = |x, y, width, height| Region {
+            x,
+            y,
+            width,
+            height,
+        };
+        assert_eq!(r(10, 20, 30, 40).union(&r(0, 30, 20, 50)), r(0, 20, 40, 60));
+        assert_eq!(r(4, 4, 8, 8).union(&r(6, 6, 2, 2)), r(4, 4, 8, 8));
+    }
 
     fn noise(w: u32, h: u32, seed: u32) -> Frame {
         let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
