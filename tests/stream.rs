@@ -1762,6 +1762,11 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
     // A sink that takes stored frames (JPEG output) gets the speaking frames decoded only in
     // their face's segments, and the same pixels.
     assert!(avatar.stored_by_segments());
+    assert_eq!(
+        avatar.stored_segments_per_row(),
+        Some(5),
+        "20 MCUs in segments of 4"
+    );
     let (in_parts, stats) = session(true);
     assert_eq!((stats.drawn_frames, stats.held_frames), (22, 3));
     let how: Vec<u8> = (0..=next)

@@ -386,9 +386,15 @@ impl Avatar {
     /// ([`crate::media::jpeg`]; one per MCU row or narrower): a clip stored by an earlier
     /// version is not, and a live JPEG session encodes its frames whole.
     pub fn stored_by_segments(&self) -> bool {
-        self.clip.as_ref().is_some_and(|c| {
-            !c.is_empty() && crate::media::jpeg::Segments::parse(c.jpeg(0)).is_some()
-        })
+        self.stored_segments_per_row().is_some()
+    }
+
+    /// The segments in a row of MCUs of a video avatar's stored frames (1: a restart per row,
+    /// as clips stored before segments were cut narrower have), or `None` (a photo, or a clip
+    /// stored as whole JPEGs).
+    pub fn stored_segments_per_row(&self) -> Option<u32> {
+        let c = self.clip.as_ref().filter(|c| !c.is_empty())?;
+        crate::media::jpeg::Segments::parse(c.jpeg(0)).map(|s| s.per_row())
     }
 
     /// A video avatar's frame `i` as it stores it (JPEG); `None` for a photo, and for a

@@ -794,6 +794,9 @@ mod tests {
             Arc::new(segmented),
         );
         assert!(a.stored_by_segments());
+        // 64 pixels wide: 4 MCUs, one segment per row.
+        assert_eq!(a.stored_segments_per_row(), Some(1));
+        assert_eq!(clip().stored_segments_per_row(), None);
     }
 
     /// Every field, bit for bit.

@@ -242,6 +242,12 @@ impl<'a> Segments<'a> {
         (self.width, self.height)
     }
 
+    /// Segments in a row of MCUs (1: a restart per row, as this module wrote before
+    /// segments were cut narrower).
+    pub fn per_row(&self) -> u32 {
+        self.per_row
+    }
+
     fn mcu_rows(&self) -> u32 {
         self.height.div_ceil(MCU)
     }

@@ -51,17 +51,39 @@ pub const CLIP_FRAME_COST: f64 = 2.2;
 /// sessions).
 pub const CLIP_JPEG_FRAME_COST: f64 = 0.2;
 
-/// The pixels the meter counts for a live frame of `width` × `height`, of a photo or of a
-/// video avatar (`clip`), sent as fMP4 or as JPEG (`jpeg`): its pixels, weighed by what a
-/// video avatar's frame costs against a photo's ([`CLIP_FRAME_COST`],
-/// [`CLIP_JPEG_FRAME_COST`]), so one figure per megapixel serves every kind and each session
-/// is offered what it takes.
-pub fn metered_pixels(width: u32, height: u32, clip: bool, jpeg: bool) -> u64 {
+/// [`CLIP_JPEG_FRAME_COST`] for a clip whose frames were stored with one segment per row of
+/// MCUs (by the version before segments were cut narrower): a speaking frame decodes and
+/// encodes the whole rows over its face. Measured the same way (2026-11-29): 2.0–2.9 ms of
+/// CPU per 1280×720 frame against 3.4–4.6 ms per 512×512 photo fMP4 frame on a slower day
+/// of the VM, rounded up: 16 sessions on 2 cores.
+pub const CLIP_JPEG_ROWS_FRAME_COST: f64 = 0.3;
+
+/// What a live frame is, as the CPU meter weighs it ([`metered_pixels`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LiveFrame {
+    /// A photo's frame, fMP4 or JPEG.
+    Photo,
+    /// A video avatar's frame decoded and encoded whole: fMP4, or JPEG of a clip stored as
+    /// whole JPEGs ([`CLIP_FRAME_COST`]).
+    Clip,
+    /// A video avatar's JPEG frame, stored in segments narrower than a row
+    /// ([`CLIP_JPEG_FRAME_COST`]).
+    ClipJpeg,
+    /// A video avatar's JPEG frame, stored with one segment per row
+    /// ([`CLIP_JPEG_ROWS_FRAME_COST`]).
+    ClipJpegRows,
+}
+
+/// The pixels the meter counts for a live frame of `width` × `height` of `kind`: its pixels,
+/// weighed by what such a frame costs against a photo's, so one figure per megapixel serves
+/// every kind and each session is offered what it takes.
+pub fn metered_pixels(width: u32, height: u32, kind: LiveFrame) -> u64 {
     let pixels = u64::from(width) * u64::from(height);
-    let cost = match (clip, jpeg) {
-        (false, _) => 1.0,
-        (true, false) => CLIP_FRAME_COST,
-        (true, true) => CLIP_JPEG_FRAME_COST,
+    let cost = match kind {
+        LiveFrame::Photo => 1.0,
+        LiveFrame::Clip => CLIP_FRAME_COST,
+        LiveFrame::ClipJpeg => CLIP_JPEG_FRAME_COST,
+        LiveFrame::ClipJpegRows => CLIP_JPEG_ROWS_FRAME_COST,
     };
     ((pixels as f64 * cost).round() as u64).max(1)
 }
@@ -317,20 +339,19 @@ mod tests {
 
     #[test]
     fn a_clip_frame_counts_its_cost_against_a_photo_frames() {
-        assert_eq!(metered_pixels(512, 512, false, false), 512 * 512);
-        assert_eq!(metered_pixels(1280, 720, true, false), 2_027_520);
-        assert_eq!(metered_pixels(512, 512, false, true), 512 * 512);
-        assert_eq!(metered_pixels(1280, 720, true, true), 184_320);
+        assert_eq!(metered_pixels(512, 512, LiveFrame::Photo), 512 * 512);
+        assert_eq!(metered_pixels(1280, 720, LiveFrame::Clip), 2_027_520);
+        assert_eq!(metered_pixels(1280, 720, LiveFrame::ClipJpeg), 184_320);
+        assert_eq!(metered_pixels(1280, 720, LiveFrame::ClipJpegRows), 276_480);
         // With the prior on two cores, 512² photo sessions: 17 fMP4 or JPEG; 720p clip
-        // sessions: 2 fMP4, 24 JPEG.
+        // sessions: 2 fMP4, 24 JPEG (16 stored by rows).
         let meter = CpuMeter::new(2);
-        let sessions = |clip, jpeg, w, h| {
-            (meter.frames_per_second(metered_pixels(w, h, clip, jpeg)) / 25.0).floor()
-        };
-        assert_eq!(sessions(false, false, 512, 512), 17.0);
-        assert_eq!(sessions(false, true, 512, 512), 17.0);
-        assert_eq!(sessions(true, false, 1280, 720), 2.0);
-        assert_eq!(sessions(true, true, 1280, 720), 24.0);
+        let sessions =
+            |kind, w, h| (meter.frames_per_second(metered_pixels(w, h, kind)) / 25.0).floor();
+        assert_eq!(sessions(LiveFrame::Photo, 512, 512), 17.0);
+        assert_eq!(sessions(LiveFrame::Clip, 1280, 720), 2.0);
+        assert_eq!(sessions(LiveFrame::ClipJpeg, 1280, 720), 24.0);
+        assert_eq!(sessions(LiveFrame::ClipJpegRows, 1280, 720), 16.0);
     }
 
     #[test]

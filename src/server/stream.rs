@@ -1077,12 +1077,21 @@ fn session_thread(
 }
 
 /// What the CPU meter counts for each of a session's frames ([`live_cpu::metered_pixels`]). A
-/// video avatar stored before its frames were stored in segments costs a JPEG session what it
-/// costs an fMP4 one (each frame decoded and encoded whole).
+/// video avatar's JPEG frames cost by how its frames are stored: in segments, by rows (one
+/// segment per row), or as whole JPEGs, which cost a JPEG session what they cost an fMP4 one
+/// (each frame decoded and encoded whole).
 fn metered_pixels(avatar: &Avatar, output: Output) -> u64 {
-    let clip = avatar.clip.is_some();
-    let jpeg = output == Output::Jpeg && (!clip || avatar.stored_by_segments());
-    live_cpu::metered_pixels(avatar.frame.width, avatar.frame.height, clip, jpeg)
+    use live_cpu::LiveFrame;
+    let kind = match (avatar.clip.is_some(), output) {
+        (false, _) => LiveFrame::Photo,
+        (true, Output::Jpeg) => match avatar.stored_segments_per_row() {
+            Some(1) => LiveFrame::ClipJpegRows,
+            Some(_) => LiveFrame::ClipJpeg,
+            None => LiveFrame::Clip,
+        },
+        (true, Output::Fmp4) => LiveFrame::Clip,
+    };
+    live_cpu::metered_pixels(avatar.frame.width, avatar.frame.height, kind)
 }
 
 /// `jpeg` output: per frame one binary message: u32 LE index, f64 LE pts (s), u32 LE length
