@@ -97,6 +97,20 @@ pub(super) fn encode(
     .map_err(failed)
 }
 
+/// Writes `total` segments' coded data as a scan: a restart marker, numbered from RST0 modulo
+/// 8, after each but the last, and the end of the image after it.
+fn write_scan<'d>(out: &mut Vec<u8>, coded: impl Iterator<Item = &'d [u8]>, total: usize) {
+    for (k, data) in coded.enumerate() {
+        out.extend_from_slice(data);
+        let marker = if k + 1 < total {
+            RST0 + (k % 8) as u8
+        } else {
+            EOI
+        };
+        out.extend_from_slice(&[0xFF, marker]);
+    }
+}
+
 /// A JPEG from [`encode_segmented`], cut into its parts.
 #[derive(Debug)]
 pub struct Segments<'a> {
@@ -352,21 +366,18 @@ impl<'a> Segments<'a> {
         jpeg[self.size_at..self.size_at + 2].copy_from_slice(&side(around.height)?.to_be_bytes());
         jpeg[self.size_at + 2..self.size_at + 4]
             .copy_from_slice(&side(around.width)?.to_be_bytes());
-        let total = context.columns.len() * context.rows.len();
-        let mut k = 0;
-        for r in context.rows.clone() {
-            for c in context.columns.clone() {
-                let g = (r * self.per_row + c) as usize;
-                jpeg.extend_from_slice(&self.bytes[self.segments[g].clone()]);
-                k += 1;
-                let marker = if k < total {
-                    RST0 + ((k - 1) % 8) as u8
-                } else {
-                    EOI
-                };
-                jpeg.extend_from_slice(&[0xFF, marker]);
-            }
-        }
+        let per_row = self.per_row;
+        let coded = context
+            .rows
+            .clone()
+            .flat_map(|r| {
+                context
+                    .columns
+                    .clone()
+                    .map(move |c| (r * per_row + c) as usize)
+            })
+            .map(|g| &self.bytes[self.segments[g].clone()]);
+        write_scan(&mut jpeg, coded, context.columns.len() * context.rows.len());
         let decoded = super::image::decode_jpeg(std::io::Cursor::new(&jpeg))?;
         let inner = Region {
             x: want.x - around.x,
@@ -410,22 +421,19 @@ impl<'a> Segments<'a> {
         };
         let mut out = Vec::with_capacity(self.bytes.len() + coded.len());
         out.extend_from_slice(&self.bytes[self.head.clone()]);
-        let n = self.segments.len();
         let across = blocks.columns.len();
-        for (g, own) in self.segments.iter().enumerate() {
+        let coded = self.segments.iter().enumerate().map(|(g, own)| {
             let (r, c) = ((g as u32) / self.per_row, (g as u32) % self.per_row);
-            let data = match &new {
+            match &new {
                 Some(s) if blocks.rows.contains(&r) && blocks.columns.contains(&c) => {
                     let k = (r - blocks.rows.start) as usize * across
                         + (c - blocks.columns.start) as usize;
                     &s.bytes[s.segments[k].clone()]
                 }
                 _ => &self.bytes[own.clone()],
-            };
-            out.extend_from_slice(data);
-            let marker = if g + 1 < n { RST0 + (g % 8) as u8 } else { EOI };
-            out.extend_from_slice(&[0xFF, marker]);
-        }
+            }
+        });
+        write_scan(&mut out, coded, self.segments.len());
         Ok(Some(out))
     }
 
