@@ -1,30 +1,44 @@
 //! Live fragmented MP4 for a session: one zero-latency x264 process that takes raw YUV 4:2:0
 //! frames on stdin and the session's audio (s16le, 16 kHz mono) through a FIFO, and writes
-//! H.264 + AAC as fMP4 with a fragment per frame; [`Fragments`] cuts its output into
-//! the init segment and `moof`+`mdat` fragments, and counts the video frames they hold.
+//! the H.264 pictures as FLV on stdout and the AAC frames as FLV on its descriptor 3. The
+//! two streams are muxed here into fMP4 ([`super::fmp4`]): an init segment, then a fragment
+//! per picture, written the moment the picture is encoded, with the AAC frames encoded since
+//! the last one. [`Fragments`] cuts that output into its pieces and counts the video frames
+//! they hold.
+//!
+//! Why not ffmpeg's MP4 muxer: it writes a fragment only once the next packet arrives, and
+//! interleaves the two streams by time, so every frame waited one frame interval (40 ms at
+//! 25 fps) or for its audio. Two outputs of one stream each are written as they come.
 //!
 //! Video and audio are written by two threads, so ffmpeg, which reads its inputs in turn, can
-//! never block on one pipe while the caller waits on the other.
+//! never block on one pipe while the caller waits on the other; its two outputs are read by
+//! two more (its stdout reader and [`AUDIO_READER`]), for the same reason.
 //!
 //! [`LiveEncoder::spawn`] returns once ffmpeg has started (it has opened the audio input,
 //! its first, which the writer primes with [`PRIME_SAMPLES`] of silence that the filter trims
 //! again): a session's clock then starts with its encoder up, and many sessions opened at once
 //! do not see their first frames late while their encoders load.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::process::{spawn_thread, Process};
+use super::flv;
+use super::fmp4;
+use super::process::{spawn_thread, Fd3, Process};
 use super::{strings, EncoderSettings, NO_PROBE, QUIET};
 use crate::media::yuv::Yuv420;
 use crate::media::Error;
 
 /// Receives the encoder's output: `Some(bytes)` as they come, `None` once at the end.
 pub type StdoutConsumer = Box<dyn FnMut(Option<&[u8]>) + Send>;
+
+/// The name of the thread that reads the AAC output.
+const AUDIO_READER: &str = "live-aac";
 
 /// The live encoder (see the module documentation).
 pub struct LiveEncoder {
@@ -33,6 +47,11 @@ pub struct LiveEncoder {
     video: Option<Sender<Vec<u8>>>,
     audio: Option<Sender<Vec<u8>>>,
     writers: Vec<JoinHandle<()>>,
+    /// Reads the AAC output into the muxer.
+    audio_out: Option<JoinHandle<()>>,
+    /// What went wrong in the muxer, if anything (apart from it: the muxer's lock is held
+    /// while the consumer sends, which may wait on a slow client).
+    muxed: Failure,
     fifo: PathBuf,
     _dir: tempfile::TempDir,
 }
@@ -42,14 +61,17 @@ pub struct LiveEncoder {
 /// filter trims it again.
 pub const PRIME_SAMPLES: usize = 1024;
 
-/// How far ahead of the video a session's audio should reach the encoder. ffmpeg writes a
-/// frame's fragment once it has the AAC packet of the frame's time, and its AAC encoder gives
-/// out a packet of 1024 samples 1024 samples late: 128 ms at 16 kHz, when audio and video come
-/// in step. Audio that runs this far ahead (with 20 ms to spare) lets a frame's fragment go
-/// out as soon as it is encoded: measured at 25 fps on a 512×512 stream, 47 ms from a frame
-/// written to its fragment out (p50; 51 ms p90), against 170 ms (210 ms) in step. The client
-/// then has each frame's sound before or with the frame.
+/// How far ahead of the video a session's audio should reach the encoder. A frame's fragment
+/// goes out when the frame is encoded, with the AAC frames encoded by then; the AAC encoder
+/// gives out a frame of 1024 samples 1024 samples late: 128 ms at 16 kHz. Audio that runs
+/// this far ahead (with 20 ms to spare) puts the sound of a frame's time in the frame's own
+/// fragment or an earlier one, so a player, which plays only where it has both, can play the
+/// frame as soon as it arrives.
 pub const AUDIO_LEAD: Duration = Duration::from_millis(148);
+
+/// AAC frames gathered with no picture to go with them before they go out alone (0.5 s at
+/// 16 kHz): only at the end of a stream, or if ffmpeg's video stalled.
+const AUDIO_ALONE: usize = 8;
 
 /// How long ffmpeg may take to start.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
@@ -80,13 +102,25 @@ impl EncoderSettings {
         a.extend(strings(&["-f", "s16le", "-ar", "16000", "-ac", "1", "-i"]));
         a.push(fifo.to_string());
         a.extend(self.raw_video_input_args());
-        a.extend(strings(&["-map", "1:v:0", "-map", "0:a:0"]));
+        // Each output writes a packet as soon as it is encoded: FLV frames it with its length.
+        let flv = [
+            "-flush_packets",
+            "1",
+            "-flvflags",
+            "no_duration_filesize",
+            "-f",
+            "flv",
+        ];
+        a.extend(strings(&["-map", "1:v:0"]));
         a.extend(self.x264_args(self.threads));
+        a.extend(strings(&flv));
+        a.push("pipe:1".into());
+        a.extend(strings(&["-map", "0:a:0"]));
         // As the file encoder: trim the AAC priming (1024 samples) so speech and lips stay in
-        // step, and the writer's PRIME_SAMPLES. (AAC at 48 kHz would cut the delay a frame's
-        // fragment waits for its audio from about 160 to 50 ms, as its 1024-sample frames
-        // are 21 ms long instead of 64, and stays in step; but Chromium's MSE playback of it
-        // stalled, so the AAC stays at the session's 16 kHz.)
+        // step (the first AAC frame starts at 0), and the writer's PRIME_SAMPLES. (AAC at
+        // 48 kHz would cut the delay of a frame's sound from about 128 to 43 ms, as its
+        // 1024-sample frames are 21 ms long instead of 64, and stays in step; but Chromium's
+        // MSE playback of it stalled, so the AAC stays at the session's 16 kHz.)
         a.extend(strings(&["-af"]));
         a.push(format!("atrim=start_sample={}", 1024 + PRIME_SAMPLES));
         // ffmpeg's fast AAC coder: a fifth of the default (twoloop) coder's CPU, which was
@@ -100,22 +134,226 @@ impl EncoderSettings {
             "fast",
             "-b:a",
             "64k",
-            "-avoid_negative_ts",
-            "disabled",
-            "-flush_packets",
-            "1",
-            "-movflags",
-            "frag_keyframe+empty_moov+default_base_moof+frag_every_frame",
-            "-f",
-            "mp4",
-            "pipe:1",
         ]));
+        a.extend(strings(&flv));
+        a.push("pipe:3".into());
         a
     }
 }
 
+/// Locks a mutex, whatever a thread that panicked holding it left.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The first thing that went wrong with the encoder's output.
+type Failure = Arc<Mutex<Option<String>>>;
+
+/// Muxes the encoder's two FLV outputs into fMP4 for the consumer (see the module
+/// documentation).
+struct Muxer {
+    consume: StdoutConsumer,
+    /// The init segment's size and frame rate; the configurations come from the outputs.
+    width: u32,
+    height: u32,
+    fps: (u32, u32),
+    avc: Option<Vec<u8>>,
+    aac: Option<Vec<u8>>,
+    writer: Option<fmp4::Writer>,
+    /// Pictures `(index, key, data)` that came before the init segment could be written.
+    early: Vec<(u64, bool, Vec<u8>)>,
+    /// AAC frames not yet in a fragment.
+    audio: Vec<Vec<u8>>,
+    video_tags: flv::Tags,
+    audio_tags: flv::Tags,
+    video_ended: bool,
+    audio_ended: bool,
+    /// What went wrong with the output, if anything: nothing more is muxed.
+    error: Failure,
+}
+
+impl Muxer {
+    fn new(settings: &EncoderSettings, consume: StdoutConsumer, error: Failure) -> Self {
+        let (width, height) = settings.coded_size();
+        Muxer {
+            consume,
+            width,
+            height,
+            fps: settings.fps.ratio(),
+            avc: None,
+            aac: None,
+            writer: None,
+            early: Vec::new(),
+            audio: Vec::new(),
+            video_tags: flv::Tags::default(),
+            audio_tags: flv::Tags::default(),
+            video_ended: false,
+            audio_ended: false,
+            error,
+        }
+    }
+
+    /// Bytes of the video output; `None` at its end.
+    fn video_bytes(&mut self, data: Option<&[u8]>) {
+        match data {
+            Some(d) => {
+                if let Err(e) = self.video_tags(d) {
+                    self.fail(format!("the live encoder's video: {e}"));
+                }
+            }
+            None => {
+                if let Err(e) = self.video_tags.end() {
+                    self.fail(format!("the live encoder's video: {e}"));
+                }
+                self.video_ended = true;
+                self.end_if_done();
+            }
+        }
+    }
+
+    /// Bytes of the audio output; `None` at its end.
+    fn audio_bytes(&mut self, data: Option<&[u8]>) {
+        match data {
+            Some(d) => {
+                if let Err(e) = self.audio_tags(d) {
+                    self.fail(format!("the live encoder's audio: {e}"));
+                }
+            }
+            None => {
+                if let Err(e) = self.audio_tags.end() {
+                    self.fail(format!("the live encoder's audio: {e}"));
+                }
+                self.audio_ended = true;
+                self.end_if_done();
+            }
+        }
+    }
+
+    fn fail(&mut self, e: String) {
+        lock(&self.error).get_or_insert(e);
+    }
+
+    fn failed(&self) -> bool {
+        lock(&self.error).is_some()
+    }
+
+    fn video_tags(&mut self, data: &[u8]) -> Result<(), String> {
+        if self.failed() {
+            return Ok(());
+        }
+        for tag in self.video_tags.push(data)? {
+            if tag.kind != flv::VIDEO {
+                continue;
+            }
+            match flv::avc(&tag.data)? {
+                flv::Avc::Config(record) => self.avc = Some(record.to_vec()),
+                flv::Avc::Picture { key, nals } => {
+                    // The frame's index from its time (milliseconds, rounded by the muxer).
+                    let (num, den) = (u64::from(self.fps.0), u64::from(self.fps.1));
+                    let index = (2 * u64::from(tag.timestamp_ms) * num + 1000 * den) / (2000 * den);
+                    self.early.push((index, key, nals.to_vec()));
+                    self.ready()?;
+                    if self.writer.is_some() {
+                        self.write_pictures();
+                    }
+                }
+                flv::Avc::Other => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn audio_tags(&mut self, data: &[u8]) -> Result<(), String> {
+        if self.failed() {
+            return Ok(());
+        }
+        for tag in self.audio_tags.push(data)? {
+            if tag.kind != flv::AUDIO {
+                continue;
+            }
+            match flv::aac(&tag.data)? {
+                flv::Aac::Config(asc) => {
+                    self.aac = Some(asc.to_vec());
+                    self.ready()?;
+                    if self.writer.is_some() {
+                        self.write_pictures();
+                    }
+                }
+                flv::Aac::Frame(frame) => {
+                    self.audio.push(frame.to_vec());
+                    if self.writer.is_some() && self.audio.len() >= AUDIO_ALONE {
+                        self.write_audio();
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the init segment once both configurations are known.
+    fn ready(&mut self) -> Result<(), String> {
+        if self.writer.is_some() {
+            return Ok(());
+        }
+        let (Some(avc), Some(aac)) = (&self.avc, &self.aac) else {
+            return Ok(());
+        };
+        let writer = fmp4::Writer::new(fmp4::Tracks {
+            width: self.width,
+            height: self.height,
+            fps: self.fps,
+            avc: avc.clone(),
+            aac: aac.clone(),
+        })
+        .map_err(|e| e.to_string())?;
+        (self.consume)(Some(&writer.init()));
+        self.writer = Some(writer);
+        Ok(())
+    }
+
+    /// A fragment for every picture waiting, the audio gathered so far with the first.
+    fn write_pictures(&mut self) {
+        let Some(writer) = self.writer.as_mut() else {
+            return;
+        };
+        for (index, key, data) in std::mem::take(&mut self.early) {
+            let picture = fmp4::Picture {
+                index,
+                key,
+                data: &data,
+            };
+            let fragment = writer.fragment(Some(&picture), &std::mem::take(&mut self.audio));
+            (self.consume)(Some(&fragment));
+        }
+    }
+
+    fn write_audio(&mut self) {
+        if let Some(writer) = self.writer.as_mut() {
+            if !self.audio.is_empty() {
+                let fragment = writer.fragment(None, &std::mem::take(&mut self.audio));
+                (self.consume)(Some(&fragment));
+            }
+        }
+    }
+
+    /// Once both outputs have ended: the rest of the audio, then the end.
+    fn end_if_done(&mut self) {
+        if !(self.video_ended && self.audio_ended) {
+            return;
+        }
+        if !self.failed() {
+            if self.writer.is_none() && !self.early.is_empty() {
+                self.fail("the live encoder gave no audio configuration".into());
+            }
+            self.write_audio();
+        }
+        (self.consume)(None);
+    }
+}
+
 impl LiveEncoder {
-    /// Starts ffmpeg; its output goes to `consume` (on ffmpeg's stdout thread).
+    /// Starts ffmpeg; its output goes to `consume` (on one of the threads reading ffmpeg's
+    /// outputs).
     pub fn spawn(settings: EncoderSettings, consume: StdoutConsumer) -> Result<Self, Error> {
         settings.validate()?;
         let dir = tempfile::tempdir()
@@ -130,8 +368,30 @@ impl LiveEncoder {
         }
         let fifo_arg = fifo.display().to_string();
         // Never from the spares: the command line names this session's FIFO.
-        let launch = settings.launch(settings.live_args(&fifo_arg), false);
-        let mut process = Process::spawn(&launch, None, "live encoder", consume)?;
+        let launch = settings.launch(settings.live_args(&fifo_arg), Fd3::Output);
+        let muxed = Failure::default();
+        let muxer = Arc::new(Mutex::new(Muxer::new(&settings, consume, muxed.clone())));
+        let video_muxer = muxer.clone();
+        let mut process = Process::spawn(
+            &launch,
+            None,
+            "live encoder",
+            Box::new(move |data| lock(&video_muxer).video_bytes(data)),
+        )?;
+        let mut aac = process
+            .take_fd3()
+            .ok_or_else(|| Error::Encoder("the live encoder has no audio output".into()))?;
+        let audio_muxer = muxer.clone();
+        let audio_out = spawn_thread(AUDIO_READER, move || {
+            let mut buf = vec![0u8; 16 << 10];
+            loop {
+                match aac.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => lock(&audio_muxer).audio_bytes(Some(&buf[..n])),
+                }
+            }
+            lock(&audio_muxer).audio_bytes(None);
+        })?;
         let mut stdin = process
             .take_stdin()
             .ok_or_else(|| Error::Encoder("the live encoder has no stdin".into()))?;
@@ -167,6 +427,8 @@ impl LiveEncoder {
             video: Some(vtx),
             audio: Some(atx),
             writers: vec![video, audio],
+            audio_out: Some(audio_out),
+            muxed,
             fifo,
             _dir: dir,
         };
@@ -204,6 +466,7 @@ impl LiveEncoder {
     /// The next frame and the audio that goes with it (16 kHz mono s16le; any length: the
     /// audio is one stream, which may run ahead of the frames, see [`AUDIO_LEAD`]).
     pub fn write(&mut self, frame: &Yuv420, audio_s16le: Vec<u8>) -> Result<(), Error> {
+        self.check()?;
         let data = self.settings.coded_frame(frame)?.to_vec();
         let gone = || Error::Encoder("the live encoder stopped".into());
         self.video
@@ -228,14 +491,29 @@ impl LiveEncoder {
             .map_err(|_| Error::Encoder("the live encoder stopped".into()))
     }
 
-    /// Closes both inputs and waits for ffmpeg to write the rest.
+    /// An error if ffmpeg's output could not be muxed.
+    fn check(&self) -> Result<(), Error> {
+        match &*lock(&self.muxed) {
+            Some(e) => Err(Error::Encoder(e.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Closes both inputs and waits for ffmpeg to write the rest, and for the muxer to pass
+    /// it on.
     pub fn finish(mut self) -> Result<(), Error> {
         self.video = None;
         self.audio = None;
         for w in self.writers.drain(..) {
             let _ = w.join();
         }
-        self.process.finish().map(|_| ())
+        let done = self.process.finish().map(|_| ());
+        // ffmpeg has exited: the audio output has ended.
+        if let Some(t) = self.audio_out.take() {
+            let _ = t.join();
+        }
+        done?;
+        self.check()
     }
 }
 
@@ -249,6 +527,8 @@ impl Drop for LiveEncoder {
         for w in self.writers.drain(..) {
             let _ = w.join();
         }
+        // The audio reader ends by itself once ffmpeg is gone; it is not waited for here, as
+        // the consumer it calls may wait on whoever drops this.
     }
 }
 
@@ -409,52 +689,100 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_live_stream_comes_out_as_an_init_segment_and_one_fragment_per_frame() {
+    fn every_frame_comes_out_in_its_own_fragment_before_the_next_is_written() {
         let mut s = EncoderSettings::new(64, 48, crate::media::audio::Fps::DEFAULT);
         s.preset = "ultrafast".into();
         let (tx, rx) = mpsc::channel::<Vec<u8>>();
+        let all = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = all.clone();
+        let mut cut = Fragments::default();
         let consume: StdoutConsumer = Box::new(move |d| {
             if let Some(d) = d {
-                let _ = tx.send(d.to_vec());
+                sink.lock().unwrap().extend_from_slice(d);
+                for piece in cut.push(d) {
+                    let _ = tx.send(match piece {
+                        Piece::Init(b) => b,
+                        Piece::Fragment(_, n) => vec![n as u8],
+                    });
+                }
             }
         });
         let mut enc = LiveEncoder::spawn(s, consume).unwrap();
-        let frame = Yuv420::from_rgb(&crate::media::image::Frame::new(
-            64,
-            48,
-            vec![90; 64 * 48 * 3],
-        ));
-        for _ in 0..25 {
-            enc.write(&frame, vec![0u8; 640 * 2]).unwrap();
+        // As a session does: the audio runs AUDIO_LEAD ahead of the frames (4 frames' worth).
+        // Without it ffmpeg reads the audio, whose encoder has not started, before each frame.
+        enc.write_audio(vec![0u8; 4 * 640 * 2]).unwrap();
+        let wait = Duration::from_secs(10);
+        let mut init = None;
+        for k in 0..25u8 {
+            let frame = crate::media::image::Frame::new(64, 48, vec![k * 9; 64 * 48 * 3]);
+            enc.write(&Yuv420::from_rgb(&frame), vec![0u8; 640 * 2])
+                .unwrap();
+            // The frame's fragment comes without the next frame (ffmpeg's MP4 muxer waited
+            // for it), and holds that frame alone; an audio-only fragment may come first.
+            loop {
+                let got = rx
+                    .recv_timeout(wait)
+                    .unwrap_or_else(|_| panic!("frame {k}'s fragment did not come"));
+                if got.len() > 1 {
+                    init = Some(got);
+                    continue;
+                }
+                match got[0] {
+                    0 => continue,
+                    1 => break,
+                    n => panic!("a fragment holds {n} frames"),
+                }
+            }
         }
         enc.finish().unwrap();
-        let mut f = Fragments::default();
-        let pieces: Vec<Piece> = rx.iter().flat_map(|d| f.push(&d)).collect();
-        let Piece::Init(init) = &pieces[0] else {
-            panic!("no init segment first")
-        };
+        let init = init.expect("an init segment");
         // ultrafast: Constrained Baseline (42 C0), level 1 for this tiny size.
         assert_eq!(
-            mime_type(init),
+            mime_type(&init),
             "video/mp4; codecs=\"avc1.42C00A, mp4a.40.2\""
         );
-        let frames: u32 = pieces
-            .iter()
-            .map(|p| match p {
-                Piece::Fragment(_, n) => *n,
-                Piece::Init(_) => 0,
-            })
-            .sum();
-        assert_eq!(frames, 25);
-        let most = pieces
-            .iter()
-            .map(|p| match p {
-                Piece::Fragment(_, n) => *n,
-                Piece::Init(_) => 0,
-            })
-            .max()
+        // ffprobe reads the stream whole: 25 frames at exactly k/25 s, a keyframe first, an
+        // AAC track at 16 kHz, and nothing it complains about.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("live.mp4");
+        std::fs::write(&path, &*all.lock().unwrap()).unwrap();
+        let probe = |args: &[&str]| {
+            let out = std::process::Command::new(crate::media::video::clip::ffprobe_for(
+                &super::super::default_ffmpeg(),
+            ))
+            .args(["-v", "error"])
+            .args(args)
+            .arg(&path)
+            .output()
             .unwrap();
-        assert!(most <= 5, "a fragment holds {most} frames (over 200 ms)");
+            assert!(out.status.success() && out.stderr.is_empty(), "{out:?}");
+            String::from_utf8(out.stdout).unwrap()
+        };
+        let frames = probe(&[
+            "-select_streams",
+            "v",
+            "-show_entries",
+            "frame=pts_time,key_frame",
+            "-of",
+            "json",
+        ]);
+        let frames: serde_json::Value = serde_json::from_str(&frames).unwrap();
+        let frames = frames["frames"].as_array().unwrap();
+        assert_eq!(frames.len(), 25, "{frames:?}");
+        for (k, f) in frames.iter().enumerate() {
+            let t: f64 = f["pts_time"].as_str().unwrap().parse().unwrap();
+            assert!((t - k as f64 / 25.0).abs() < 1e-6, "frame {k} at {t} s");
+            assert_eq!(f["key_frame"] == 1, k == 0, "frame {k}: {f}");
+        }
+        let audio = probe(&[
+            "-select_streams",
+            "a",
+            "-show_entries",
+            "stream=codec_name,sample_rate,channels",
+            "-of",
+            "csv=p=0",
+        ]);
+        assert_eq!(audio.trim(), "aac,16000,1");
     }
 
     #[test]

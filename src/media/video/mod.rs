@@ -19,6 +19,8 @@
 //! so ffmpeg can never block on a full pipe; unfinished processes are killed and reaped.
 
 pub mod clip;
+mod flv;
+mod fmp4;
 pub mod live;
 mod process;
 mod remux;
@@ -31,7 +33,7 @@ mod splice;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use process::{Launch, Process, StdoutConsumer};
+use process::{Fd3, Launch, Process, StdoutConsumer};
 
 use crate::media::audio::Fps;
 use crate::media::image::Frame;
@@ -292,8 +294,8 @@ impl EncoderSettings {
         a
     }
 
-    /// This encoder's ffmpeg with `args`, reading descriptor 3 if `fd3`.
-    fn launch(&self, args: Vec<String>, fd3: bool) -> Launch {
+    /// This encoder's ffmpeg with `args`, and descriptor 3 as `fd3` says.
+    fn launch(&self, args: Vec<String>, fd3: Fd3) -> Launch {
         Launch {
             ffmpeg: self.ffmpeg.clone(),
             nice: self.nice,
@@ -319,7 +321,12 @@ impl EncoderSettings {
             (Some(_), None) => None,
             _ => self.spares.as_ref(),
         };
-        let launch = self.launch(args_for(arg.as_deref()), feed.is_some());
+        let fd3 = if feed.is_some() {
+            Fd3::Input
+        } else {
+            Fd3::None
+        };
+        let launch = self.launch(args_for(arg.as_deref()), fd3);
         let mut process = Process::spawn(&launch, spares, role, consume)?;
         if let Some(file) = feed {
             process.feed_fd3(file)?;

@@ -52,9 +52,18 @@ pub(super) struct Launch {
     /// Added to the niceness (see [`super::EncoderSettings::nice`]).
     pub nice: i32,
     pub args: Vec<String>,
-    /// The process reads a second input from a pipe on its descriptor 3 (`pipe:3` in the
-    /// arguments), which the caller feeds ([`Process::feed_fd3`]).
-    pub fd3: bool,
+    /// What the process's descriptor 3 is (`pipe:3` in the arguments).
+    pub fd3: Fd3,
+}
+
+/// A process's descriptor 3: none, or a pipe for a second input, which the caller feeds
+/// ([`Process::feed_fd3`]), or for a second output, which the caller reads
+/// ([`Process::take_fd3`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) enum Fd3 {
+    None,
+    Input,
+    Output,
 }
 
 /// A started process whose pipes nobody reads yet; killed and reaped if dropped.
@@ -85,16 +94,22 @@ impl Launch {
     /// Starts the process, its stdio piped (and descriptor 3, see [`Self::fd3`]), without
     /// forking the service ([`spawn`]).
     pub(super) fn start(&self) -> Result<Started, Error> {
-        let (reader, fd3) = if self.fd3 {
-            let (reader, writer) =
-                pipe().map_err(|e| Error::Internal(format!("cannot make a pipe: {e}")))?;
-            (Some(reader), Some(writer))
-        } else {
-            (None, None)
+        let made = || pipe().map_err(|e| Error::Internal(format!("cannot make a pipe: {e}")));
+        // (the child's end, ours)
+        let (theirs, fd3) = match self.fd3 {
+            Fd3::None => (None, None),
+            Fd3::Input => {
+                let (reader, writer) = made()?;
+                (Some(reader), Some(writer))
+            }
+            Fd3::Output => {
+                let (reader, writer) = made()?;
+                (Some(writer), Some(reader))
+            }
         };
-        // The parent's copy of the read end closes once the child has it, so the child's
-        // exit breaks the pipe for the writer.
-        let child = spawn(&self.ffmpeg, &self.args, reader, self.nice)
+        // The parent's copy of the child's end closes once the child has it, so the child's
+        // exit breaks the pipe for the writer, or ends the reader's input.
+        let child = spawn(&self.ffmpeg, &self.args, theirs, self.nice)
             .map_err(|e| missing(&self.ffmpeg, &e))?;
         Ok(Started {
             child: Some(child),
@@ -185,6 +200,11 @@ impl Process {
         })?;
         self.fd3_feeder = Some(feeder);
         Ok(())
+    }
+
+    /// Hands the read end of descriptor 3's pipe ([`Fd3::Output`]) to the caller.
+    pub(super) fn take_fd3(&mut self) -> Option<File> {
+        self.fd3.take()
     }
 
     /// Hands the stdin pipe to someone else (closing it is then their business).
@@ -310,7 +330,7 @@ mod tests {
             ffmpeg: "cat".into(),
             nice,
             args: args.iter().map(|a| a.to_string()).collect(),
-            fd3: false,
+            fd3: Fd3::None,
         }
     }
 
@@ -335,7 +355,7 @@ mod tests {
         std::fs::write(&file, &data).unwrap();
         // `cat - /dev/fd/3`: stdin, then descriptor 3.
         let mut launch = cat(0, &["-", "/dev/fd/3"]);
-        launch.fd3 = true;
+        launch.fd3 = Fd3::Input;
         let spares = Spares::new();
         spares.refill(&launch);
         assert_eq!(spares.idle(), 1);
@@ -378,7 +398,7 @@ mod tests {
             .iter()
             .map(|a| a.to_string())
             .collect(),
-            fd3: false,
+            fd3: Fd3::None,
         };
         let (consume, out) = collector();
         let mut p = Process::spawn(&launch, None, "sh", consume).unwrap();

@@ -38,7 +38,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::process::{spawn_thread, Launch, Process, StdoutConsumer};
+use super::flv::{self, be};
+use super::process::{spawn_thread, Fd3, Launch, Process, StdoutConsumer};
 use super::single::SinkError;
 use super::splice::{FrameFeed, FramePool};
 use super::{EncodeSummary, EncoderSettings, Sink, VideoEncoder};
@@ -200,7 +201,7 @@ impl SegmentedEncoder {
     }
 
     fn worker_launch(&self) -> Launch {
-        self.settings.launch(self.settings.worker_args(), false)
+        self.settings.launch(self.settings.worker_args(), Fd3::None)
     }
 
     /// Closes the output queues of the workers that never started: the joiner then sees
@@ -416,7 +417,7 @@ pub fn start_workers_ahead(settings: &EncoderSettings) -> Result<(), Error> {
         return Ok(());
     }
     settings.validate()?;
-    let launch = settings.launch(settings.worker_args(), false);
+    let launch = settings.launch(settings.worker_args(), Fd3::None);
     for _ in pool.kept_for(&launch)..settings.workers {
         let route = Arc::new(Route::default());
         let (process, stdin) = spawn_worker(&launch, "encoder worker", &route)?;
@@ -787,11 +788,10 @@ fn routed_consumer(route: Arc<Route>) -> StdoutConsumer {
 }
 
 /// Incremental FLV reader for ffmpeg's H.264 output (legacy AVC tags and enhanced-FLV
-/// `avc1` tags): yields every coded picture, converted to Annex B.
+/// `avc1` tags, see [`flv`]): yields every coded picture, converted to Annex B.
 #[derive(Default)]
 struct FlvReader {
-    buf: Vec<u8>,
-    header_done: bool,
+    tags: flv::Tags,
     /// Bytes of each NAL unit's length prefix (from the decoder configuration).
     length_size: usize,
     params: Option<Arc<Vec<u8>>>,
@@ -801,101 +801,36 @@ fn flv_error(what: impl std::fmt::Display) -> Error {
     Error::Encoder(format!("unexpected output from an encoder worker: {what}"))
 }
 
-fn be(bytes: &[u8]) -> usize {
-    bytes.iter().fold(0, |acc, &b| (acc << 8) | b as usize)
-}
-
 impl FlvReader {
     fn push(&mut self, data: &[u8]) -> Result<Vec<Picture>, Error> {
-        self.buf.extend_from_slice(data);
-        let mut pos = 0;
         let mut out = Vec::new();
-        if !self.header_done {
-            // "FLV", version, flags, header size (u32), then PreviousTagSize0 (u32).
-            if self.buf.len() < 9 {
-                return Ok(out);
-            }
-            if &self.buf[..3] != b"FLV" {
-                return Err(flv_error("not FLV"));
-            }
-            let header = be(&self.buf[5..9]);
-            if self.buf.len() < header + 4 {
-                return Ok(out);
-            }
-            pos = header + 4;
-            self.header_done = true;
-        }
-        // Tag: type (u8), data size (u24), timestamp (u24 + u8), stream id (u24), data,
-        // then PreviousTagSize (u32).
-        while self.buf.len() >= pos + 11 {
-            let size = be(&self.buf[pos + 1..pos + 4]);
-            let end = pos + 11 + size + 4;
-            if self.buf.len() < end {
-                break;
-            }
-            if self.buf[pos] == 9 {
-                let tag = self.buf[pos + 11..pos + 11 + size].to_vec();
-                if let Some(p) = self.video_tag(&tag)? {
+        for tag in self.tags.push(data).map_err(flv_error)? {
+            if tag.kind == flv::VIDEO {
+                if let Some(p) = self.video_tag(&tag.data)? {
                     out.push(p);
                 }
             }
-            pos = end;
         }
-        self.buf.drain(..pos);
         Ok(out)
     }
 
     fn end(&self) -> Result<(), Error> {
-        if self.buf.is_empty() {
-            Ok(())
-        } else {
-            Err(flv_error(format!(
-                "{} bytes of a truncated tag",
-                self.buf.len()
-            )))
-        }
+        self.tags.end().map_err(flv_error)
     }
 
     fn video_tag(&mut self, tag: &[u8]) -> Result<Option<Picture>, Error> {
-        let Some(&first) = tag.first() else {
-            return Ok(None);
-        };
-        // (key, packet kind, payload): kind 0 = decoder configuration, 1 = NAL units, else skip.
-        let (key, kind, payload) = if first & 0x80 != 0 {
-            // Enhanced FLV: frame type (3 bits), packet type (4 bits), FourCC.
-            if tag.len() < 5 || &tag[1..5] != b"avc1" {
-                return Err(flv_error("not H.264"));
-            }
-            let key = (first >> 4) & 0x07 == 1;
-            match first & 0x0f {
-                0 => (key, 0, &tag[5..]),
-                1 if tag.len() >= 8 => (key, 1, &tag[8..]), // composition time (s24) first
-                3 => (key, 1, &tag[5..]),
-                _ => (key, 2, &tag[..0]),
-            }
-        } else {
-            if first & 0x0f != 7 {
-                return Err(flv_error("not H.264"));
-            }
-            if tag.len() < 5 {
-                return Err(flv_error("short AVC tag"));
-            }
-            let key = first >> 4 == 1;
-            // AVC packet type, composition time (s24), payload.
-            (key, tag[1].min(2), &tag[5..])
-        };
-        match kind {
-            0 => {
-                self.configure(payload)?;
+        match flv::avc(tag).map_err(flv_error)? {
+            flv::Avc::Config(record) => {
+                self.configure(record)?;
                 Ok(None)
             }
-            1 => {
+            flv::Avc::Picture { key, nals } => {
                 let params = self
                     .params
                     .clone()
                     .ok_or_else(|| flv_error("picture before the decoder configuration"))?;
                 let mut data = AUD.to_vec();
-                let mut rest = payload;
+                let mut rest = nals;
                 while !rest.is_empty() {
                     if rest.len() < self.length_size {
                         return Err(flv_error("truncated NAL length"));
@@ -913,7 +848,7 @@ impl FlvReader {
                 }
                 Ok(Some(Picture { key, data, params }))
             }
-            _ => Ok(None),
+            flv::Avc::Other => Ok(None),
         }
     }
 
@@ -950,21 +885,10 @@ impl FlvReader {
 mod tests {
     use super::*;
 
-    fn tag(kind: u8, data: &[u8]) -> Vec<u8> {
-        let mut t = vec![kind];
-        t.extend_from_slice(&(data.len() as u32).to_be_bytes()[1..]);
-        t.extend_from_slice(&[0; 7]);
-        t.extend_from_slice(data);
-        t.extend_from_slice(&(11 + data.len() as u32).to_be_bytes());
-        t
-    }
+    use crate::media::video::flv::tests::{flv, tag_at};
 
-    fn flv(tags: &[Vec<u8>]) -> Vec<u8> {
-        let mut f = b"FLV\x01\x01\x00\x00\x00\x09\x00\x00\x00\x00".to_vec();
-        for t in tags {
-            f.extend_from_slice(t);
-        }
-        f
+    fn tag(kind: u8, data: &[u8]) -> Vec<u8> {
+        tag_at(kind, 0, data)
     }
 
     const SPS: &[u8] = &[0x67, 0x64, 0x00, 0x1f, 0xac];

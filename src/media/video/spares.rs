@@ -267,7 +267,7 @@ mod tests {
             ffmpeg: "cat".into(),
             nice: 0,
             args: vec![arg.to_string()],
-            fd3: false,
+            fd3: crate::media::video::Fd3::None,
         }
     }
 
