@@ -141,18 +141,27 @@ pub(super) enum Aac<'a> {
     Config(&'a [u8]),
     /// One raw AAC frame.
     Frame(&'a [u8]),
+    /// Anything else (the end of the sequence, a channel layout).
+    Other,
 }
 
-/// Reads an audio tag's payload: sound format (4 bits; 10 is AAC), rate, size and channels
-/// (ignored for AAC, the configuration says them), the AAC packet type, the data.
+/// Reads an audio tag's payload. Legacy tags: sound format (4 bits; 10 is AAC), rate, size
+/// and channels (ignored for AAC, the configuration says them), the AAC packet type, the
+/// data. Enhanced-FLV tags: sound format 9, the packet type (4 bits), the FourCC `mp4a`,
+/// the data.
 pub(super) fn aac(tag: &[u8]) -> Result<Aac<'_>, String> {
-    if tag.len() < 2 || tag[0] >> 4 != 10 {
-        return Err("not AAC".into());
-    }
-    match tag[1] {
-        0 => Ok(Aac::Config(&tag[2..])),
-        1 => Ok(Aac::Frame(&tag[2..])),
-        t => Err(format!("AAC packet type {t}")),
+    match tag.first().map(|b| b >> 4) {
+        Some(10) if tag.len() >= 2 => match tag[1] {
+            0 => Ok(Aac::Config(&tag[2..])),
+            1 => Ok(Aac::Frame(&tag[2..])),
+            t => Err(format!("AAC packet type {t}")),
+        },
+        Some(9) if tag.len() >= 5 && &tag[1..5] == b"mp4a" => Ok(match tag[0] & 0x0f {
+            0 => Aac::Config(&tag[5..]),
+            1 => Aac::Frame(&tag[5..]),
+            _ => Aac::Other,
+        }),
+        _ => Err("not AAC".into()),
     }
 }
 
@@ -221,6 +230,11 @@ pub(super) mod tests {
         assert!(aac(&[0x2f, 1, 0]).is_err(), "MP3 is not AAC");
         assert!(aac(&[0xaf]).is_err());
         assert!(aac(&[0xaf, 7, 0]).is_err());
+        // Enhanced FLV: packet type in the first byte, then the FourCC.
+        assert_eq!(aac(b"\x90mp4a\x14\x08"), Ok(Aac::Config(&[0x14, 0x08][..])));
+        assert_eq!(aac(b"\x91mp4a\x01\x02"), Ok(Aac::Frame(&[1, 2][..])));
+        assert_eq!(aac(b"\x92mp4a"), Ok(Aac::Other));
+        assert!(aac(b"\x91Opus\x01").is_err(), "Opus is not AAC");
 
         let mut t = Tags::default();
         t.push(&s[..s.len() - 1]).unwrap();

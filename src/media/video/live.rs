@@ -285,6 +285,7 @@ impl Muxer {
                         self.write_audio();
                     }
                 }
+                flv::Aac::Other => {}
             }
         }
         Ok(())
@@ -687,6 +688,133 @@ pub fn mime_type(init: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A muxer whose output is gathered, and whether its end came (and how often).
+    fn muxer() -> (Muxer, Arc<Mutex<(Vec<u8>, u32)>>, Failure) {
+        let out = Arc::new(Mutex::new((Vec::new(), 0u32)));
+        let sink = out.clone();
+        let consume: StdoutConsumer = Box::new(move |d| {
+            let mut o = sink.lock().unwrap();
+            match d {
+                Some(d) => o.0.extend_from_slice(d),
+                None => o.1 += 1,
+            }
+        });
+        let failed = Failure::default();
+        let s = EncoderSettings::new(64, 48, crate::media::audio::Fps::DEFAULT);
+        (Muxer::new(&s, consume, failed.clone()), out, failed)
+    }
+
+    fn video_flv(pictures: std::ops::Range<u32>, config: bool) -> Vec<u8> {
+        use crate::media::video::flv::tests::tag_at;
+        let mut tags = Vec::new();
+        if config {
+            let mut c = vec![0x17, 0, 0, 0, 0];
+            c.extend_from_slice(&[
+                1, 0x42, 0xc0, 0x0a, 0xff, 0xe1, 0, 2, 0x67, 0x42, 1, 0, 1, 0x68,
+            ]);
+            tags.push(tag_at(flv::VIDEO, 0, &c));
+        }
+        for k in pictures {
+            let key = if k == 0 { 0x17 } else { 0x27 };
+            tags.push(tag_at(
+                flv::VIDEO,
+                k * 40,
+                &[key, 1, 0, 0, 0, 0, 0, 0, 1, 0x65],
+            ));
+        }
+        let mut f = crate::media::video::flv::tests::flv(&tags);
+        if !config {
+            f.drain(..13); // the header went before
+        }
+        f
+    }
+
+    fn audio_flv(frames: usize, config: bool) -> Vec<u8> {
+        use crate::media::video::flv::tests::tag_at;
+        let mut tags = Vec::new();
+        if config {
+            tags.push(tag_at(flv::AUDIO, 0, &[0xaf, 0, 0x14, 0x08]));
+        }
+        for _ in 0..frames {
+            tags.push(tag_at(flv::AUDIO, 0, &[0xaf, 1, 0x21, 0x10]));
+        }
+        let mut f = crate::media::video::flv::tests::flv(&tags);
+        if !config {
+            f.drain(..13);
+        }
+        f
+    }
+
+    fn frames_per_piece(bytes: &[u8]) -> Vec<Option<u32>> {
+        Fragments::default()
+            .push(bytes)
+            .into_iter()
+            .map(|p| match p {
+                Piece::Init(_) => None,
+                Piece::Fragment(_, n) => Some(n),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn pictures_wait_for_the_audio_configuration_then_go_out_one_per_fragment() {
+        let (mut m, out, failed) = muxer();
+        m.video_bytes(Some(&video_flv(0..2, true)));
+        assert!(
+            out.lock().unwrap().0.is_empty(),
+            "no init segment without the AAC config"
+        );
+        m.audio_bytes(Some(&audio_flv(1, true)));
+        m.video_bytes(Some(&video_flv(2..3, false)));
+        // Audio with no picture to ride with: it goes alone once AUDIO_ALONE frames gather.
+        m.audio_bytes(Some(&audio_flv(AUDIO_ALONE, false)));
+        m.audio_bytes(Some(&audio_flv(3, false)));
+        m.video_bytes(None);
+        assert_eq!(
+            out.lock().unwrap().1,
+            0,
+            "the end waits for the audio's end"
+        );
+        m.audio_bytes(None);
+        let (bytes, ends) = out.lock().unwrap().clone();
+        assert_eq!(ends, 1);
+        assert!(failed.lock().unwrap().is_none());
+        // init; the two early pictures; the third (with the first AAC frame); 8 AAC frames
+        // alone; the last 3 at the end.
+        assert_eq!(
+            frames_per_piece(&bytes),
+            [None, Some(1), Some(1), Some(1), Some(0), Some(0)]
+        );
+    }
+
+    #[test]
+    fn output_that_is_not_flv_fails_the_encoder_and_still_ends() {
+        let (mut m, out, failed) = muxer();
+        m.audio_bytes(Some(&audio_flv(0, true)));
+        m.video_bytes(Some(b"RIFF\0\0\0\0WAVEfmt "));
+        m.video_bytes(Some(&video_flv(0..3, true)));
+        m.video_bytes(None);
+        m.audio_bytes(None);
+        let (bytes, ends) = out.lock().unwrap().clone();
+        assert_eq!(ends, 1);
+        assert!(
+            bytes.is_empty(),
+            "nothing after the failure: {} bytes",
+            bytes.len()
+        );
+        let e = failed.lock().unwrap().clone().unwrap();
+        assert!(e.contains("video") && e.contains("not FLV"), "{e}");
+
+        // An audio output that never says its configuration: the pictures cannot go out.
+        let (mut m, _, failed) = muxer();
+        m.video_bytes(Some(&video_flv(0..2, true)));
+        m.audio_bytes(Some(&audio_flv(0, false)[..0]));
+        m.video_bytes(None);
+        m.audio_bytes(None);
+        let e = failed.lock().unwrap().clone().unwrap();
+        assert!(e.contains("no audio configuration"), "{e}");
+    }
 
     #[test]
     fn every_frame_comes_out_in_its_own_fragment_before_the_next_is_written() {
