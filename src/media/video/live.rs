@@ -689,8 +689,11 @@ pub fn mime_type(init: &[u8]) -> String {
 mod tests {
     use super::*;
 
-    /// A muxer whose output is gathered, and whether its end came (and how often).
-    fn muxer() -> (Muxer, Arc<Mutex<(Vec<u8>, u32)>>, Failure) {
+    /// What a muxer wrote, and how many times its end came.
+    type Written = Arc<Mutex<(Vec<u8>, u32)>>;
+
+    /// A muxer whose output is gathered, and its failure slot.
+    fn muxer() -> (Muxer, Written, Failure) {
         let out = Arc::new(Mutex::new((Vec::new(), 0u32)));
         let sink = out.clone();
         let consume: StdoutConsumer = Box::new(move |d| {
