@@ -30,6 +30,7 @@ use std::time::Duration;
 use super::flv;
 use super::fmp4;
 use super::process::{spawn_thread, Fd3, Process};
+use super::splice::{FrameFeed, FramePool};
 use super::{strings, EncoderSettings, NO_PROBE, QUIET};
 use crate::media::yuv::Yuv420;
 use crate::media::Error;
@@ -46,6 +47,8 @@ pub struct LiveEncoder {
     process: Process,
     video: Option<Sender<Vec<u8>>>,
     audio: Option<Sender<Vec<u8>>>,
+    /// Buffers of frames ffmpeg has read, to fill again.
+    pool: FramePool,
     writers: Vec<JoinHandle<()>>,
     /// Reads the AAC output into the muxer.
     audio_out: Option<JoinHandle<()>>,
@@ -72,6 +75,9 @@ pub const AUDIO_LEAD: Duration = Duration::from_millis(148);
 /// AAC frames gathered with no picture to go with them before they go out alone (0.5 s at
 /// 16 kHz): only at the end of a stream, or if ffmpeg's video stalled.
 const AUDIO_ALONE: usize = 8;
+
+/// Frame buffers kept for reuse: those the pipe may still reference, and a few queued.
+const FRAMES_KEPT: usize = 4;
 
 /// How long ffmpeg may take to start.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
@@ -393,17 +399,24 @@ impl LiveEncoder {
             }
             lock(&audio_muxer).audio_bytes(None);
         })?;
-        let mut stdin = process
+        let stdin = process
             .take_stdin()
             .ok_or_else(|| Error::Encoder("the live encoder has no stdin".into()))?;
         let (vtx, vrx) = mpsc::channel::<Vec<u8>>();
         let (atx, arx) = mpsc::channel::<Vec<u8>>();
+        // Frames go in by reference, not copied into the pipe ([`FrameFeed`]), through a pipe
+        // that holds a whole frame.
+        let pool = FramePool::new(FRAMES_KEPT);
+        let mut feed = FrameFeed::new(stdin, pool.clone());
+        let (w, h) = settings.coded_size();
+        feed.widen(w as usize * h as usize * 3 / 2);
         let video = spawn_thread("live-video", move || {
             for data in vrx {
-                if stdin.write_all(&data).is_err() {
+                if feed.write(data).is_err() {
                     break;
                 }
             }
+            // Dropping the feed waits until ffmpeg has read the last frames (or has gone).
         })?;
         let (opened_tx, opened) = mpsc::channel::<()>();
         let audio_fifo = fifo.clone();
@@ -427,6 +440,7 @@ impl LiveEncoder {
             process,
             video: Some(vtx),
             audio: Some(atx),
+            pool,
             writers: vec![video, audio],
             audio_out: Some(audio_out),
             muxed,
@@ -468,7 +482,7 @@ impl LiveEncoder {
     /// audio is one stream, which may run ahead of the frames, see [`AUDIO_LEAD`]).
     pub fn write(&mut self, frame: &Yuv420, audio_s16le: Vec<u8>) -> Result<(), Error> {
         self.check()?;
-        let data = self.settings.coded_frame(frame)?.to_vec();
+        let data = self.pool.filled(self.settings.coded_frame(frame)?);
         let gone = || Error::Encoder("the live encoder stopped".into());
         self.video
             .as_ref()

@@ -86,6 +86,24 @@ impl FrameFeed {
         }
     }
 
+    /// Asks for a pipe that holds `bytes` (a frame) at once, at most 1 MiB (Linux's default
+    /// `pipe-max-size`): a frame then goes in with one call and its reader takes it with
+    /// one wake-up, where the default 64 KiB pipe passes a 512×512 frame in six rounds of
+    /// both sides sleeping and waking. Nothing changes where the system refuses (a user over
+    /// its pipe-buffer allowance).
+    pub(super) fn widen(&mut self, bytes: usize) {
+        let want = bytes.clamp(4096, 1 << 20).next_power_of_two().min(1 << 20);
+        if want <= self.capacity {
+            return;
+        }
+        // SAFETY: F_SETPIPE_SZ asks the kernel to resize the pipe; it returns the size set,
+        // or -1 and leaves the pipe as it was.
+        let set = unsafe { libc::fcntl(self.fd(), libc::F_SETPIPE_SZ, want as libc::c_int) };
+        if let Ok(set) = usize::try_from(set) {
+            self.capacity = self.capacity.max(set);
+        }
+    }
+
     /// Writes `frame`; an error means the reader has gone (or the pipe failed).
     pub(super) fn write(&mut self, frame: Vec<u8>) -> io::Result<()> {
         if !self.splice {
@@ -239,6 +257,27 @@ mod tests {
     fn pipe_pair() -> (File, ChildStdin) {
         let (r, w) = super::super::spawn::pipe().unwrap();
         (r, ChildStdin::from(std::os::fd::OwnedFd::from(w)))
+    }
+
+    #[test]
+    fn a_widened_pipe_holds_a_whole_frame_and_frames_still_arrive_whole() {
+        let (mut out, stdin) = pipe_pair();
+        let mut feed = FrameFeed::new(stdin, FramePool::new(4));
+        feed.widen(393_216);
+        // SAFETY: F_GETPIPE_SZ reads the pipe's capacity.
+        let size = unsafe { libc::fcntl(feed.fd(), libc::F_GETPIPE_SZ) };
+        assert_eq!(size, 1 << 19, "a 512×512 frame's pipe");
+        // The whole frame goes in with nobody reading yet.
+        let f = frame(0, 393_216);
+        feed.write(f.clone()).unwrap();
+        let mut got = vec![0u8; f.len()];
+        out.read_exact(&mut got).unwrap();
+        assert!(got == f);
+        // Never past 1 MiB, never smaller than it is.
+        feed.widen(5 << 20);
+        feed.widen(10);
+        let size = unsafe { libc::fcntl(feed.fd(), libc::F_GETPIPE_SZ) };
+        assert_eq!(size, 1 << 20);
     }
 
     #[test]
