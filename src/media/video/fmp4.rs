@@ -284,71 +284,89 @@ impl Writer {
         });
     }
 
-    fn video_trak(&self, o: &mut Vec<u8>) {
-        let (w, h) = (self.tracks.width, self.tracks.height);
+    /// A track: `tkhd`, then `mdia` with the media's timescale and handler, and `minf` with
+    /// its media header box (`mhd`) and `entry` as its one sample description.
+    fn trak(
+        o: &mut Vec<u8>,
+        (track, volume, size): (u32, u16, (u32, u32)),
+        timescale: u32,
+        (handler, name): (&[u8; 4], &str),
+        mhd: impl FnOnce(&mut Vec<u8>),
+        entry: impl FnOnce(&mut Vec<u8>),
+    ) {
         boxed(o, b"trak", |o| {
-            Self::tkhd(o, VIDEO, 0, (w, h));
+            Self::tkhd(o, track, volume, size);
             boxed(o, b"mdia", |o| {
-                Self::mdhd_hdlr(o, self.video_timescale, b"vide", "VideoHandler");
+                Self::mdhd_hdlr(o, timescale, handler, name);
                 boxed(o, b"minf", |o| {
-                    full(o, b"vmhd", 0, 1, |o| o.zeros(8));
-                    Self::dinf_stbl(o, |o| {
-                        boxed(o, b"avc1", |o| {
-                            o.zeros(6);
-                            o.u16(1); // data reference
-                            o.zeros(16);
-                            o.u16(w as u16);
-                            o.u16(h as u16);
-                            o.u32(0x0048_0000); // 72 dpi
-                            o.u32(0x0048_0000);
-                            o.u32(0);
-                            o.u16(1); // frames per sample
-                            o.zeros(32); // compressor name
-                            o.u16(0x0018); // depth
-                            o.u16(0xffff);
-                            boxed(o, b"avcC", |o| o.extend_from_slice(&self.tracks.avc));
-                        });
-                    });
+                    mhd(o);
+                    Self::dinf_stbl(o, entry);
                 });
             });
         });
     }
 
+    fn video_trak(&self, o: &mut Vec<u8>) {
+        let (w, h) = (self.tracks.width, self.tracks.height);
+        Self::trak(
+            o,
+            (VIDEO, 0, (w, h)),
+            self.video_timescale,
+            (b"vide", "VideoHandler"),
+            |o| full(o, b"vmhd", 0, 1, |o| o.zeros(8)),
+            |o| {
+                boxed(o, b"avc1", |o| {
+                    o.zeros(6);
+                    o.u16(1); // data reference
+                    o.zeros(16);
+                    o.u16(w as u16);
+                    o.u16(h as u16);
+                    o.u32(0x0048_0000); // 72 dpi
+                    o.u32(0x0048_0000);
+                    o.u32(0);
+                    o.u16(1); // frames per sample
+                    o.zeros(32); // compressor name
+                    o.u16(0x0018); // depth
+                    o.u16(0xffff);
+                    boxed(o, b"avcC", |o| o.extend_from_slice(&self.tracks.avc));
+                })
+            },
+        );
+    }
+
     fn audio_trak(&self, o: &mut Vec<u8>) {
         let a = self.audio;
-        boxed(o, b"trak", |o| {
-            Self::tkhd(o, AUDIO, 0x0100, (0, 0));
-            boxed(o, b"mdia", |o| {
-                Self::mdhd_hdlr(o, a.sample_rate, b"soun", "SoundHandler");
-                boxed(o, b"minf", |o| {
-                    full(o, b"smhd", 0, 0, |o| o.zeros(4));
-                    Self::dinf_stbl(o, |o| {
-                        boxed(o, b"mp4a", |o| {
-                            o.zeros(6);
-                            o.u16(1);
-                            o.zeros(8);
-                            o.u16(a.channels);
-                            o.u16(16);
-                            o.zeros(4);
-                            o.u32(a.sample_rate << 16);
-                            full(o, b"esds", 0, 0, |o| {
-                                descriptor(o, 3, |o| {
-                                    o.u16(AUDIO as u16); // ES id
-                                    o.push(0);
-                                    descriptor(o, 4, |o| {
-                                        o.push(0x40); // MPEG-4 audio
-                                        o.push(0x15); // audio stream
-                                        o.zeros(3 + 4 + 4); // buffer size, bit rates
-                                        descriptor(o, 5, |o| o.extend_from_slice(&self.tracks.aac));
-                                    });
-                                    descriptor(o, 6, |o| o.push(2));
-                                });
+        Self::trak(
+            o,
+            (AUDIO, 0x0100, (0, 0)),
+            a.sample_rate,
+            (b"soun", "SoundHandler"),
+            |o| full(o, b"smhd", 0, 0, |o| o.zeros(4)),
+            |o| {
+                boxed(o, b"mp4a", |o| {
+                    o.zeros(6);
+                    o.u16(1);
+                    o.zeros(8);
+                    o.u16(a.channels);
+                    o.u16(16);
+                    o.zeros(4);
+                    o.u32(a.sample_rate << 16);
+                    full(o, b"esds", 0, 0, |o| {
+                        descriptor(o, 3, |o| {
+                            o.u16(AUDIO as u16); // ES id
+                            o.push(0);
+                            descriptor(o, 4, |o| {
+                                o.push(0x40); // MPEG-4 audio
+                                o.push(0x15); // audio stream
+                                o.zeros(3 + 4 + 4); // buffer size, bit rates
+                                descriptor(o, 5, |o| o.extend_from_slice(&self.tracks.aac));
                             });
+                            descriptor(o, 6, |o| o.push(2));
                         });
                     });
-                });
-            });
-        });
+                })
+            },
+        );
     }
 
     /// A `moof` + `mdat` holding `picture` (if any) and `audio` (raw AAC frames, in order,

@@ -155,6 +155,13 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// The first thing that went wrong with the encoder's output.
 type Failure = Arc<Mutex<Option<String>>>;
 
+/// One of the encoder's two outputs.
+#[derive(Clone, Copy)]
+enum Output {
+    Video,
+    Audio,
+}
+
 /// Muxes the encoder's two FLV outputs into fMP4 for the consumer (see the module
 /// documentation).
 struct Muxer {
@@ -201,37 +208,36 @@ impl Muxer {
 
     /// Bytes of the video output; `None` at its end.
     fn video_bytes(&mut self, data: Option<&[u8]>) {
-        match data {
-            Some(d) => {
-                if let Err(e) = self.video_tags(d) {
-                    self.fail(format!("the live encoder's video: {e}"));
-                }
-            }
-            None => {
-                if let Err(e) = self.video_tags.end() {
-                    self.fail(format!("the live encoder's video: {e}"));
-                }
-                self.video_ended = true;
-                self.end_if_done();
-            }
-        }
+        self.bytes(Output::Video, data);
     }
 
     /// Bytes of the audio output; `None` at its end.
     fn audio_bytes(&mut self, data: Option<&[u8]>) {
-        match data {
-            Some(d) => {
-                if let Err(e) = self.audio_tags(d) {
-                    self.fail(format!("the live encoder's audio: {e}"));
-                }
+        self.bytes(Output::Audio, data);
+    }
+
+    fn bytes(&mut self, output: Output, data: Option<&[u8]>) {
+        let read = match (output, data) {
+            (Output::Video, Some(d)) => self.video_tags(d),
+            (Output::Audio, Some(d)) => self.audio_tags(d),
+            (Output::Video, None) => {
+                self.video_ended = true;
+                self.video_tags.end()
             }
-            None => {
-                if let Err(e) = self.audio_tags.end() {
-                    self.fail(format!("the live encoder's audio: {e}"));
-                }
+            (Output::Audio, None) => {
                 self.audio_ended = true;
-                self.end_if_done();
+                self.audio_tags.end()
             }
+        };
+        if let Err(e) = read {
+            let name = match output {
+                Output::Video => "video",
+                Output::Audio => "audio",
+            };
+            self.fail(format!("the live encoder's {name}: {e}"));
+        }
+        if data.is_none() {
+            self.end_if_done();
         }
     }
 
