@@ -84,8 +84,13 @@ impl Tags {
 pub(super) enum Avc<'a> {
     /// The AVCDecoderConfigurationRecord (the `avcC` box's payload).
     Config(&'a [u8]),
-    /// One coded picture: its NAL units, each after its length (of the record's size).
-    Picture { key: bool, nals: &'a [u8] },
+    /// One coded picture: its NAL units, each after its length (of the record's size), and
+    /// how long after its decoding it is shown (0 without B-frames).
+    Picture {
+        key: bool,
+        nals: &'a [u8],
+        composition_ms: i32,
+    },
     /// Anything else (end of sequence).
     Other,
 }
@@ -107,11 +112,13 @@ pub(super) fn avc(tag: &[u8]) -> Result<Avc<'_>, String> {
             1 if tag.len() >= 8 => Avc::Picture {
                 key,
                 nals: &tag[8..],
+                composition_ms: s24(&tag[5..8]),
             },
             // Coded frames without composition time.
             3 => Avc::Picture {
                 key,
                 nals: &tag[5..],
+                composition_ms: 0,
             },
             _ => Avc::Other,
         });
@@ -129,9 +136,15 @@ pub(super) fn avc(tag: &[u8]) -> Result<Avc<'_>, String> {
         1 => Avc::Picture {
             key,
             nals: &tag[5..],
+            composition_ms: s24(&tag[2..5]),
         },
         _ => Avc::Other,
     })
+}
+
+/// A signed big-endian 24-bit number.
+fn s24(b: &[u8]) -> i32 {
+    (i32::from_be_bytes([b[0], b[1], b[2], 0])) >> 8
 }
 
 /// What an AAC audio tag holds.
@@ -235,6 +248,26 @@ pub(super) mod tests {
         assert_eq!(aac(b"\x91mp4a\x01\x02"), Ok(Aac::Frame(&[1, 2][..])));
         assert_eq!(aac(b"\x92mp4a"), Ok(Aac::Other));
         assert!(aac(b"\x91Opus\x01").is_err(), "Opus is not AAC");
+
+        // A picture's composition time, signed, in legacy and enhanced tags.
+        let legacy = [0x27, 1, 0xff, 0xff, 0xd8, 0, 0, 0, 1, 0x41];
+        assert_eq!(
+            avc(&legacy),
+            Ok(Avc::Picture {
+                key: false,
+                nals: &legacy[5..],
+                composition_ms: -40,
+            })
+        );
+        let enhanced = b"\x91avc1\x00\x00\x50\x00\x00\x00\x01\x65";
+        assert_eq!(
+            avc(enhanced),
+            Ok(Avc::Picture {
+                key: true,
+                nals: &enhanced[8..],
+                composition_ms: 80,
+            })
+        );
 
         let mut t = Tags::default();
         t.push(&s[..s.len() - 1]).unwrap();

@@ -54,10 +54,11 @@ pub(super) fn aac_format(asc: &[u8]) -> Result<AacFormat, Error> {
     if object != 2 {
         return Err(bad(&format!("object type {object}, not AAC LC")));
     }
+    let index = usize::from((bits >> 7) & 0x0f);
     let rate = AAC_RATES
-        .get(usize::from((bits >> 7) & 0x0f))
+        .get(index)
         .copied()
-        .ok_or_else(|| bad("explicit sample rate"))?;
+        .ok_or_else(|| bad(&format!("sampling frequency index {index}")))?;
     let channels = (bits >> 3) & 0x0f;
     if !(1..=2).contains(&channels) {
         return Err(bad(&format!("channel configuration {channels}")));
@@ -177,13 +178,20 @@ impl Writer {
         if num == 0 || den == 0 {
             return Err(Error::Encoder(format!("frame rate {num}/{den}")));
         }
-        let mut scale = 1;
-        while num * scale < 10_000 {
+        let mut scale = 1u32;
+        while num.saturating_mul(scale) < 10_000 {
             scale *= 2;
         }
+        let (Some(video_timescale), Some(frame_ticks)) =
+            (num.checked_mul(scale), den.checked_mul(scale))
+        else {
+            return Err(Error::Encoder(format!(
+                "frame rate {num}/{den} has no MP4 timescale"
+            )));
+        };
         Ok(Writer {
-            video_timescale: num * scale,
-            frame_ticks: den * scale,
+            video_timescale,
+            frame_ticks,
             audio,
             tracks,
             sequence: 0,
@@ -350,7 +358,12 @@ impl Writer {
                     o.u16(a.channels);
                     o.u16(16);
                     o.zeros(4);
-                    o.u32(a.sample_rate << 16);
+                    // 16.16 fixed point; 0 where it does not fit (the configuration says it).
+                    o.u32(if a.sample_rate < 1 << 16 {
+                        a.sample_rate << 16
+                    } else {
+                        0
+                    });
                     full(o, b"esds", 0, 0, |o| {
                         descriptor(o, 3, |o| {
                             o.u16(AUDIO as u16); // ES id
@@ -476,10 +489,25 @@ mod tests {
             aac_format(&[0x17, 0x88]).is_err(),
             "an explicit rate (index 15)"
         );
+        assert!(aac_format(&[0x16, 0x88]).is_err(), "a reserved index (13)");
         assert!(
             aac_format(&[0x14, 0x00]).is_err(),
             "channels in the program config"
         );
+    }
+
+    #[test]
+    fn frame_rates_get_exact_timescales_and_absurd_ones_an_error() {
+        let w = |fps| Writer::new(Tracks { fps, ..tracks() });
+        let scales = |fps| {
+            let w = w(fps).unwrap();
+            (w.video_timescale, w.frame_ticks)
+        };
+        assert_eq!(scales((25, 1)), (12_800, 512));
+        assert_eq!(scales((30_000, 1001)), (30_000, 1001));
+        assert_eq!(scales((60, 1)), (15_360, 256));
+        assert!(w((1, 1_000_000)).is_err());
+        assert!(w((0, 1)).is_err());
     }
 
     #[test]

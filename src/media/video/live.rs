@@ -76,6 +76,9 @@ pub const AUDIO_LEAD: Duration = Duration::from_millis(148);
 /// 16 kHz): only at the end of a stream, or if ffmpeg's video stalled.
 const AUDIO_ALONE: usize = 8;
 
+/// Pictures (or AAC frames) that may wait for the init segment: 10 s at 25 fps.
+const EARLY_MAX: usize = 250;
+
 /// Frame buffers kept for reuse: those the pipe may still reference, and a few queued.
 const FRAMES_KEPT: usize = 4;
 
@@ -259,11 +262,23 @@ impl Muxer {
             }
             match flv::avc(&tag.data)? {
                 flv::Avc::Config(record) => self.avc = Some(record.to_vec()),
-                flv::Avc::Picture { key, nals } => {
+                flv::Avc::Picture {
+                    key,
+                    nals,
+                    composition_ms,
+                } => {
+                    // Presentation = decode: x264 runs without B-frames (see x264_args).
+                    if composition_ms != 0 {
+                        return Err(format!(
+                            "a picture shown {composition_ms} ms after its decoding (B-frames), \
+                             which the live muxer does not write"
+                        ));
+                    }
                     // The frame's index from its time (milliseconds, rounded by the muxer).
                     let (num, den) = (u64::from(self.fps.0), u64::from(self.fps.1));
                     let index = (2 * u64::from(tag.timestamp_ms) * num + 1000 * den) / (2000 * den);
                     self.early.push((index, key, nals.to_vec()));
+                    self.waited_too_long()?;
                     self.ready()?;
                     if self.writer.is_some() {
                         self.write_pictures();
@@ -293,12 +308,34 @@ impl Muxer {
                 }
                 flv::Aac::Frame(frame) => {
                     self.audio.push(frame.to_vec());
+                    self.waited_too_long()?;
                     if self.writer.is_some() && self.audio.len() >= AUDIO_ALONE {
                         self.write_audio();
                     }
                 }
                 flv::Aac::Other => {}
             }
+        }
+        Ok(())
+    }
+
+    /// The configurations not come yet.
+    fn missing(&self) -> &'static str {
+        match (&self.avc, &self.aac) {
+            (None, None) => "video and audio configurations",
+            (None, Some(_)) => "video configuration",
+            _ => "audio configuration",
+        }
+    }
+
+    /// An error once more than [`EARLY_MAX`] pictures or AAC frames wait for the init
+    /// segment: one of the configurations is not coming.
+    fn waited_too_long(&self) -> Result<(), String> {
+        if self.writer.is_none() && self.early.len().max(self.audio.len()) > EARLY_MAX {
+            return Err(format!(
+                "no {} after {EARLY_MAX} pictures or AAC frames",
+                self.missing()
+            ));
         }
         Ok(())
     }
@@ -356,7 +393,8 @@ impl Muxer {
         }
         if !self.failed() {
             if self.writer.is_none() && !self.early.is_empty() {
-                self.fail("the live encoder gave no audio configuration".into());
+                let e = format!("the live encoder gave no {}", self.missing());
+                self.fail(e);
             }
             self.write_audio();
         }
@@ -391,20 +429,35 @@ impl LiveEncoder {
             "live encoder",
             Box::new(move |data| lock(&video_muxer).video_bytes(data)),
         )?;
-        let mut aac = process
-            .take_fd3()
-            .ok_or_else(|| Error::Encoder("the live encoder has no audio output".into()))?;
+        // Without its audio reader the muxer is told the audio has ended, so that the
+        // consumer still gets its end once the video's reader ends (the process, dropped on
+        // the way out, is killed).
+        let Some(mut aac) = process.take_fd3() else {
+            lock(&muxer).audio_bytes(None);
+            return Err(Error::Encoder(
+                "the live encoder has no audio output".into(),
+            ));
+        };
         let audio_muxer = muxer.clone();
         let audio_out = spawn_thread(AUDIO_READER, move || {
             let mut buf = vec![0u8; 16 << 10];
             loop {
                 match aac.read(&mut buf) {
-                    Ok(0) | Err(_) => break,
+                    Ok(0) => break,
                     Ok(n) => lock(&audio_muxer).audio_bytes(Some(&buf[..n])),
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => break,
                 }
             }
             lock(&audio_muxer).audio_bytes(None);
-        })?;
+        });
+        let audio_out = match audio_out {
+            Ok(t) => t,
+            Err(e) => {
+                lock(&muxer).audio_bytes(None);
+                return Err(e);
+            }
+        };
         let stdin = process
             .take_stdin()
             .ok_or_else(|| Error::Encoder("the live encoder has no stdin".into()))?;
@@ -544,12 +597,27 @@ impl Drop for LiveEncoder {
         self.process.signal_kill();
         self.video = None;
         self.audio = None;
-        let _reader = release_writer(&self.fifo);
+        // The audio writer may be blocked opening the FIFO (ffmpeg never opened it), which
+        // this read end completes, or writing into it while it is full: the FIFO then still
+        // has a reader, this one, so the write would not fail. What it writes is read and
+        // dropped until it has finished.
+        let reader = release_writer(&self.fifo);
+        let mut scrap = [0u8; 16 << 10];
         for w in self.writers.drain(..) {
+            while !w.is_finished() {
+                if let Some(mut r) = reader.as_ref() {
+                    while matches!(r.read(&mut scrap), Ok(n) if n > 0) {}
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
             let _ = w.join();
         }
-        // The audio reader ends by itself once ffmpeg is gone; it is not waited for here, as
-        // the consumer it calls may wait on whoever drops this.
+        // ffmpeg reaped (and its video reader done), its audio output has ended: the audio
+        // reader passes the end on and stops.
+        self.process.kill();
+        if let Some(t) = self.audio_out.take() {
+            let _ = t.join();
+        }
     }
 }
 
@@ -837,6 +905,27 @@ mod tests {
         m.audio_bytes(None);
         let e = failed.lock().unwrap().clone().unwrap();
         assert!(e.contains("no audio configuration"), "{e}");
+
+        // Nor is it waited for without end: the stream fails once EARLY_MAX pictures wait.
+        let (mut m, _, failed) = muxer();
+        m.video_bytes(Some(&video_flv(0..EARLY_MAX as u32, true)));
+        assert!(failed.lock().unwrap().is_none());
+        m.video_bytes(Some(&video_flv(
+            EARLY_MAX as u32..EARLY_MAX as u32 + 1,
+            false,
+        )));
+        let e = failed.lock().unwrap().clone().unwrap();
+        assert!(e.contains("no audio configuration after 250"), "{e}");
+
+        // A picture shown after its decoding (B-frames) is refused, not written wrong.
+        let (mut m, _, failed) = muxer();
+        m.audio_bytes(Some(&audio_flv(0, true)));
+        let mut b = video_flv(0..1, true);
+        let n = b.len();
+        b[n - 4 - 10 + 4] = 40; // the last tag's composition time: 40 ms
+        m.video_bytes(Some(&b));
+        let e = failed.lock().unwrap().clone().unwrap();
+        assert!(e.contains("B-frames"), "{e}");
     }
 
     #[test]

@@ -824,7 +824,7 @@ impl FlvReader {
                 self.configure(record)?;
                 Ok(None)
             }
-            flv::Avc::Picture { key, nals } => {
+            flv::Avc::Picture { key, nals, .. } => {
                 let params = self
                     .params
                     .clone()

@@ -16,7 +16,8 @@ use std::collections::VecDeque;
 use std::io::{self, Write};
 use std::os::fd::AsRawFd;
 use std::process::ChildStdin;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 /// The longest pause between two looks at a draining pipe.
@@ -71,6 +72,32 @@ pub(super) struct FrameFeed {
     /// `vmsplice` works on this pipe (else plain writes).
     splice: bool,
     pool: FramePool,
+    /// Bytes [`Self::widen`] added to the pipe (counted in [`WIDENED`] until dropped).
+    widened: usize,
+}
+
+/// Pipe capacity added by [`FrameFeed::widen`] in this process, held within
+/// [`widen_budget`].
+static WIDENED: AtomicUsize = AtomicUsize::new(0);
+
+/// How much pipe capacity this process may add by widening: a quarter of the per-user
+/// allowance (`/proc/sys/fs/pipe-user-pages-soft`, 64 MiB by default). Past the allowance
+/// Linux gives every new pipe of an unprivileged user (a container's root without
+/// CAP_SYS_RESOURCE included) two pages, which would slow every encoder's pipes; so widening
+/// stops well before it, and the rest of the sessions keep the default pipes.
+fn widen_budget() -> usize {
+    static BUDGET: OnceLock<usize> = OnceLock::new();
+    *BUDGET.get_or_init(|| {
+        let pages = std::fs::read_to_string("/proc/sys/fs/pipe-user-pages-soft")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .unwrap_or(16_384);
+        if pages == 0 {
+            usize::MAX // no allowance set
+        } else {
+            pages * 4096 / 4
+        }
+    })
 }
 
 impl FrameFeed {
@@ -83,25 +110,32 @@ impl FrameFeed {
             capacity: usize::try_from(capacity).unwrap_or(0),
             splice: capacity > 0,
             pool,
+            widened: 0,
         }
     }
 
     /// Asks for a pipe that holds `bytes` (a frame) at once, at most 1 MiB (Linux's default
     /// `pipe-max-size`): a frame then goes in with one call and its reader takes it with
     /// one wake-up, where the default 64 KiB pipe passes a 512×512 frame in six rounds of
-    /// both sides sleeping and waking. Nothing changes where the system refuses (a user over
-    /// its pipe-buffer allowance).
+    /// both sides sleeping and waking. Nothing changes where the system refuses, or where
+    /// this process's widening would pass its budget ([`widen_budget`]).
     pub(super) fn widen(&mut self, bytes: usize) {
         let want = bytes.clamp(4096, 1 << 20).next_power_of_two().min(1 << 20);
         if want <= self.capacity {
             return;
         }
+        let add = want - self.capacity;
+        if WIDENED.fetch_add(add, Ordering::Relaxed) + add > widen_budget() {
+            WIDENED.fetch_sub(add, Ordering::Relaxed);
+            return;
+        }
         // SAFETY: F_SETPIPE_SZ asks the kernel to resize the pipe; it returns the size set,
         // or -1 and leaves the pipe as it was.
         let set = unsafe { libc::fcntl(self.fd(), libc::F_SETPIPE_SZ, want as libc::c_int) };
-        if let Ok(set) = usize::try_from(set) {
-            self.capacity = self.capacity.max(set);
-        }
+        let added = usize::try_from(set).map_or(0, |set| set.saturating_sub(self.capacity));
+        WIDENED.fetch_sub(add - added.min(add), Ordering::Relaxed);
+        self.widened += added.min(add);
+        self.capacity += added;
     }
 
     /// Writes `frame`; an error means the reader has gone (or the pipe failed).
@@ -235,6 +269,7 @@ impl FrameFeed {
 
 impl Drop for FrameFeed {
     fn drop(&mut self) {
+        WIDENED.fetch_sub(std::mem::take(&mut self.widened), Ordering::Relaxed);
         if self.pipe.is_some() {
             self.release_all();
         }
@@ -278,6 +313,9 @@ mod tests {
         feed.widen(10);
         let size = unsafe { libc::fcntl(feed.fd(), libc::F_GETPIPE_SZ) };
         assert_eq!(size, 1 << 20);
+        // What it added is counted while it lives (other tests' feeds may count too).
+        assert_eq!(feed.widened, (1 << 20) - 65_536);
+        assert!(WIDENED.load(Ordering::Relaxed) >= feed.widened);
     }
 
     #[test]
