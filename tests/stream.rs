@@ -877,6 +877,29 @@ fn audio_goes_ahead_of_the_frames_as_far_as_it_is_final_and_clear_keeps_it_with_
     assert_eq!(after.2, 3, "the pause's silence did not go ahead");
 }
 
+/// Speaking frames against the file path's (RGB, frame by frame): how the engine batches a
+/// session's frames depends on timing, and batches of other sizes may round a value of the
+/// CPU pass to the other side of a u8 step, never more, and rarely (at most 1 value in
+/// 10 000).
+fn assert_like_the_file_path<F: AsRef<[u8]>>(frames: &[F], want: &[Vec<u8>], how: &str) {
+    assert_eq!(frames.len(), want.len(), "speaking frames ({how})");
+    for (j, (got, want)) in frames.iter().zip(want).enumerate() {
+        let got = got.as_ref();
+        assert_eq!(
+            got.len(),
+            want.len(),
+            "speaking frame {j} ({how}): its size"
+        );
+        let n = got.iter().zip(want).filter(|(a, b)| a != b).count();
+        let most = got.iter().zip(want).map(|(a, b)| a.abs_diff(*b)).max();
+        assert!(
+            most <= Some(1) && n * 10_000 <= got.len(),
+            "speaking frame {j} ({how}) differs from the file path's: {n} values, by up to \
+             {most:?}"
+        );
+    }
+}
+
 /// The engine directly: a session fed the clip in small pieces draws, for its utterance, the
 /// same faces as the file path's plan on the same 16 kHz audio (compared composited, pixel
 /// for pixel).
@@ -976,20 +999,8 @@ fn a_session_draws_the_file_paths_frames() {
             "frame {j} is not the last face"
         );
     }
-    for (j, (got, want)) in speaking.iter().zip(&want).enumerate() {
-        // The model inputs are equal (checked above); batches of other sizes may round a
-        // value of the CPU pass to the other side of a u8 step, never more.
-        let n = got.iter().zip(want.iter()).filter(|(a, b)| a != b).count();
-        let most = got
-            .iter()
-            .zip(want.iter())
-            .map(|(a, b)| a.abs_diff(*b))
-            .max();
-        assert!(
-            most <= Some(1) && n * 10_000 <= got.len(),
-            "speaking frame {j} differs from the file path's: {n} values, by up to {most:?}"
-        );
-    }
+    // The model inputs are equal (checked above).
+    assert_like_the_file_path(&speaking[..want.len()], &want, "decoded");
     // Idle, speaking, idle.
     let kinds: Vec<Activity> = sink.1.iter().map(|e| e.0).collect();
     assert_eq!(
@@ -1731,26 +1742,10 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
         (22, 3),
         "{stats:?}"
     );
-    // As for the photo: batches of other sizes may round a value by one u8 step, and how
-    // the engine batches a session's frames depends on timing.
-    let like_the_file_path = |frames: &[Vec<u8>], how: &str| {
-        for (j, (got, want)) in frames.iter().zip(&want).enumerate() {
-            let n = got.iter().zip(want.iter()).filter(|(a, b)| a != b).count();
-            let most = got
-                .iter()
-                .zip(want.iter())
-                .map(|(a, b)| a.abs_diff(*b))
-                .max();
-            assert!(
-                most <= Some(1) && n * 10_000 <= got.len(),
-                "speaking frame {j} ({how}) differs from the file path's: {n} values, by up to \
-                 {most:?}"
-            );
-        }
-    };
-    like_the_file_path(&sink.0, "decoded");
-    // After the speech the clip idles on its raw frame (the one the next frame shows).
+    // The speaking frames, then one idle frame.
     let next = sink.0.len() - 1;
+    assert_like_the_file_path(&sink.0[..next], &want, "decoded");
+    // After the speech the clip idles on its raw frame (the one the next frame shows).
     let raw = avatar
         .background(avatar.select(next, mode))
         .unwrap()
@@ -1785,7 +1780,7 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
     // The same pixels as the decoded path's frames: those of the file path (within the
     // batches' rounding), and the idle frame exactly.
     assert_eq!(in_parts.0.len(), sink.0.len());
-    like_the_file_path(&in_parts.0[..next], "decoded in segments");
+    assert_like_the_file_path(&in_parts.0[..next], &want, "decoded in segments");
     assert_eq!(in_parts.0[next], sink.0[next]);
     assert!(
         in_parts
