@@ -220,10 +220,47 @@ pub struct MediaArgs {
     /// cores shared among the workers with several].
     #[arg(long, env = "LIPSYNC_ENCODER_THREADS", value_parser = clap::value_parser!(u16).range(1..=256))]
     pub encoder_threads: Option<u16>,
+    /// x264 preset of live sessions' fMP4 output: one x264 per session at 25 fps, where the
+    /// CPU per frame decides how many sessions the cores carry.
+    #[arg(long, env = "LIPSYNC_LIVE_PRESET", default_value = "ultrafast", value_parser = clap::builder::PossibleValuesParser::new(PRESETS))]
+    pub live_preset: String,
+    /// Cap on a live session's video bit rate, bits per second (`2M`, `1500k`, `2500000`;
+    /// `0`: no cap, `--crf` alone decides): a stream a viewer's connection carries. `--crf` is
+    /// the quality below it; with the cap's one-second buffer any T seconds of video carry at
+    /// most T + 1 seconds' worth.
+    #[arg(long, env = "LIPSYNC_LIVE_MAX_BITRATE", default_value = "2M", value_parser = parse_bitrate)]
+    pub live_max_bitrate: u64,
     /// x264 processes per stream, encoding one-second segments in parallel (1-64) [default:
     /// one per core, at most 8, on cuda and echo; 1 on cpu, where the model is the bottleneck].
     #[arg(long, env = "LIPSYNC_ENCODER_WORKERS", value_parser = clap::value_parser!(u16).range(1..=64))]
     pub encoder_workers: Option<u16>,
+}
+
+/// A bit rate in bits per second: `2500000`, `1500k`, `2M`, `2.5M` (powers of 1000, as bit
+/// rates go); `0` for none. Anything else must be a cap x264 can keep
+/// ([`crate::media::video::check_max_bitrate`]).
+pub fn parse_bitrate(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, mult) = match t.chars().last() {
+        Some('k' | 'K') => (&t[..t.len() - 1], 1e3),
+        Some('M' | 'm') => (&t[..t.len() - 1], 1e6),
+        _ => (t, 1.0),
+    };
+    let v = num
+        .trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite() && *v >= 0.0)
+        .ok_or_else(|| format!("{s:?} is not a bit rate (e.g. 2M, 1500k, 2500000, 0 for none)"))?;
+    let bits = (v * mult).round();
+    if bits == 0.0 {
+        return Ok(0);
+    }
+    crate::media::video::check_max_bitrate(if bits > u64::MAX as f64 {
+        u64::MAX
+    } else {
+        bits as u64
+    })
 }
 
 /// `1000`, `512K`, `20M`, `8G` (powers of 1024 for the suffixes).
@@ -463,13 +500,30 @@ impl MediaArgs {
         s.workers = workers;
         s
     }
+
+    /// A live session's encoder for a `width`×`height` video at `fps`: one process with the
+    /// live preset and bit-rate cap, and one x264 thread unless `--encoder-threads` says
+    /// otherwise (the sessions give the parallelism; x264's own threads only add their
+    /// overhead beside them).
+    pub fn live_encoder(
+        &self,
+        width: u32,
+        height: u32,
+        fps: crate::media::audio::Fps,
+    ) -> EncoderSettings {
+        let mut s = self.encoder(width, height, fps, 1);
+        s.preset = self.live_preset.clone();
+        s.max_bitrate = (self.live_max_bitrate > 0).then_some(self.live_max_bitrate);
+        s.threads.get_or_insert(1);
+        s
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use clap::Parser;
 
-    use super::{parse_bytes, EngineArgs, MediaArgs};
+    use super::{parse_bitrate, parse_bytes, EngineArgs, MediaArgs};
     use crate::model::DeviceKind;
 
     #[derive(Parser)]
@@ -590,5 +644,62 @@ mod tests {
         assert_eq!(parse_bytes("8G"), Ok(8 << 30));
         assert!(parse_bytes("lots").is_err());
         assert!(parse_bytes("99999999999999999999G").is_err());
+    }
+
+    #[test]
+    fn bit_rates_parse_in_powers_of_1000_and_0_is_no_cap() {
+        assert_eq!(parse_bitrate("2M"), Ok(2_000_000));
+        assert_eq!(parse_bitrate("2.5m"), Ok(2_500_000));
+        assert_eq!(parse_bitrate("1500k"), Ok(1_500_000));
+        assert_eq!(parse_bitrate("800000"), Ok(800_000));
+        assert_eq!(parse_bitrate("0"), Ok(0));
+        for bad in ["fast", "-2M", "10k", "3000M", "NaNk", "inf"] {
+            assert!(parse_bitrate(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn live_sessions_encode_with_their_own_preset_and_cap_and_one_thread() {
+        let fps = crate::media::audio::Fps::DEFAULT;
+        let m = parse(&[]).media;
+        let live = m.live_encoder(512, 512, fps);
+        assert_eq!(
+            (
+                live.preset.as_str(),
+                live.crf,
+                live.max_bitrate,
+                live.threads
+            ),
+            ("ultrafast", 20, Some(2_000_000), Some(1))
+        );
+        assert_eq!(live.workers, 1);
+        // Files keep theirs.
+        let file = m.encoder(512, 512, fps, 2);
+        assert_eq!((file.preset.as_str(), file.max_bitrate), ("veryfast", None));
+        let m = parse(&[
+            "--live-preset",
+            "veryfast",
+            "--live-max-bitrate",
+            "0",
+            "--crf",
+            "26",
+            "--encoder-threads",
+            "2",
+        ])
+        .media;
+        let live = m.live_encoder(512, 512, fps);
+        assert_eq!(
+            (
+                live.preset.as_str(),
+                live.crf,
+                live.max_bitrate,
+                live.threads
+            ),
+            ("veryfast", 26, None, Some(2))
+        );
+        for bad in [["--live-preset", "instant"], ["--live-max-bitrate", "1k"]] {
+            let args = ["lipsync", "--checkpoint", "w", bad[0], bad[1]];
+            assert!(Cli::try_parse_from(args).is_err(), "{bad:?}");
+        }
     }
 }

@@ -30,13 +30,24 @@ use std::time::{Duration, Instant};
 /// media`, docs/BENCHMARKS.md), rounded up to leave room for larger avatars' compositing.
 pub const PRIOR_SECONDS_PER_MEGAPIXEL: f64 = 0.014;
 
-/// What a video avatar's live frame costs the cores against a photo's of the same size: the
-/// stored frame decoded, converted whole and encoded with its motion, where a photo's frame
-/// converts only the face's region and x264 finds the rest unchanged. Measured with `lipsync
-/// bench --sections media` on the echo device (fMP4, 25 fps, speaking half the time; 2-vCPU
-/// VM, 2026-11-28): 40.6 ms of CPU per 1280×720 frame of the bench's clip (a pan with film
-/// grain) against 5.3 ms per 512×512 photo frame, 44 against 20 ms per megapixel.
-pub const CLIP_FRAME_COST: f64 = 2.2;
+/// What a video avatar's live fMP4 frame costs the cores against a photo's of the same size:
+/// the stored frame decoded, converted whole and encoded with its motion, where a photo's
+/// frame converts only the face's region and x264 finds the rest unchanged. Measured with
+/// `lipsync bench --sections media` on the echo device at the live encoder's defaults
+/// (x264 ultrafast, at most 2 Mbit/s; 25 fps, speaking half the time; 2-vCPU VM,
+/// 2026-11-29, docs/BENCHMARKS.md): 11.0–11.3 ms of CPU per 1280×720 frame of the bench's
+/// clip (a pan with film grain) against 2.5–3.4 ms per 512×512 photo frame, 12.0–12.3
+/// against 9.6–13.1 ms per megapixel, rounded up. (At veryfast with no cap, before, it was
+/// 2.2: 40.6 against 5.3 ms per frame; a server set back to those pays that, and the meter's
+/// measured figure, not this weight, follows it.)
+pub const CLIP_FRAME_COST: f64 = 1.3;
+
+/// What a video avatar's live JPEG frame costs when the clip was stored as whole JPEGs (by a
+/// version before segments): every frame decoded and encoded whole. Not measured on its own:
+/// the fMP4 clip frame's weight from before the live encoder's defaults changed, kept as the
+/// safe side (decoding and encoding a whole 720p JPEG costs about what converting and
+/// encoding it did).
+pub const CLIP_JPEG_WHOLE_FRAME_COST: f64 = 2.2;
 
 /// What a video avatar's live frame sent as JPEG costs the cores against a photo's frame of
 /// the same size: it is sent as stored while idle, and encoded only in the segments its face
@@ -63,9 +74,10 @@ pub const CLIP_JPEG_ROWS_FRAME_COST: f64 = 0.3;
 pub enum LiveFrame {
     /// A photo's frame, fMP4 or JPEG.
     Photo,
-    /// A video avatar's frame decoded and encoded whole: fMP4, or JPEG of a clip stored as
-    /// whole JPEGs ([`CLIP_FRAME_COST`]).
+    /// A video avatar's fMP4 frame ([`CLIP_FRAME_COST`]).
     Clip,
+    /// A video avatar's JPEG frame, stored as a whole JPEG ([`CLIP_JPEG_WHOLE_FRAME_COST`]).
+    ClipJpegWhole,
     /// A video avatar's JPEG frame, stored in segments narrower than a row
     /// ([`CLIP_JPEG_FRAME_COST`]).
     ClipJpeg,
@@ -82,6 +94,7 @@ pub fn metered_pixels(width: u32, height: u32, kind: LiveFrame) -> u64 {
     let cost = match kind {
         LiveFrame::Photo => 1.0,
         LiveFrame::Clip => CLIP_FRAME_COST,
+        LiveFrame::ClipJpegWhole => CLIP_JPEG_WHOLE_FRAME_COST,
         LiveFrame::ClipJpeg => CLIP_JPEG_FRAME_COST,
         LiveFrame::ClipJpegRows => CLIP_JPEG_ROWS_FRAME_COST,
     };
@@ -340,16 +353,21 @@ mod tests {
     #[test]
     fn a_clip_frame_counts_its_cost_against_a_photo_frames() {
         assert_eq!(metered_pixels(512, 512, LiveFrame::Photo), 512 * 512);
-        assert_eq!(metered_pixels(1280, 720, LiveFrame::Clip), 2_027_520);
+        assert_eq!(metered_pixels(1280, 720, LiveFrame::Clip), 1_198_080);
+        assert_eq!(
+            metered_pixels(1280, 720, LiveFrame::ClipJpegWhole),
+            2_027_520
+        );
         assert_eq!(metered_pixels(1280, 720, LiveFrame::ClipJpeg), 184_320);
         assert_eq!(metered_pixels(1280, 720, LiveFrame::ClipJpegRows), 276_480);
         // With the prior on two cores, 512² photo sessions: 17 fMP4 or JPEG; 720p clip
-        // sessions: 2 fMP4, 24 JPEG (16 stored by rows).
+        // sessions: 3 fMP4, 24 JPEG (16 stored by rows, 2 stored whole).
         let meter = CpuMeter::new(2);
         let sessions =
             |kind, w, h| (meter.frames_per_second(metered_pixels(w, h, kind)) / 25.0).floor();
         assert_eq!(sessions(LiveFrame::Photo, 512, 512), 17.0);
-        assert_eq!(sessions(LiveFrame::Clip, 1280, 720), 2.0);
+        assert_eq!(sessions(LiveFrame::Clip, 1280, 720), 3.0);
+        assert_eq!(sessions(LiveFrame::ClipJpegWhole, 1280, 720), 2.0);
         assert_eq!(sessions(LiveFrame::ClipJpeg, 1280, 720), 24.0);
         assert_eq!(sessions(LiveFrame::ClipJpegRows, 1280, 720), 16.0);
     }

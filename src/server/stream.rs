@@ -1016,10 +1016,7 @@ fn session_thread(
     };
     let (w, h) = (avatar.frame.width, avatar.frame.height);
     let pixels = metered_pixels(&avatar, output);
-    let mut settings = app.args.media.encoder(w, h, cfg.fps, 1);
-    // One x264 thread per session unless --encoder-threads says otherwise: the sessions give
-    // the parallelism, and x264's own threads only add their overhead beside them.
-    settings.threads.get_or_insert(1);
+    let settings = app.args.media.live_encoder(w, h, cfg.fps);
     let (mime, mut fmp4) = match output {
         Output::Jpeg => ("image/jpeg".to_string(), None),
         Output::Fmp4 => match Fmp4Sink::start(settings, out.clone()) {
@@ -1078,8 +1075,7 @@ fn session_thread(
 
 /// What the CPU meter counts for each of a session's frames ([`live_cpu::metered_pixels`]). A
 /// video avatar's JPEG frames cost by how its frames are stored: in segments, by rows (one
-/// segment per row), or as whole JPEGs, which cost a JPEG session what they cost an fMP4 one
-/// (each frame decoded and encoded whole).
+/// segment per row), or as whole JPEGs (each frame decoded and encoded whole).
 fn metered_pixels(avatar: &Avatar, output: Output) -> u64 {
     use live_cpu::LiveFrame;
     let kind = match (avatar.clip.is_some(), output) {
@@ -1087,7 +1083,7 @@ fn metered_pixels(avatar: &Avatar, output: Output) -> u64 {
         (true, Output::Jpeg) => match avatar.stored_segments_per_row() {
             Some(1) => LiveFrame::ClipJpegRows,
             Some(_) => LiveFrame::ClipJpeg,
-            None => LiveFrame::Clip,
+            None => LiveFrame::ClipJpegWhole,
         },
         (true, Output::Fmp4) => LiveFrame::Clip,
     };
@@ -1247,9 +1243,15 @@ struct Fmp4Sink {
 /// per frame size and settings).
 fn probe_mime(settings: &crate::media::video::EncoderSettings) -> Result<String, engine::Error> {
     static SEEN: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
+    // The profile and level depend on the preset and the bit-rate cap too.
     let key = format!(
-        "{}x{}@{}:{}:{}",
-        settings.width, settings.height, settings.fps, settings.preset, settings.crf
+        "{}x{}@{}:{}:{}:{:?}",
+        settings.width,
+        settings.height,
+        settings.fps,
+        settings.preset,
+        settings.crf,
+        settings.max_bitrate
     );
     let mut seen = SEEN.lock().unwrap_or_else(|p| p.into_inner());
     if let Some((_, m)) = seen.iter().find(|(k, _)| *k == key) {

@@ -755,10 +755,15 @@ struct Run {
     ttfb: f64,
     cpu: f64,
     floor: Floor,
+    /// CPU seconds of the floor's encode with a live session's settings (x264 alone against
+    /// the live encoder's options).
+    live_floor_cpu: f64,
     playable: bool,
 }
 
-/// Runs the request `repeats` times: each response checked and its floor measured.
+/// Runs the request `repeats` times: each response checked and, `with_floor`, its floor
+/// measured, with the service's file settings `encoder` and a live session's `live` ones
+/// (their size taken from the response).
 #[allow(clippy::too_many_arguments)]
 fn runs(
     http: &Http,
@@ -766,7 +771,7 @@ fn runs(
     avatar: &str,
     wav: &[u8],
     speech: &Path,
-    encoder: &EncoderSettings,
+    (encoder, live): (&EncoderSettings, &EncoderSettings),
     ffprobe: &Path,
     frames: u64,
     repeats: u32,
@@ -789,31 +794,36 @@ fn runs(
                 p.video, p.audio, p.frames
             ));
         }
-        let floor = if with_floor {
-            let mut s = encoder.clone();
+        let sized = |e: &EncoderSettings| {
+            let mut s = e.clone();
             s.width = p.width;
             s.height = p.height;
             s.threads = Some(1);
             s.workers = 1;
             s.audio = Some(speech.to_path_buf());
-            let f = floor(&s, &mp4)?;
+            s
+        };
+        let (floor, live_floor_cpu) = if with_floor {
+            let f = floor(&sized(encoder), &mp4)?;
             if f.frames != frames {
                 playable = false;
                 problems.push(format!("{} frames decoded, {frames} expected", f.frames));
             }
-            f
+            (f, self::floor(&sized(live), &mp4)?.cpu)
         } else {
-            Floor {
+            let none = Floor {
                 cpu: f64::NAN,
                 wall: f64::NAN,
                 frames: 0,
-            }
+            };
+            (none, f64::NAN)
         };
         out.push(Run {
             wall: r.wall,
             ttfb: r.ttfb,
             cpu,
             floor,
+            live_floor_cpu,
             playable,
         });
     }
@@ -823,7 +833,8 @@ fn runs(
 fn run_json(r: &Run) -> serde_json::Value {
     serde_json::json!({
         "wall_s": r.wall, "ttfb_s": r.ttfb, "tree_cpu_s": r.cpu, "floor_cpu_s": r.floor.cpu,
-        "floor_wall_s": r.floor.wall, "playable": r.playable,
+        "floor_wall_s": r.floor.wall, "live_floor_cpu_s": r.live_floor_cpu,
+        "playable": r.playable,
     })
 }
 
@@ -1245,6 +1256,7 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
     let serve = super::serve_flags(DeviceKind::Echo, 0, &[])?;
     let r = serve.engine.resolve(&serve.media);
     let encoder = serve.media.encoder(64, 64, Fps::DEFAULT, 1);
+    let live = serve.media.live_encoder(64, 64, Fps::DEFAULT);
     let http = Http::new()?;
     let dir = tempfile::tempdir().map_err(io("cannot make a temporary folder"))?;
 
@@ -1280,14 +1292,17 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
 
     println!(
         "\n## Media side on the echo device ({:.0} s of speech, {frames} frames at 25 fps; serve \
-         --device echo: {} instance(s), batches up to {}, {} encoder worker(s), x264 {} crf {}; \
-         {cores} cores; medians of {})\n",
+         --device echo: {} instance(s), batches up to {}, {} encoder worker(s), x264 {} crf {}, \
+         live x264 {}{}; {cores} cores; medians of {})\n",
         f.media_seconds,
         r.instances,
         r.max_batch,
         r.encoder_workers,
         encoder.preset,
         encoder.crf,
+        live.preset,
+        live.max_bitrate
+            .map_or(String::new(), |b| format!(" at most {} kbit/s", b / 1000)),
         f.media_repeats
     );
     println!(
@@ -1320,7 +1335,7 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
             &id,
             &wav,
             &speech,
-            &encoder,
+            (&encoder, &live),
             &ffprobe,
             frames,
             f.media_repeats,
@@ -1328,12 +1343,13 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
         )?;
         problems.extend(p.into_iter().map(|p| format!("{label}: {p}")));
         let m = |g: fn(&Run) -> f64| median(&runs.iter().map(g).collect::<Vec<_>>());
-        let (wall, ttfb, cpu, floor_cpu, floor_wall) = (
+        let (wall, ttfb, cpu, floor_cpu, floor_wall, live_floor_cpu) = (
             m(|r| r.wall),
             m(|r| r.ttfb),
             m(|r| r.cpu),
             m(|r| r.floor.cpu),
             m(|r| r.floor.wall),
+            m(|r| r.live_floor_cpu),
         );
         let playable = runs.iter().all(|r| r.playable);
         println!(
@@ -1349,7 +1365,7 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
         rows.push(serde_json::json!({
             "avatar": label, "frames": frames, "wall_s": wall, "ttfb_s": ttfb,
             "tree_cpu_s": cpu, "floor_cpu_s": floor_cpu, "floor_wall_s": floor_wall,
-            "ratio": cpu / floor_cpu, "playable": playable,
+            "live_floor_cpu_s": live_floor_cpu, "ratio": cpu / floor_cpu, "playable": playable,
             "runs": runs.iter().map(run_json).collect::<Vec<_>>(),
         }));
     }
@@ -1384,7 +1400,7 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
                 &id,
                 &wav,
                 &speech,
-                &encoder,
+                (&encoder, &live),
                 &ffprobe,
                 frames,
                 f.media_repeats,
@@ -1490,16 +1506,20 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
             .collect::<Vec<_>>()
             .join(",")
     );
-    // What x264 alone allows: the floor's CPU per frame (the file rows above, the same
-    // x264 options as the live encoder) at 25 fps per session, on every core.
+    // What x264 alone allows: the floor's CPU per frame with a live session's x264 options
+    // (the file rows' responses encoded again) at 25 fps per session, on every core.
     let mut floor_bound = serde_json::Map::new();
     for (avatar, row) in [(&avatars[0].0, &rows[0]), (&avatars[2].0, &rows[2])] {
-        let per_frame = row["floor_cpu_s"].as_f64().unwrap_or(f64::NAN) / frames.max(1) as f64;
+        let per_frame = row["live_floor_cpu_s"].as_f64().unwrap_or(f64::NAN) / frames.max(1) as f64;
         let sessions = cores as f64 / (per_frame * FPS);
         println!(
-            "{avatar}: x264 alone takes {:.2} ms of CPU per frame (the floor above), so {cores} \
+            "{avatar}: x264 alone takes {:.2} ms of CPU per frame with the live options \
+             (x264 {}{}, one thread; the file rows' responses encoded again), so {cores} \
              core(s) encode at most {sessions:.1} sessions at 25 fps.",
-            per_frame * 1e3
+            per_frame * 1e3,
+            live.preset,
+            live.max_bitrate
+                .map_or(String::new(), |b| format!(", at most {} kbit/s", b / 1000))
         );
         floor_bound.insert(
             avatar.clone(),
@@ -1511,7 +1531,8 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
         "frames": frames, "repeats": f.media_repeats,
         "serve": {"instances": r.instances, "max_batch": r.max_batch,
                   "encoder_workers": r.encoder_workers, "preset": encoder.preset,
-                  "crf": encoder.crf},
+                  "crf": encoder.crf, "live_preset": live.preset,
+                  "live_max_bitrate": live.max_bitrate},
         "rows": rows, "cores": pinned, "problems": problems,
         "live": {"seconds": f.live_seconds, "latency_bound_ms": f.live_latency_bound_ms,
                  "levels": levels, "largest_holding": largest,

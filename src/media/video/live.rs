@@ -1025,6 +1025,90 @@ mod tests {
         assert_eq!(audio.trim(), "aac,16000,1");
     }
 
+    /// The live stream of `frames` frames of fresh noise (every pixel new in every frame,
+    /// x264's worst case), 256×192 at 25 fps, with the session's preset and `max_bitrate`.
+    fn live_noise(frames: usize, max_bitrate: Option<u64>) -> Vec<u8> {
+        let mut s = EncoderSettings::new(256, 192, crate::media::audio::Fps::DEFAULT);
+        s.preset = "ultrafast".into();
+        s.max_bitrate = max_bitrate;
+        let out = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = out.clone();
+        let consume: StdoutConsumer = Box::new(move |d| {
+            if let Some(d) = d {
+                sink.lock().unwrap().extend_from_slice(d);
+            }
+        });
+        let mut enc = LiveEncoder::spawn(s, consume).unwrap();
+        let mut seed = 0x2545_f491_u32;
+        for _ in 0..frames {
+            let rgb: Vec<u8> = (0..256 * 192 * 3)
+                .map(|_| {
+                    seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    (seed >> 24) as u8
+                })
+                .collect();
+            let frame = crate::media::image::Frame::new(256, 192, rgb);
+            enc.write(&Yuv420::from_rgb(&frame), vec![0u8; 640 * 2])
+                .unwrap();
+        }
+        enc.finish().unwrap();
+        let bytes = out.lock().unwrap().clone();
+        bytes
+    }
+
+    /// Each video packet's size in `stream`, in order (ffprobe).
+    fn video_packet_sizes(stream: &[u8]) -> Vec<u64> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("live.mp4");
+        std::fs::write(&path, stream).unwrap();
+        let out = std::process::Command::new(crate::media::video::clip::ffprobe_for(
+            &super::super::default_ffmpeg(),
+        ))
+        .args(["-v", "error", "-select_streams", "v"])
+        .args(["-show_entries", "packet=size", "-of", "csv=p=0"])
+        .arg(&path)
+        .output()
+        .unwrap();
+        assert!(out.status.success() && out.stderr.is_empty(), "{out:?}");
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| l.trim().parse().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn a_bit_rate_cap_holds_the_live_video_to_it() {
+        // Three seconds of noise: without a cap, crf 20 spends megabits a second on it.
+        let cap = 400_000u64;
+        let capped = video_packet_sizes(&live_noise(75, Some(cap)));
+        let free = video_packet_sizes(&live_noise(75, None));
+        assert_eq!((capped.len(), free.len()), (75, 75));
+        let bytes = |p: &[u64]| p.iter().sum::<u64>();
+        assert!(
+            bytes(&free) > 4 * 3 * cap / 8,
+            "uncapped noise took only {} bytes",
+            bytes(&free)
+        );
+        // With the cap's one-second buffer, T seconds of video carry at most T + 1 seconds
+        // at the cap, and the whole stream no more than the cap over it and its buffer.
+        for (t, second) in capped.windows(25).enumerate() {
+            assert!(
+                bytes(second) <= 2 * cap / 8,
+                "the second from frame {t}: {} bytes against a cap of {} a second",
+                bytes(second),
+                cap / 8
+            );
+        }
+        assert!(
+            bytes(&capped) <= (3 + 1) * cap / 8,
+            "{} bytes in 3 s",
+            bytes(&capped)
+        );
+        // x264 kept to it, not far under it: the quality below the cap is spent.
+        assert!(bytes(&capped) >= 2 * cap / 8, "{} bytes", bytes(&capped));
+    }
+
     #[test]
     fn speech_and_lips_stay_in_step_in_a_live_stream() {
         // Frames 0-49 dark and silent, 50-99 bright with a 1 kHz tone: the tone must start

@@ -102,6 +102,11 @@ pub struct EncoderSettings {
     pub preset: String,
     /// x264 constant rate factor, 0–51 (lower is better quality).
     pub crf: u8,
+    /// A cap on the video's bit rate, in bits per second (x264's VBV with a one-second
+    /// buffer: any T seconds of video carry at most T + 1 seconds at the cap; `None`: `crf`
+    /// alone decides). Live sessions have one: a stream that a viewer's connection can
+    /// carry, and x264 spends its time on bits.
+    pub max_bitrate: Option<u64>,
     /// Audio file muxed as the AAC track (ffmpeg decodes it: any format it reads).
     pub audio: Option<PathBuf>,
     /// The ffmpeg executable.
@@ -157,6 +162,7 @@ impl EncoderSettings {
             fps,
             preset: "veryfast".into(),
             crf: 20,
+            max_bitrate: None,
             audio: None,
             ffmpeg: default_ffmpeg(),
             threads: None,
@@ -188,6 +194,9 @@ impl EncoderSettings {
         }
         if self.threads == Some(0) {
             return Err(Error::Encoder("0 encoder threads".into()));
+        }
+        if let Some(b) = self.max_bitrate {
+            check_max_bitrate(b).map_err(Error::Encoder)?;
         }
         if let Some(audio) = &self.audio {
             if !audio.is_file() {
@@ -258,6 +267,16 @@ impl EncoderSettings {
             a.extend([k.to_string(), v.to_string()]);
         }
         a.extend(["-crf".into(), self.crf.to_string()]);
+        if let Some(b) = self.max_bitrate {
+            // Capped CRF: the buffer holds one second at the cap, so a keyframe can take
+            // several frames' share while every second stays under it.
+            a.extend([
+                "-maxrate".into(),
+                b.to_string(),
+                "-bufsize".into(),
+                b.to_string(),
+            ]);
+        }
         if let Some(t) = threads {
             a.extend(["-threads".into(), t.to_string()]);
         }
@@ -446,6 +465,21 @@ fn missing(ffmpeg: &std::path::Path, e: &std::io::Error) -> Error {
 }
 
 /// Checks that `ffmpeg` runs and has the libx264 and aac encoders.
+/// The lowest bit-rate cap taken: below it x264 cannot hold even a still picture's frames
+/// at a usable quality.
+pub const MIN_MAX_BITRATE: u64 = 64_000;
+
+/// A bit-rate cap in bits per second if it is at least [`MIN_MAX_BITRATE`] (and fits x264's
+/// kbit/s setting).
+pub fn check_max_bitrate(bits_per_second: u64) -> Result<u64, String> {
+    if !(MIN_MAX_BITRATE..=2_000_000_000).contains(&bits_per_second) {
+        return Err(format!(
+            "a bit rate of {bits_per_second} bit/s is outside {MIN_MAX_BITRATE} to 2000000000"
+        ));
+    }
+    Ok(bits_per_second)
+}
+
 /// x264's quality scale: `crf` if it is within 0 (lossless) to 51 (worst).
 pub fn check_crf(crf: u8) -> Result<u8, String> {
     if crf <= 51 {
