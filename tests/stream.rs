@@ -1099,8 +1099,12 @@ async fn fmp4_output_is_an_init_segment_then_playable_fragments() {
         codecs.contains("h264") && codecs.contains("aac"),
         "{codecs}"
     );
+    // Latency counts from a chunk's arrival until the fragment with its frame goes out, so
+    // it holds the mel window's 212.5 ms of audio past the frame's start, which comes with a
+    // 40 ms chunk arriving at least 172.5 ms after the frame's own (as for JPEG above); the
+    // encode adds little (a millisecond or two with ultrafast).
     assert!(
-        end["stats"]["latency_ms_p50"].as_f64().unwrap() > 212.0,
+        end["stats"]["latency_ms_p50"].as_f64().unwrap() > 172.0,
         "{end}"
     );
 }

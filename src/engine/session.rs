@@ -17,7 +17,10 @@
 //!   converge to equal rates: each face in time adds about one face per second per second, a
 //!   face that misses its frame, in any session, takes 30 % off every session's rate (at most
 //!   once per `lag`). The rate stays between one face per second and every frame, so the
-//!   mouth keeps moving while the engine can draw anything at all. Frames whose due time has
+//!   mouth keeps moving while the engine can draw anything at all, and is drawn within the
+//!   session's fair share ([`SessionConfig::fair_share`], with [`FairShare::HEADROOM`]),
+//!   which the server sets as sessions open and close and as the engine's measured capacity
+//!   changes; a share that dips and rises again gives the rate back at once. Frames whose due time has
 //!   passed before their audio is complete are held without being drawn, and a drawn frame
 //!   that is held drops its queued work, so an overloaded engine does not keep drawing faces
 //!   nobody will see.
@@ -597,16 +600,22 @@ impl Stride {
         }
     }
 
+    /// The rate drawn at: the session's own, within the ceiling as it is now. The ceiling
+    /// does not lower the session's own rate: a share that dipped for a moment (the engine
+    /// measured on a busy second) gives the session its rate back as soon as it rises again.
+    fn drawing(&self) -> f64 {
+        self.rate.min(self.ceiling())
+    }
+
     /// Frames from one drawn frame to the next.
     fn value(&mut self) -> f64 {
-        self.rate = self.rate.min(self.ceiling());
-        self.fps / self.rate
+        self.fps / self.drawing()
     }
 
     /// A face in time: about `GAIN_PER_SECOND` more faces/s per second at any rate (each of
-    /// the `rate` faces a second adds its share).
+    /// the faces drawn a second adds its share).
     fn hit(&mut self) {
-        self.rate = (self.rate + Self::GAIN_PER_SECOND / self.rate).min(self.ceiling());
+        self.rate = (self.rate + Self::GAIN_PER_SECOND / self.drawing()).min(self.fps);
     }
 
     /// A drawn frame missed its time: slower, unless the last miss was less than `lag` ago
@@ -618,7 +627,8 @@ impl Stride {
         {
             return;
         }
-        self.rate = (self.rate * Self::BACK_OFF).max(1.0);
+        // From the rate it was drawing at: above the ceiling, a cut would change nothing.
+        self.rate = (self.drawing() * Self::BACK_OFF).max(1.0);
         self.last_missed = Some(now);
     }
 
@@ -1510,6 +1520,32 @@ mod tests {
             b.others_missed(now, lag);
         }
         assert!(a.rate / b.rate < 1.3, "{a:?} {b:?}");
+    }
+
+    #[test]
+    fn the_fair_share_caps_the_rate_without_lowering_it_and_a_miss_cuts_from_the_cap() {
+        let lag = Duration::from_millis(250);
+        let t = Instant::now();
+        let share = Arc::new(FairShare::new(20.0));
+        let mut s = Stride::new(25.0, Some(25.0), Some(share.clone()));
+        // Within the headroom of 20 (25): every frame.
+        assert_eq!(s.value(), 1.0);
+        // The share dips (a busy second measured): the session draws within it...
+        share.set(8.0);
+        assert!((s.value() - 2.5).abs() < 1e-9, "{s:?}");
+        for _ in 0..20 {
+            s.hit();
+        }
+        assert!((s.value() - 2.5).abs() < 1e-9, "{s:?}");
+        // ...and gets its rate back as soon as it rises again, not a face a second.
+        share.set(20.0);
+        assert_eq!(s.value(), 1.0, "{s:?}");
+        // A miss under the cap cuts from the rate drawn at (10), not from the session's own.
+        share.set(8.0);
+        s.own_miss(t, lag);
+        assert!((s.rate - 7.0).abs() < 1e-9, "{s:?}");
+        share.set(20.0);
+        assert!((s.value() - 25.0 / 7.0).abs() < 1e-9, "{s:?}");
     }
 
     #[test]

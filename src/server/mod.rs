@@ -699,9 +699,16 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         loop {
             tick.tick().await;
-            // It reads /proc: off the runtime's workers.
+            // It reads /proc: off the runtime's workers. The sessions' fair shares follow the
+            // engine's capacity as measured now.
             let m = meter.clone();
-            let _ = tokio::task::spawn_blocking(move || m.sessions.cpu.sample()).await;
+            let _ = tokio::task::spawn_blocking(move || {
+                m.sessions.cpu.sample();
+                if let Some(engine) = m.engine.get() {
+                    m.sessions.reshare(&m, engine);
+                }
+            })
+            .await;
         }
     });
 

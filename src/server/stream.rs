@@ -144,6 +144,20 @@ impl Sessions {
         }
     }
 
+    /// Shares the engine's live capacity as measured now out again among the open sessions
+    /// (the server calls it every second). A share set when a session opened would otherwise
+    /// hold until the next opening or close, at whatever the recent batches measured then
+    /// (on a busy moment, a fraction of what the engine draws once it has passed).
+    pub fn reshare(&self, app: &App, engine: &Engine) {
+        let capacity = LiveCapacity::of(app, engine);
+        let open = self.lock();
+        if Self::accepted(&open, None) == 0 {
+            return;
+        }
+        *self.capacity.lock().unwrap_or_else(|p| p.into_inner()) = capacity;
+        Self::rebalance(&open, capacity);
+    }
+
     /// A slot, unless `max` sessions are open.
     fn try_open(self: &Arc<Self>, max: usize) -> Option<Slot> {
         let mut open = self.lock();
