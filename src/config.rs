@@ -210,7 +210,8 @@ pub struct MediaArgs {
     /// The ffmpeg executable (needs libx264 and aac).
     #[arg(long, env = "LIPSYNC_FFMPEG", default_value = "ffmpeg")]
     pub ffmpeg: PathBuf,
-    /// x264 preset.
+    /// x264 preset of rendered videos (requests, jobs, `render`); live sessions have
+    /// `--live-preset`.
     #[arg(long, env = "LIPSYNC_PRESET", default_value = "veryfast", value_parser = clap::builder::PossibleValuesParser::new(PRESETS))]
     pub preset: String,
     /// x264 quality, 0 (lossless) to 51 (worst): the default when a request or job gives none.
@@ -221,7 +222,9 @@ pub struct MediaArgs {
     #[arg(long, env = "LIPSYNC_ENCODER_THREADS", value_parser = clap::value_parser!(u16).range(1..=256))]
     pub encoder_threads: Option<u16>,
     /// x264 preset of live sessions' fMP4 output: one x264 per session at 25 fps, where the
-    /// CPU per frame decides how many sessions the cores carry.
+    /// CPU per frame decides how many sessions the cores carry. (The CPU offer weighs a video
+    /// avatar's live frame as measured at the defaults; a slower preset or no cap makes
+    /// such sessions dearer, which the offer learns as their frames go out.)
     #[arg(long, env = "LIPSYNC_LIVE_PRESET", default_value = "ultrafast", value_parser = clap::builder::PossibleValuesParser::new(PRESETS))]
     pub live_preset: String,
     /// Cap on a live session's video bit rate, bits per second (`2M`, `1500k`, `2500000`;
@@ -252,10 +255,11 @@ pub fn parse_bitrate(s: &str) -> Result<u64, String> {
         .ok()
         .filter(|v| v.is_finite() && *v >= 0.0)
         .ok_or_else(|| format!("{s:?} is not a bit rate (e.g. 2M, 1500k, 2500000, 0 for none)"))?;
-    let bits = (v * mult).round();
-    if bits == 0.0 {
+    if v == 0.0 {
         return Ok(0);
     }
+    // Anything else is a cap, however small (which the check refuses).
+    let bits = (v * mult).round();
     crate::media::video::check_max_bitrate(if bits > u64::MAX as f64 {
         u64::MAX
     } else {
@@ -653,7 +657,7 @@ mod tests {
         assert_eq!(parse_bitrate("1500k"), Ok(1_500_000));
         assert_eq!(parse_bitrate("800000"), Ok(800_000));
         assert_eq!(parse_bitrate("0"), Ok(0));
-        for bad in ["fast", "-2M", "10k", "3000M", "NaNk", "inf"] {
+        for bad in ["fast", "-2M", "10k", "3000M", "NaNk", "inf", "0.4", "1e-9M"] {
             assert!(parse_bitrate(bad).is_err(), "{bad}");
         }
     }

@@ -613,9 +613,13 @@ impl Stride {
     }
 
     /// A face in time: about `GAIN_PER_SECOND` more faces/s per second at any rate (each of
-    /// the faces drawn a second adds its share).
+    /// the `rate` faces a second adds its share), up to the ceiling. A rate above the ceiling
+    /// (the share dipped under it) stays as it was, to be drawn at again when the share rises.
     fn hit(&mut self) {
-        self.rate = (self.rate + Self::GAIN_PER_SECOND / self.drawing()).min(self.fps);
+        let ceiling = self.ceiling();
+        if self.rate < ceiling {
+            self.rate = (self.rate + Self::GAIN_PER_SECOND / self.rate).min(ceiling);
+        }
     }
 
     /// A drawn frame missed its time: slower, unless the last miss was less than `lag` ago
@@ -1526,25 +1530,31 @@ mod tests {
     fn the_fair_share_caps_the_rate_without_lowering_it_and_a_miss_cuts_from_the_cap() {
         let lag = Duration::from_millis(250);
         let t = Instant::now();
-        let share = Arc::new(FairShare::new(20.0));
-        let mut s = Stride::new(25.0, Some(25.0), Some(share.clone()));
-        // Within the headroom of 20 (25): every frame.
-        assert_eq!(s.value(), 1.0);
-        // The share dips (a busy second measured): the session draws within it...
+        let share = Arc::new(FairShare::new(16.0));
+        let mut s = Stride::new(25.0, Some(12.5), Some(share.clone()));
+        // Below the ceiling (16 with its headroom: 20), faces in time raise the rate.
+        assert_eq!(s.value(), 2.0);
+        for _ in 0..13 {
+            s.hit();
+        }
+        let before = s.rate;
+        assert!(before > 13.0 && before < 14.0, "{s:?}");
+        // The share dips (a busy second measured): the session draws within it (8 × 1.25),
+        // and faces in time meanwhile do not raise its own rate...
         share.set(8.0);
         assert!((s.value() - 2.5).abs() < 1e-9, "{s:?}");
         for _ in 0..20 {
             s.hit();
         }
-        assert!((s.value() - 2.5).abs() < 1e-9, "{s:?}");
-        // ...and gets its rate back as soon as it rises again, not a face a second.
-        share.set(20.0);
-        assert_eq!(s.value(), 1.0, "{s:?}");
+        assert_eq!(s.rate, before, "{s:?}");
+        // ...which it draws at again as soon as the share rises, not a face a second later.
+        share.set(16.0);
+        assert!((s.value() - 25.0 / before).abs() < 1e-9, "{s:?}");
         // A miss under the cap cuts from the rate drawn at (10), not from the session's own.
         share.set(8.0);
         s.own_miss(t, lag);
         assert!((s.rate - 7.0).abs() < 1e-9, "{s:?}");
-        share.set(20.0);
+        share.set(16.0);
         assert!((s.value() - 25.0 / 7.0).abs() < 1e-9, "{s:?}");
     }
 

@@ -319,11 +319,12 @@ async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
             // go out, or the prior until then.
             "cpu_seconds_per_megapixel": app.sessions.cpu.seconds_per_megapixel(),
             "cpu_measured": app.sessions.cpu.measured(),
-            // The fMP4 output's encoder (one x264 thread per session).
+            // The fMP4 output's encoder: one x264 process per session.
             "encoder": {
                 "preset": md.live_preset,
                 "crf": md.crf,
                 "max_bitrate": (md.live_max_bitrate > 0).then_some(md.live_max_bitrate),
+                "threads": md.encoder_threads.map_or(1, usize::from),
             },
             "utterance_gap_ms": a.utterance_gap_ms,
             "idle_timeout_seconds": a.session_idle_timeout,

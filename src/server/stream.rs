@@ -63,7 +63,8 @@ struct Open {
 #[derive(Default)]
 pub struct Sessions {
     open: Mutex<HashMap<u64, Open>>,
-    /// The live capacity the last admission measured (what a close shares out again).
+    /// The live capacity the last admission or [`Sessions::reshare`] measured (what a close
+    /// shares out again).
     capacity: Mutex<Option<LiveCapacity>>,
     next: AtomicU64,
     /// CPU seconds per live frame, measured as frames go out.
@@ -147,7 +148,9 @@ impl Sessions {
     /// Shares the engine's live capacity as measured now out again among the open sessions
     /// (the server calls it every second). A share set when a session opened would otherwise
     /// hold until the next opening or close, at whatever the recent batches measured then
-    /// (on a busy moment, a fraction of what the engine draws once it has passed).
+    /// (on a busy moment, a fraction of what the engine draws once it has passed). A share may
+    /// so fall below the `min_draw_fps` a session was admitted with, as when others open: the
+    /// minimum is an admission's, not a promise for the session's life.
     pub fn reshare(&self, app: &App, engine: &Engine) {
         let capacity = LiveCapacity::of(app, engine);
         let open = self.lock();

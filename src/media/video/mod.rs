@@ -489,6 +489,7 @@ pub fn check_crf(crf: u8) -> Result<u8, String> {
     }
 }
 
+/// Checks that ffmpeg runs and has the libx264 and aac encoders.
 pub fn check_ffmpeg(ffmpeg: &std::path::Path) -> Result<(), Error> {
     let out = Command::new(ffmpeg)
         .args(["-hide_banner", "-encoders"])
