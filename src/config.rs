@@ -665,18 +665,13 @@ mod tests {
     #[test]
     fn live_sessions_encode_with_their_own_preset_and_cap_and_one_thread() {
         let fps = crate::media::audio::Fps::DEFAULT;
+        let live = |m: &MediaArgs| {
+            let l = m.live_encoder(512, 512, fps);
+            assert_eq!(l.workers, 1);
+            (l.preset, l.crf, l.max_bitrate, l.threads)
+        };
         let m = parse(&[]).media;
-        let live = m.live_encoder(512, 512, fps);
-        assert_eq!(
-            (
-                live.preset.as_str(),
-                live.crf,
-                live.max_bitrate,
-                live.threads
-            ),
-            ("ultrafast", 20, Some(2_000_000), Some(1))
-        );
-        assert_eq!(live.workers, 1);
+        assert_eq!(live(&m), ("ultrafast".into(), 20, Some(2_000_000), Some(1)));
         // Files keep theirs.
         let file = m.encoder(512, 512, fps, 2);
         assert_eq!((file.preset.as_str(), file.max_bitrate), ("veryfast", None));
@@ -691,16 +686,7 @@ mod tests {
             "2",
         ])
         .media;
-        let live = m.live_encoder(512, 512, fps);
-        assert_eq!(
-            (
-                live.preset.as_str(),
-                live.crf,
-                live.max_bitrate,
-                live.threads
-            ),
-            ("veryfast", 26, None, Some(2))
-        );
+        assert_eq!(live(&m), ("veryfast".into(), 26, None, Some(2)));
         for bad in [["--live-preset", "instant"], ["--live-max-bitrate", "1k"]] {
             let args = ["lipsync", "--checkpoint", "w", bad[0], bad[1]];
             assert!(Cli::try_parse_from(args).is_err(), "{bad:?}");

@@ -1025,12 +1025,8 @@ mod tests {
         assert_eq!(audio.trim(), "aac,16000,1");
     }
 
-    /// The live stream of `frames` frames of fresh noise (every pixel new in every frame,
-    /// x264's worst case), 256×192 at 25 fps, with the session's preset and `max_bitrate`.
-    fn live_noise(frames: usize, max_bitrate: Option<u64>) -> Vec<u8> {
-        let mut s = EncoderSettings::new(256, 192, crate::media::audio::Fps::DEFAULT);
-        s.preset = "ultrafast".into();
-        s.max_bitrate = max_bitrate;
+    /// A live encoder with `s` whose whole output gathers in the vector returned.
+    fn collecting(s: EncoderSettings) -> (LiveEncoder, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
         let out = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let sink = out.clone();
         let consume: StdoutConsumer = Box::new(move |d| {
@@ -1038,7 +1034,16 @@ mod tests {
                 sink.lock().unwrap().extend_from_slice(d);
             }
         });
-        let mut enc = LiveEncoder::spawn(s, consume).unwrap();
+        (LiveEncoder::spawn(s, consume).unwrap(), out)
+    }
+
+    /// The live stream of `frames` frames of fresh noise (every pixel new in every frame,
+    /// x264's worst case), 256×192 at 25 fps, with the session's preset and `max_bitrate`.
+    fn live_noise(frames: usize, max_bitrate: Option<u64>) -> Vec<u8> {
+        let mut s = EncoderSettings::new(256, 192, crate::media::audio::Fps::DEFAULT);
+        s.preset = "ultrafast".into();
+        s.max_bitrate = max_bitrate;
+        let (mut enc, out) = collecting(s);
         let mut seed = 0x2545_f491_u32;
         for _ in 0..frames {
             let rgb: Vec<u8> = (0..256 * 192 * 3)
@@ -1115,14 +1120,7 @@ mod tests {
         // at 2.000 s in the decoded stream, as the bright picture does.
         let mut s = EncoderSettings::new(64, 48, crate::media::audio::Fps::DEFAULT);
         s.preset = "ultrafast".into();
-        let out = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let sink = out.clone();
-        let consume: StdoutConsumer = Box::new(move |d| {
-            if let Some(d) = d {
-                sink.lock().unwrap().extend_from_slice(d);
-            }
-        });
-        let mut enc = LiveEncoder::spawn(s, consume).unwrap();
+        let (mut enc, out) = collecting(s);
         for k in 0..100usize {
             let level = if k < 50 { 16 } else { 235 };
             let frame = crate::media::image::Frame::new(64, 48, vec![level; 64 * 48 * 3]);
