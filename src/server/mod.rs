@@ -263,6 +263,8 @@ async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
     let a = &app.args;
     let e = &a.engine;
     let md = &a.media;
+    // The live settings as a session gets them (its size does not change them).
+    let live = md.live_encoder(512, 512, crate::media::audio::Fps::DEFAULT);
     let c = &app.cfg;
     let summary = app.summary.get();
     let status = app.engine.get().map(|p| p.status().clone());
@@ -321,10 +323,10 @@ async fn info(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
             "cpu_measured": app.sessions.cpu.measured(),
             // The fMP4 output's encoder: one x264 process per session.
             "encoder": {
-                "preset": md.live_preset,
-                "crf": md.crf,
-                "max_bitrate": (md.live_max_bitrate > 0).then_some(md.live_max_bitrate),
-                "threads": md.encoder_threads.map_or(1, usize::from),
+                "preset": live.preset,
+                "crf": live.crf,
+                "max_bitrate": live.max_bitrate,
+                "threads": live.threads,
             },
             "utterance_gap_ms": a.utterance_gap_ms,
             "idle_timeout_seconds": a.session_idle_timeout,

@@ -154,9 +154,6 @@ impl Sessions {
     pub fn reshare(&self, app: &App, engine: &Engine) {
         let capacity = LiveCapacity::of(app, engine);
         let open = self.lock();
-        if Self::accepted(&open, None) == 0 {
-            return;
-        }
         *self.capacity.lock().unwrap_or_else(|p| p.into_inner()) = capacity;
         Self::rebalance(&open, capacity);
     }

@@ -1257,6 +1257,12 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
     let r = serve.engine.resolve(&serve.media);
     let encoder = serve.media.encoder(64, 64, Fps::DEFAULT, 1);
     let live = serve.media.live_encoder(64, 64, Fps::DEFAULT);
+    let live_x264 = format!(
+        "x264 {}{}",
+        live.preset,
+        live.max_bitrate
+            .map_or(String::new(), |b| format!(" at most {} kbit/s", b / 1000))
+    );
     let http = Http::new()?;
     let dir = tempfile::tempdir().map_err(io("cannot make a temporary folder"))?;
 
@@ -1293,16 +1299,14 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
     println!(
         "\n## Media side on the echo device ({:.0} s of speech, {frames} frames at 25 fps; serve \
          --device echo: {} instance(s), batches up to {}, {} encoder worker(s), x264 {} crf {}, \
-         live x264 {}{}; {cores} cores; medians of {})\n",
+         live {}; {cores} cores; medians of {})\n",
         f.media_seconds,
         r.instances,
         r.max_batch,
         r.encoder_workers,
         encoder.preset,
         encoder.crf,
-        live.preset,
-        live.max_bitrate
-            .map_or(String::new(), |b| format!(" at most {} kbit/s", b / 1000)),
+        live_x264,
         f.media_repeats
     );
     println!(
@@ -1514,12 +1518,9 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
         let sessions = cores as f64 / (per_frame * FPS);
         println!(
             "{avatar}: x264 alone takes {:.2} ms of CPU per frame with the live options \
-             (x264 {}{}, one thread; the file rows' responses encoded again), so {cores} \
+             ({live_x264}, one thread; the file rows' responses encoded again), so {cores} \
              core(s) encode at most {sessions:.1} sessions at 25 fps.",
             per_frame * 1e3,
-            live.preset,
-            live.max_bitrate
-                .map_or(String::new(), |b| format!(", at most {} kbit/s", b / 1000))
         );
         floor_bound.insert(
             avatar.clone(),

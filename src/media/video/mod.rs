@@ -269,7 +269,7 @@ impl EncoderSettings {
         a.extend(["-crf".into(), self.crf.to_string()]);
         if let Some(b) = self.max_bitrate {
             // Capped CRF: the buffer holds one second at the cap, so a keyframe can take
-            // several frames' share while every second stays under it.
+            // several frames' share, and any T seconds stay under T + 1 seconds' worth.
             a.extend([
                 "-maxrate".into(),
                 b.to_string(),
