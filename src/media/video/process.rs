@@ -424,6 +424,46 @@ mod tests {
     }
 
     #[test]
+    fn a_started_process_gets_no_other_descriptor_of_this_one() {
+        // A descriptor this process holds without close-on-exec, as one inherited from
+        // whoever started the service would be.
+        let null = std::fs::File::open("/dev/null").unwrap();
+        // SAFETY: F_DUPFD returns a new descriptor (or -1), closed below.
+        let leaky =
+            unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&null), libc::F_DUPFD, 200) };
+        assert!(leaky >= 200, "{leaky}");
+        let fds = |fd3: Fd3| {
+            let launch = Launch {
+                ffmpeg: "sh".into(),
+                nice: 0,
+                args: ["-c", "exec ls /proc/self/fd"]
+                    .iter()
+                    .map(|a| a.to_string())
+                    .collect(),
+                fd3,
+            };
+            let (consume, out) = collector();
+            let mut p = Process::spawn(&launch, None, "sh", consume).unwrap();
+            p.finish().unwrap();
+            let out = String::from_utf8(out.lock().unwrap().clone()).unwrap();
+            let mut fds: Vec<i32> = out.split_whitespace().map(|f| f.parse().unwrap()).collect();
+            fds.sort_unstable();
+            fds
+        };
+        let plain = fds(Fd3::None);
+        let with_fd3 = fds(Fd3::Output);
+        // SAFETY: `leaky` is this test's own descriptor.
+        unsafe { libc::close(leaky) };
+        // `ls` lists its own handle on the directory too, the lowest free number.
+        assert_eq!(plain, [0, 1, 2, 3], "the child's stdio and ls's handle");
+        assert_eq!(
+            with_fd3,
+            [0, 1, 2, 3, 4],
+            "the child's stdio, fd 3 and ls's handle"
+        );
+    }
+
+    #[test]
     fn a_niced_process_runs_at_a_lower_priority() {
         let own = nice_of("self");
         for steps in [0, 7] {

@@ -321,6 +321,7 @@ pub(super) fn spawn(
         if let Some(f) = &fd3 {
             targets.push((f.as_raw_fd(), 3));
         }
+        let first_other = targets.len() as RawFd;
         for (from, to) in targets {
             check(libc::posix_spawn_file_actions_adddup2(
                 &mut setup.actions,
@@ -328,6 +329,14 @@ pub(super) fn spawn(
                 to,
             ))?;
         }
+        // Nothing else goes with it: descriptors this process inherited without
+        // close-on-exec (a supervisor's pipe, a test harness's) would otherwise stay open in
+        // every encoder, spares kept for minutes included, and whoever waits for their
+        // other end to close would wait that long.
+        check(libc::posix_spawn_file_actions_addclosefrom_np(
+            &mut setup.actions,
+            first_other,
+        ))?;
         // The child starts with no signal blocked and SIGPIPE at its default (the service
         // ignores it, and ignored signals stay ignored across exec): an encoder whose
         // output is gone ends, as std::process::Command arranges too.
