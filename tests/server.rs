@@ -908,14 +908,18 @@ async fn encoder_processes_started_ahead_serve_the_next_requests_with_any_speech
     let pid = s.child.id();
     let dir = tempfile::tempdir().unwrap();
     let client = reqwest::Client::new();
-    // The avatar's upload starts the two workers its first request will take.
+    // The avatar's upload starts the two workers and the muxer its first request will take.
     let until = Instant::now() + Duration::from_secs(10);
-    while children_with_arg(pid, "flv") < 2 && Instant::now() < until {
+    while (children_with_arg(pid, "flv") < 2 || children_with_arg(pid, "pipe:3") < 1)
+        && Instant::now() < until
+    {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let ahead = child_ids_with_arg(pid, "flv");
     assert_eq!(ahead.len(), 2, "workers started with the upload");
     let mut workers = Some(ahead);
+    let muxer_ahead = child_ids_with_arg(pid, "pipe:3");
+    assert_eq!(muxer_ahead.len(), 1, "a muxer started with the upload");
     // WAV, MP3 and FLAC go to ffmpeg through a pipe (`pipe:3`), the processes started ahead;
     // M4A by name (its index may be at the end, which a pipe cannot seek to).
     for (round, audio) in [
@@ -957,6 +961,10 @@ async fn encoder_processes_started_ahead_serve_the_next_requests_with_any_speech
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         assert_eq!(children_with_arg(pid, "pipe:3"), 1, "after {audio}");
+        if round == 0 {
+            // The first request took the muxer the upload started: a replacement waits.
+            assert_ne!(child_ids_with_arg(pid, "pipe:3"), muxer_ahead, "muxer used");
+        }
         // The same two workers serve every request, whatever its speech: those the upload
         // started.
         let ids = child_ids_with_arg(pid, "flv");

@@ -289,6 +289,51 @@ fn workers_kept_between_videos_make_every_video_whole() {
 }
 
 #[test]
+fn encoders_started_ahead_are_the_ones_a_video_takes() {
+    // One encoder (one process) and two workers (two kept workers and a muxer).
+    for workers in [1, 2] {
+        let spares = video::Spares::new();
+        let mut ahead = settings(workers, None);
+        ahead.spares = Some(spares.clone());
+        video::start_encoders_ahead(&ahead).unwrap();
+        let kept = if workers == 1 { 0 } else { 2 };
+        assert_eq!(spares.kept(), kept, "{workers} worker(s)");
+        assert_eq!(
+            spares.idle(),
+            1,
+            "{workers} worker(s): the process that takes the speech"
+        );
+        // Again: no more workers, and a second spare (the pool keeps two per command line).
+        video::start_encoders_ahead(&ahead).unwrap();
+        assert_eq!(
+            (spares.kept(), spares.idle()),
+            (kept, 2),
+            "{workers} worker(s)"
+        );
+        let mut started = spares.kept_ids();
+        started.sort_unstable();
+        // A video with speech through the pipe takes them (WAV; M4A would be read by name).
+        let mut s = ahead.clone();
+        s.audio = Some(common::media_path("arctic_a0007.wav"));
+        let sink = Memory::default();
+        let mut enc = video::spawn(s, Box::new(sink.clone())).unwrap();
+        assert_eq!(spares.idle(), 1, "{workers} worker(s): one taken");
+        for i in 0..30 {
+            enc.write_frame(&frame(i)).unwrap();
+        }
+        assert_eq!(enc.finish().unwrap().frames, 30);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v.mp4");
+        std::fs::write(&path, sink.bytes()).unwrap();
+        assert_eq!(packets(&path).len(), 30, "{workers} worker(s)");
+        // The workers that served it (and are kept again) are those started ahead.
+        let mut ids = spares.kept_ids();
+        ids.sort_unstable();
+        assert_eq!(ids, started, "{workers} worker(s)");
+    }
+}
+
+#[test]
 fn lengths_around_segment_boundaries_and_without_audio() {
     for n in [1, 24, 25, 26, 50] {
         let bytes = encode(settings(3, None), n);

@@ -274,11 +274,11 @@ fn encoder_settings(
     s
 }
 
-/// Starts ahead the encoder workers a render on `avatar` will take at its own size and rate
-/// (a photo's: the default rate), so that its first render does not wait for them.
+/// Starts ahead the encoder processes a render on `avatar` will take at its own size and
+/// rate (a photo's: the default rate), so that its first render does not wait for them.
 pub fn start_encoders_ahead(settings: &Settings, avatar: &Avatar) -> Result<(), Error> {
     let fps = avatar.fps().unwrap_or_default();
-    Ok(video::start_workers_ahead(&sized_for(
+    Ok(video::start_encoders_ahead(&sized_for(
         settings, avatar, fps,
     ))?)
 }

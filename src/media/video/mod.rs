@@ -41,7 +41,7 @@ use crate::media::yuv::{self, Yuv420};
 use crate::media::Error;
 
 pub use remux::faststart;
-pub use segmented::{start_workers_ahead, SegmentedEncoder};
+pub use segmented::{start_encoders_ahead, SegmentedEncoder};
 pub use single::FfmpegEncoder;
 pub use spares::Spares;
 
@@ -52,6 +52,9 @@ const NO_PROBE: [&str; 4] = ["-probesize", "32", "-analyzeduration", "0"];
 
 /// An ffmpeg that says nothing but errors and never reads the terminal.
 const QUIET: [&str; 4] = ["-hide_banner", "-nostdin", "-loglevel", "error"];
+
+/// The speech input of a command line that reads it from descriptor 3.
+const PIPED_SPEECH: &str = "pipe:3";
 
 /// x264 presets, fastest first.
 pub const PRESETS: &[&str] = &[
@@ -296,7 +299,7 @@ impl EncoderSettings {
         Some(if mp4 {
             (audio.display().to_string(), None)
         } else {
-            ("pipe:3".into(), Some(audio))
+            (PIPED_SPEECH.into(), Some(audio))
         })
     }
 

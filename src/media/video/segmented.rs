@@ -42,7 +42,7 @@ use super::flv::{self, be};
 use super::process::{spawn_thread, Fd3, Launch, Process, StdoutConsumer};
 use super::single::SinkError;
 use super::splice::{FrameFeed, FramePool};
-use super::{EncodeSummary, EncoderSettings, Sink, VideoEncoder};
+use super::{EncodeSummary, EncoderSettings, Sink, VideoEncoder, PIPED_SPEECH};
 use crate::media::yuv::{self, Yuv420};
 use crate::media::Error;
 
@@ -405,18 +405,21 @@ impl Drop for SegmentedEncoder {
     }
 }
 
-/// Starts the workers a render with `settings` will take (as many as its pool does not keep
-/// already), so that the first render of a new frame size does not wait for their start
-/// either: the service calls it when an avatar is prepared. Nothing without a pool or with
-/// one worker (the single-process encoder).
-pub fn start_workers_ahead(settings: &EncoderSettings) -> Result<(), Error> {
+/// Starts what a render with `settings` will take and its pool does not hold already, so
+/// that the first render of a new frame size waits for no ffmpeg start: the segmented
+/// encoder's workers and a spare of its muxer, or the single encoder's process, for speech
+/// through a pipe (MP4/M4A speech is read by name, so its render starts its own). The
+/// service calls it when an avatar is prepared. Nothing without a pool.
+pub fn start_encoders_ahead(settings: &EncoderSettings) -> Result<(), Error> {
     let Some(pool) = settings.spares.as_ref() else {
         return Ok(());
     };
+    settings.validate()?;
+    let piped = Some(PIPED_SPEECH);
     if settings.workers <= 1 {
+        pool.refill(&settings.launch(settings.single_args_with(piped), Fd3::Input));
         return Ok(());
     }
-    settings.validate()?;
     let launch = settings.launch(settings.worker_args(), Fd3::None);
     for _ in pool.kept_for(&launch)..settings.workers {
         let route = Arc::new(Route::default());
@@ -431,6 +434,7 @@ pub fn start_workers_ahead(settings: &EncoderSettings) -> Result<(), Error> {
             },
         );
     }
+    pool.refill(&settings.launch(settings.muxer_args_with(piped), Fd3::Input));
     Ok(())
 }
 
