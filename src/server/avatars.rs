@@ -242,12 +242,13 @@ pub async fn create(
         if let Some(net) = app2.enhancers.landmark_detector() {
             avatar.detect_landmarks(net)?;
         }
-        // Its first render's encoder workers start now, not when that render asks for them
-        // (a failure here is the render's to report, if it happens again).
+        // Its first render's encoder processes (workers and muxer, or the single encoder)
+        // start now, not when that render asks for them (a failure here is the render's to
+        // report, if it happens again).
         if let Err(e) =
             crate::engine::pipeline::start_encoders_ahead(&app2.render_settings(), &avatar)
         {
-            tracing::warn!("cannot start encoder workers ahead: {e}");
+            tracing::warn!("cannot start encoder processes ahead: {e}");
         }
         // Written to the directory (when there is one) only if memory will keep it too, so
         // the answer does not depend on which replica reads it.

@@ -537,6 +537,25 @@ mod tests {
     }
 
     #[test]
+    fn files_speech_is_aac_by_the_fast_coder() {
+        // The README's promise: the fast coder (under half of the default coder's CPU),
+        // 128 kb/s, the priming trimmed, in the single encoder and the segmented muxer alike.
+        let s = EncoderSettings::new(64, 64, Fps::DEFAULT);
+        for args in [
+            s.single_args_with(Some(PIPED_SPEECH)),
+            s.muxer_args_with(Some(PIPED_SPEECH)),
+        ] {
+            let line = args.join(" ");
+            assert!(
+                line.contains("-af atrim=start_sample=1024 -c:a aac -aac_coder fast -b:a 128k"),
+                "{line}"
+            );
+        }
+        // Without speech, no audio options.
+        assert!(!s.muxer_args_with(None).join(" ").contains("aac"));
+    }
+
+    #[test]
     fn odd_sizes_are_coded_even() {
         let s = EncoderSettings::new(101, 75, Fps::DEFAULT);
         assert_eq!(s.coded_size(), (102, 76));

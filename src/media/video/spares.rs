@@ -204,6 +204,7 @@ impl Spares {
     /// Starts one spare for `launch` unless [`PER_LAUNCH`] already wait. A spare that cannot
     /// start is not an error (the next render starts its own and reports why).
     pub(super) fn refill(&self, launch: &Launch) {
+        drop(self.thread()); // it ends the spares that wait too long
         {
             let mut idle = self.lock();
             expire(&mut idle);

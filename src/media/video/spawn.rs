@@ -234,7 +234,8 @@ fn child_env(
 /// stdout and stderr piped, `fd3` (if any) as its descriptor 3, and `nice` added to this
 /// process's niceness by `nice(1)` (nothing for 0 or less; at most 19 in all). A program
 /// that is not there, or cannot be run, fails here, as with `std::process::Command` (glibc's
-/// `posix_spawn` reports the `exec`'s error; glibc 2.24 or later, as Debian 12's 2.36).
+/// `posix_spawn` reports the `exec`'s error, since glibc 2.24; closing the other
+/// descriptors needs 2.34, Debian 12 has 2.36).
 pub(super) fn spawn(
     program: &Path,
     args: &[String],
