@@ -326,6 +326,23 @@ impl EncoderSettings {
         }
     }
 
+    /// The process `args_for(speech)` describes, `speech` being its `-i` argument for the
+    /// speech (if any): descriptor 3 an input where that is [`PIPED_SPEECH`]. A render and
+    /// the processes started ahead for it ([`start_encoders_ahead`]) both make their command
+    /// lines here, so a spare matches the render it was started for.
+    fn speech_launch(
+        &self,
+        args_for: impl FnOnce(Option<&str>) -> Vec<String>,
+        speech: Option<&str>,
+    ) -> Launch {
+        let fd3 = if speech == Some(PIPED_SPEECH) {
+            Fd3::Input
+        } else {
+            Fd3::None
+        };
+        self.launch(args_for(speech), fd3)
+    }
+
     /// Starts (or takes from the spares) the process `args_for(speech input)` describes, with
     /// the speech fed to it through descriptor 3 where the arguments say `pipe:3`.
     fn start_with_speech(
@@ -343,12 +360,7 @@ impl EncoderSettings {
             (Some(_), None) => None,
             _ => self.spares.as_ref(),
         };
-        let fd3 = if feed.is_some() {
-            Fd3::Input
-        } else {
-            Fd3::None
-        };
-        let launch = self.launch(args_for(arg.as_deref()), fd3);
+        let launch = self.speech_launch(args_for, arg.as_deref());
         let mut process = Process::spawn(&launch, spares, role, consume)?;
         if let Some(file) = feed {
             process.feed_fd3(file)?;

@@ -417,7 +417,7 @@ pub fn start_encoders_ahead(settings: &EncoderSettings) -> Result<(), Error> {
     settings.validate()?;
     let piped = Some(PIPED_SPEECH);
     if settings.workers <= 1 {
-        pool.refill(&settings.launch(settings.single_args_with(piped), Fd3::Input));
+        pool.refill(&settings.speech_launch(|s| settings.single_args_with(s), piped));
         return Ok(());
     }
     let launch = settings.launch(settings.worker_args(), Fd3::None);
@@ -434,7 +434,7 @@ pub fn start_encoders_ahead(settings: &EncoderSettings) -> Result<(), Error> {
             },
         );
     }
-    pool.refill(&settings.launch(settings.muxer_args_with(piped), Fd3::Input));
+    pool.refill(&settings.speech_launch(|s| settings.muxer_args_with(s), piped));
     Ok(())
 }
 
