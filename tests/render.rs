@@ -512,3 +512,74 @@ fn the_same_speech_in_any_format_draws_the_same_faces() {
         "different speech: {d}/255, same speech up to {worst_same}/255"
     );
 }
+
+#[test]
+fn a_lossless_render_carries_every_composited_frame_exactly() {
+    // Frames go to the encoder processes in reused buffers, and for a photo only the face's
+    // region is copied into a buffer that held an earlier frame. With x264 lossless
+    // (`--crf 0`) the decoded video must be, frame for frame, the composited frames
+    // (`--frames-dir`) converted to YUV 4:2:0, then the last one held to the end of the
+    // audio: a buffer brought up to date wrongly shows an earlier frame's mouth. One process,
+    // and the segmented encoder with two and three workers.
+    use lipsync::media::image::Frame;
+    use lipsync::media::yuv::Yuv420;
+    let dir = tempfile::tempdir().unwrap();
+    for workers in ["1", "2", "3"] {
+        let out = dir.path().join(format!("w{workers}.mp4"));
+        let frames_dir = dir.path().join(format!("frames{workers}"));
+        let o = lipsync(&[
+            &"render",
+            &"--device",
+            &"echo",
+            &"--audio",
+            &media_path("arctic_a0007.wav"),
+            &"--image",
+            &media_path("astronaut.png"),
+            &"--crf",
+            &"0",
+            &"--encoder-workers",
+            &workers,
+            &"--frames-dir",
+            &frames_dir,
+            &"--out",
+            &out,
+        ]);
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        let mut names: Vec<_> = std::fs::read_dir(&frames_dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        names.sort();
+        let composited: Vec<Vec<u8>> = names
+            .iter()
+            .map(|p| {
+                let rgb = image::open(p).unwrap().to_rgb8();
+                let (w, h) = rgb.dimensions();
+                Yuv420::from_rgb(&Frame::new(w, h, rgb.into_raw()))
+                    .bytes()
+                    .to_vec()
+            })
+            .collect();
+        // The echo moves the mouth every frame, so no frame may stand in for the one before.
+        assert!(composited.len() > 90, "{} frames kept", composited.len());
+        for (k, pair) in composited.windows(2).enumerate() {
+            assert!(pair[0] != pair[1], "frames {k} and {} are the same", k + 1);
+        }
+        let decoded = Command::new("ffmpeg")
+            .args(["-v", "error", "-i"])
+            .arg(&out)
+            .args(["-map", "0:v", "-f", "rawvideo", "-pix_fmt", "yuv420p", "-"])
+            .output()
+            .unwrap();
+        assert!(decoded.status.success(), "{}", text(&decoded.stderr));
+        let size = composited[0].len();
+        let video: Vec<&[u8]> = decoded.stdout.chunks_exact(size).collect();
+        // 4.00 s of speech at 25 fps.
+        assert_eq!(video.len(), 100, "{workers} worker(s)");
+        let last = composited.last().unwrap();
+        for (k, got) in video.iter().enumerate() {
+            let want = composited.get(k).unwrap_or(last);
+            assert!(got == want, "frame {k} with {workers} worker(s)");
+        }
+    }
+}

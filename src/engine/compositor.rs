@@ -89,6 +89,9 @@ impl<'a> Compositor<'a> {
         }
         let a = self.avatar;
         let i = a.select(self.frames, self.mode);
+        // Where this frame differs from the last one written (`None`: anywhere).
+        let mut changed = None;
+        let first = self.last.is_none();
         let frame = if a.clip.is_some() {
             let mut frame = match self.prefetched.as_ref().map(mpsc::Receiver::recv) {
                 Some(Ok(f)) => f?,
@@ -109,6 +112,7 @@ impl<'a> Compositor<'a> {
             let kept = self.last.get_or_insert_with(|| Yuv420::from_rgb(&a.frame));
             let r = restored.region;
             kept.write_rgb(r.x, r.y, &restored.rgb);
+            changed = (!first).then_some(r);
             kept
         } else {
             let region = a.face_region(i, &mut self.masks);
@@ -129,11 +133,12 @@ impl<'a> Compositor<'a> {
             };
             let kept = self.last.get_or_insert_with(|| Yuv420::from_rgb(&a.frame));
             kept.write_rgb(region.x, region.y, &patch);
+            changed = (!first).then_some(region);
             kept
         };
         self.composite_time += t.elapsed();
         let t = Instant::now();
-        self.encoder.write_yuv(frame)?;
+        self.encoder.write_yuv_changed(frame, changed)?;
         self.encode_time += t.elapsed();
         self.frames += 1;
         Ok(())
@@ -144,7 +149,8 @@ impl<'a> Compositor<'a> {
         let t = Instant::now();
         if let Some(frame) = &self.last {
             while self.frames < total {
-                self.encoder.write_yuv(frame)?;
+                self.encoder
+                    .write_yuv_changed(frame, Some(yuv::Region::EMPTY))?;
                 self.frames += 1;
             }
         }

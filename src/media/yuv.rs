@@ -101,6 +101,14 @@ pub struct Region {
 }
 
 impl Region {
+    /// No pixels.
+    pub const EMPTY: Region = Region {
+        x: 0,
+        y: 0,
+        width: 0,
+        height: 0,
+    };
+
     /// The smallest region that holds both.
     pub fn union(&self, other: &Region) -> Region {
         let (x, y) = (self.x.min(other.x), self.y.min(other.y));
@@ -224,6 +232,45 @@ impl Yuv420 {
                 &mut u_plane[c_row..c_row + pw / 2],
                 &mut v_plane[c_row..c_row + pw / 2],
             );
+        }
+    }
+
+    /// Copies `region` (even edges, within the coded size) of the three planes into `out`,
+    /// the bytes of a coded frame of this size ([`Self::bytes`]'s layout).
+    pub fn copy_region_into(&self, region: &Region, out: &mut [u8]) {
+        let (cw, ch) = self.coded_size();
+        let Region {
+            x,
+            y,
+            width,
+            height,
+        } = *region;
+        assert!(
+            x % 2 == 0
+                && y % 2 == 0
+                && width % 2 == 0
+                && height % 2 == 0
+                && x + width <= cw
+                && y + height <= ch
+                && out.len() == self.data.len(),
+            "region {region:?} of a {cw}x{ch} frame into {} bytes",
+            out.len()
+        );
+        let (cw, ch) = (cw as usize, ch as usize);
+        let (x, y, w, h) = (x as usize, y as usize, width as usize, height as usize);
+        let luma = cw * ch;
+        let chroma = (cw / 2) * (ch / 2);
+        // (plane start, row stride, x, y, width, height) of the region in each plane.
+        let planes = [
+            (0, cw, x, y, w, h),
+            (luma, cw / 2, x / 2, y / 2, w / 2, h / 2),
+            (luma + chroma, cw / 2, x / 2, y / 2, w / 2, h / 2),
+        ];
+        for (start, stride, px, py, pw, ph) in planes {
+            for row in py..py + ph {
+                let at = start + row * stride + px;
+                out[at..at + pw].copy_from_slice(&self.data[at..at + pw]);
+            }
         }
     }
 

@@ -1380,7 +1380,10 @@ impl Sink for Fmp4Sink {
             .as_mut()
             .ok_or_else(|| engine::Error::Inference("the encoder is closed".into()))?;
         let image = f.picture.decoded()?;
-        Ok(enc.write(self.converted.update(&image, f.region), s16le(f.audio))?)
+        // The region is where this frame differs from the last (see `Converted::update`), so
+        // it is also all the encoder's buffer needs copied.
+        let frame = self.converted.update(&image, f.region);
+        Ok(enc.write_changed(frame, f.region, s16le(f.audio))?)
     }
 
     fn audio_lead(&self) -> Duration {

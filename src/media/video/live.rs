@@ -30,9 +30,9 @@ use std::time::Duration;
 use super::flv;
 use super::fmp4;
 use super::process::{spawn_thread, Fd3, Process};
-use super::splice::{FrameFeed, FramePool};
+use super::splice::{FrameFeed, FramePool, History, Pooled};
 use super::{strings, EncoderSettings, NO_PROBE, QUIET};
-use crate::media::yuv::Yuv420;
+use crate::media::yuv::{Region, Yuv420};
 use crate::media::Error;
 
 /// Receives the encoder's output: `Some(bytes)` as they come, `None` once at the end.
@@ -45,10 +45,12 @@ const AUDIO_READER: &str = "live-aac";
 pub struct LiveEncoder {
     settings: EncoderSettings,
     process: Process,
-    video: Option<Sender<Vec<u8>>>,
+    video: Option<Sender<Pooled>>,
     audio: Option<Sender<Vec<u8>>>,
     /// Buffers of frames ffmpeg has read, to fill again.
     pool: FramePool,
+    /// Where each frame written differed from the one before, for [`FramePool::updated`].
+    history: History,
     writers: Vec<JoinHandle<()>>,
     /// Reads the AAC output into the muxer.
     audio_out: Option<JoinHandle<()>>,
@@ -461,7 +463,7 @@ impl LiveEncoder {
         let stdin = process
             .take_stdin()
             .ok_or_else(|| Error::Encoder("the live encoder has no stdin".into()))?;
-        let (vtx, vrx) = mpsc::channel::<Vec<u8>>();
+        let (vtx, vrx) = mpsc::channel::<Pooled>();
         let (atx, arx) = mpsc::channel::<Vec<u8>>();
         // Frames go in by reference, not copied into the pipe ([`FrameFeed`]), through a pipe
         // that holds a whole frame.
@@ -500,6 +502,7 @@ impl LiveEncoder {
             video: Some(vtx),
             audio: Some(atx),
             pool,
+            history: History::default(),
             writers: vec![video, audio],
             audio_out: Some(audio_out),
             muxed,
@@ -540,8 +543,22 @@ impl LiveEncoder {
     /// The next frame and the audio that goes with it (16 kHz mono s16le; any length: the
     /// audio is one stream, which may run ahead of the frames, see [`AUDIO_LEAD`]).
     pub fn write(&mut self, frame: &Yuv420, audio_s16le: Vec<u8>) -> Result<(), Error> {
+        self.write_changed(frame, None, audio_s16le)
+    }
+
+    /// [`Self::write`] for a frame that differs from the frame written last only within
+    /// `changed` (`None`: anywhere, or not known; an empty region: nowhere): only that is
+    /// copied for ffmpeg where it can be (see [`FramePool::updated`]).
+    pub fn write_changed(
+        &mut self,
+        frame: &Yuv420,
+        changed: Option<Region>,
+        audio_s16le: Vec<u8>,
+    ) -> Result<(), Error> {
         self.check()?;
-        let data = self.pool.filled(self.settings.coded_frame(frame)?);
+        self.settings.coded_frame(frame)?;
+        self.history.push(changed);
+        let data = self.pool.updated(frame, &self.history);
         let gone = || Error::Encoder("the live encoder stopped".into());
         self.video
             .as_ref()
@@ -1059,6 +1076,71 @@ mod tests {
         enc.finish().unwrap();
         let bytes = out.lock().unwrap().clone();
         bytes
+    }
+
+    #[test]
+    fn frames_told_where_they_changed_arrive_whole() {
+        // A photo session's frames differ only in the face's region, and only that is copied
+        // into a reused buffer for ffmpeg. Lossless (crf 0, no cap), the decoded stream must
+        // be every frame as written, whether the next changed in a region, nowhere or all over.
+        let (w, h) = (128u32, 96u32);
+        let mut s = EncoderSettings::new(w, h, crate::media::audio::Fps::DEFAULT);
+        s.preset = "ultrafast".into();
+        s.crf = 0;
+        s.max_bitrate = None;
+        let (mut enc, out) = collecting(s);
+        let mut seed = 7u32;
+        let mut noise = |w: u32, h: u32| {
+            let rgb = (0..w * h * 3)
+                .map(|_| {
+                    seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    (seed >> 24) as u8
+                })
+                .collect();
+            crate::media::image::Frame::new(w, h, rgb)
+        };
+        let face = Region {
+            x: 32,
+            y: 40,
+            width: 48,
+            height: 32,
+        };
+        let mut frame = Yuv420::from_rgb(&noise(w, h));
+        let mut written = Vec::new();
+        for k in 0..40 {
+            let changed = match k % 7 {
+                0 => {
+                    frame = Yuv420::from_rgb(&noise(w, h));
+                    None
+                }
+                3 => Some(Region::EMPTY),
+                _ => {
+                    frame.write_rgb(face.x, face.y, &noise(face.width, face.height));
+                    Some(face)
+                }
+            };
+            enc.write_changed(&frame, changed, vec![0u8; 640 * 2])
+                .unwrap();
+            written.push(frame.bytes().to_vec());
+            // Paced, as a session's frames are, so that buffers come back to be reused.
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        enc.finish().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("live.mp4");
+        std::fs::write(&path, &*out.lock().unwrap()).unwrap();
+        let decoded = std::process::Command::new(super::super::default_ffmpeg())
+            .args(["-v", "error", "-i"])
+            .arg(&path)
+            .args(["-f", "rawvideo", "-pix_fmt", "yuv420p", "-"])
+            .output()
+            .unwrap();
+        assert!(decoded.status.success(), "{decoded:?}");
+        let got: Vec<&[u8]> = decoded.stdout.chunks_exact(written[0].len()).collect();
+        assert_eq!(got.len(), written.len());
+        for (k, (got, want)) in got.iter().zip(&written).enumerate() {
+            assert!(got == want, "frame {k}");
+        }
     }
 
     /// Each video packet's size in `stream`, in order (ffprobe).

@@ -37,7 +37,7 @@ use process::{Fd3, Launch, Process, StdoutConsumer};
 
 use crate::media::audio::Fps;
 use crate::media::image::Frame;
-use crate::media::yuv::{self, Yuv420};
+use crate::media::yuv::{self, Region, Yuv420};
 use crate::media::Error;
 
 pub use remux::faststart;
@@ -79,6 +79,14 @@ pub type Sink = Box<dyn std::io::Write + Send>;
 pub trait VideoEncoder: Send {
     /// Appends the next frame (YUV 4:2:0, the size the encoder was made for).
     fn write_yuv(&mut self, frame: &Yuv420) -> Result<(), Error>;
+    /// Appends the next frame, which differs from the frame appended last only within
+    /// `changed` (`None`: anywhere, or not known; an empty region: nowhere). An encoder that
+    /// copies each frame for its process copies only that where it can (a photo's face
+    /// instead of the whole frame); by default, [`Self::write_yuv`].
+    fn write_yuv_changed(&mut self, frame: &Yuv420, changed: Option<Region>) -> Result<(), Error> {
+        let _ = changed;
+        self.write_yuv(frame)
+    }
     /// Appends the next frame given as RGB (converted whole: where only a part of each frame
     /// changes, convert that part into a kept [`Yuv420`] and use [`Self::write_yuv`]).
     fn write_frame(&mut self, frame: &Frame) -> Result<(), Error> {

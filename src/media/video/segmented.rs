@@ -41,9 +41,9 @@ use std::time::{Duration, Instant};
 use super::flv::{self, be};
 use super::process::{spawn_thread, Fd3, Launch, Process, StdoutConsumer};
 use super::single::SinkError;
-use super::splice::{FrameFeed, FramePool};
+use super::splice::{FrameFeed, FramePool, History, Pooled};
 use super::{EncodeSummary, EncoderSettings, Sink, VideoEncoder, PIPED_SPEECH};
-use crate::media::yuv::{self, Yuv420};
+use crate::media::yuv::{self, Region, Yuv420};
 use crate::media::Error;
 
 /// Raw frames queued for all workers together, at most (a 512×512 frame is 0.75 MiB).
@@ -74,6 +74,8 @@ pub struct SegmentedEncoder {
     frame_queue: usize,
     /// Frame buffers the workers' feeders are done with.
     pool: FramePool,
+    /// Where each frame written differed from the one before, for [`FramePool::updated`].
+    history: History,
     joiner: Option<JoinHandle<Result<u64, Error>>>,
     muxer: Process,
     sink_error: SinkError,
@@ -82,7 +84,7 @@ pub struct SegmentedEncoder {
 
 struct Worker {
     /// Frames for this worker; dropping it ends this render's input.
-    frames: Option<SyncSender<Vec<u8>>>,
+    frames: Option<SyncSender<Pooled>>,
     /// Writes queued frames to ffmpeg's stdin; returns the stdin if every frame went in.
     feeder: Option<JoinHandle<Option<ChildStdin>>>,
     process: Process,
@@ -152,6 +154,7 @@ impl SegmentedEncoder {
             outputs,
             frame_queue,
             pool: FramePool::new(2 * k + 2),
+            history: History::default(),
             joiner: Some(joiner),
             muxer,
             sink_error,
@@ -187,7 +190,7 @@ impl SegmentedEncoder {
                 (process, stdin, route, 0)
             }
         };
-        let (tx, rx) = sync_channel::<Vec<u8>>(self.frame_queue);
+        let (tx, rx) = sync_channel::<Pooled>(self.frame_queue);
         let pool = self.pool.clone();
         let feeder = spawn_thread("encoder-feeder", move || feed(stdin, rx, pool))?;
         Ok(Worker {
@@ -319,6 +322,10 @@ impl SegmentedEncoder {
 
 impl VideoEncoder for SegmentedEncoder {
     fn write_yuv(&mut self, frame: &Yuv420) -> Result<(), Error> {
+        self.write_yuv_changed(frame, None)
+    }
+
+    fn write_yuv_changed(&mut self, frame: &Yuv420, changed: Option<Region>) -> Result<(), Error> {
         if let Some(e) = self.sink_error.get() {
             return Err(e);
         }
@@ -329,7 +336,9 @@ impl VideoEncoder for SegmentedEncoder {
                 Ok(_) => Error::Encoder("the encoder stopped early".into()),
             });
         }
-        let data = self.pool.filled(self.settings.coded_frame(frame)?);
+        self.settings.coded_frame(frame)?;
+        self.history.push(changed);
+        let data = self.pool.updated(frame, &self.history);
         let k = self.workers.len() as u64;
         let w = ((self.frames / self.segment_len) % k) as usize;
         if self.workers[w].is_none() {
@@ -456,7 +465,7 @@ fn spawn_worker(
 /// (the worker's exit status then tells why), handing their buffers back to `pool` once
 /// ffmpeg has read them ([`FrameFeed`]). Returns the stdin, once ffmpeg has read every
 /// frame, if all went in.
-fn feed(stdin: ChildStdin, frames: Receiver<Vec<u8>>, pool: FramePool) -> Option<ChildStdin> {
+fn feed(stdin: ChildStdin, frames: Receiver<Pooled>, pool: FramePool) -> Option<ChildStdin> {
     let mut feed = FrameFeed::new(stdin, pool);
     while let Ok(frame) = frames.recv() {
         feed.write(frame).ok()?;

@@ -20,6 +20,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use crate::media::yuv::{Region, Yuv420};
+
 /// The longest pause between two looks at a draining pipe.
 const DRAIN_POLL_MAX: Duration = Duration::from_millis(20);
 
@@ -27,9 +29,30 @@ const DRAIN_POLL_MAX: Duration = Duration::from_millis(20);
 /// of a frame's size is mapped page by page on each use).
 #[derive(Clone)]
 pub(super) struct FramePool {
-    free: Arc<Mutex<Vec<Vec<u8>>>>,
+    free: Arc<Mutex<Vec<Pooled>>>,
     /// Buffers kept at most.
     cap: usize,
+}
+
+/// A frame's bytes on their way through a [`FrameFeed`] and back to their [`FramePool`],
+/// with the number of the frame they hold in its producer's [`History`], if they hold one.
+pub(super) struct Pooled {
+    bytes: Vec<u8>,
+    frame: Option<u64>,
+}
+
+impl std::ops::Deref for Pooled {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl From<Vec<u8>> for Pooled {
+    fn from(bytes: Vec<u8>) -> Self {
+        Pooled { bytes, frame: None }
+    }
 }
 
 impl FramePool {
@@ -41,23 +64,105 @@ impl FramePool {
     }
 
     /// `bytes` in a buffer from the pool, or a new one.
-    pub(super) fn filled(&self, bytes: &[u8]) -> Vec<u8> {
+    pub(super) fn filled(&self, bytes: &[u8]) -> Pooled {
         let reused = self.lock().pop();
-        let mut buf = reused.unwrap_or_default();
+        let mut buf = reused.map(|p| p.bytes).unwrap_or_default();
         buf.clear();
         buf.extend_from_slice(bytes);
+        buf.into()
+    }
+
+    /// The latest frame of `history`, `frame`, in a buffer from the pool: where the buffer
+    /// holds an earlier frame of the same history and the history knows where the frames
+    /// since differ from it, only that region is copied (a photo's face, not the whole
+    /// frame); else the whole frame.
+    pub(super) fn updated(&self, frame: &Yuv420, history: &History) -> Pooled {
+        let bytes = frame.bytes();
+        let reused = self.lock().pop();
+        let mut buf = match reused {
+            Some(mut buf) if buf.bytes.len() == bytes.len() => {
+                match buf.frame.and_then(|n| history.since(n)) {
+                    Some(changed) => {
+                        if let Some(r) = changed {
+                            frame.copy_region_into(&r, &mut buf.bytes);
+                        }
+                    }
+                    None => buf.bytes.copy_from_slice(bytes),
+                }
+                buf
+            }
+            other => {
+                let mut buf = other.map(|p| p.bytes).unwrap_or_default();
+                buf.clear();
+                buf.extend_from_slice(bytes);
+                Pooled::from(buf)
+            }
+        };
+        buf.frame = history.latest();
         buf
     }
 
-    fn put(&self, buf: Vec<u8>) {
+    fn put(&self, buf: Pooled) {
         let mut free = self.lock();
         if free.len() < self.cap {
             free.push(buf);
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Vec<u8>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Pooled>> {
         self.free.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Frames a [`History`] remembers the changes of: more than are ever in flight between a
+/// producer and its pool (a segmented encoder queues at most 128 MiB of frames, 325 at
+/// 512×512, and its pool keeps a few more), so that a reused buffer's frame is still known.
+const HISTORY: usize = 1024;
+
+/// Where each of a producer's last frames differs from the frame before it, so that a pooled
+/// buffer holding one of them is brought up to the latest by copying only what changed since
+/// ([`FramePool::updated`]).
+#[derive(Debug, Default)]
+pub(super) struct History {
+    /// Frames recorded.
+    frames: u64,
+    /// The changes of the last frames recorded, oldest first: `None` anywhere (or unknown),
+    /// `Some(None)` nowhere.
+    recent: VecDeque<Option<Option<Region>>>,
+}
+
+impl History {
+    /// Records the next frame: where it differs from the one before (`None`: anywhere, or
+    /// not known; an empty region: nowhere).
+    pub(super) fn push(&mut self, changed: Option<Region>) {
+        if self.recent.len() == HISTORY {
+            self.recent.pop_front();
+        }
+        let change = changed.map(|r| (r.width > 0 && r.height > 0).then_some(r));
+        self.recent.push_back(change);
+        self.frames += 1;
+    }
+
+    /// The number of the latest frame (`None` before the first).
+    fn latest(&self) -> Option<u64> {
+        self.frames.checked_sub(1)
+    }
+
+    /// Where the latest frame differs from frame `n`: `Some(None)` nowhere, `Some(region)`
+    /// within it, `None` anywhere or not known (a frame too old, or a change not told).
+    fn since(&self, n: u64) -> Option<Option<Region>> {
+        let latest = self.latest()?;
+        if n > latest || latest - n > self.recent.len() as u64 {
+            return None;
+        }
+        let later = (latest - n) as usize;
+        let mut union: Option<Region> = None;
+        for change in self.recent.iter().skip(self.recent.len() - later) {
+            if let Some(r) = (*change)? {
+                union = Some(union.map_or(r, |u| u.union(&r)));
+            }
+        }
+        Some(union)
     }
 }
 
@@ -66,7 +171,7 @@ pub(super) struct FrameFeed {
     /// The pipe (taken out only by [`Self::into_pipe`]).
     pipe: Option<ChildStdin>,
     /// The last frames spliced, oldest first: the pipe may still reference their pages.
-    held: VecDeque<Vec<u8>>,
+    held: VecDeque<Pooled>,
     /// Bytes the pipe can reference (its capacity).
     capacity: usize,
     /// `vmsplice` works on this pipe (else plain writes).
@@ -139,7 +244,7 @@ impl FrameFeed {
     }
 
     /// Writes `frame`; an error means the reader has gone (or the pipe failed).
-    pub(super) fn write(&mut self, frame: Vec<u8>) -> io::Result<()> {
+    pub(super) fn write(&mut self, frame: Pooled) -> io::Result<()> {
         if !self.splice {
             self.pipe_mut().write_all(&frame)?;
             self.pool.put(frame);
@@ -304,7 +409,7 @@ mod tests {
         assert_eq!(size, 1 << 19, "a 512×512 frame's pipe");
         // The whole frame goes in with nobody reading yet.
         let f = frame(0, 393_216);
-        feed.write(f.clone()).unwrap();
+        feed.write(f.clone().into()).unwrap();
         let mut got = vec![0u8; f.len()];
         out.read_exact(&mut got).unwrap();
         assert!(got == f);
@@ -358,6 +463,124 @@ mod tests {
         }
     }
 
+    /// A `width`×`height` RGB picture, pseudo-random from the seed.
+    fn noise(width: u32, height: u32, seed: u32) -> crate::media::image::Frame {
+        let rgb = (0..width * height * 3)
+            .map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) >> 7)
+            .map(|v| v as u8)
+            .collect();
+        crate::media::image::Frame::new(width, height, rgb)
+    }
+
+    /// A 64×48 frame whose bytes differ from seed to seed.
+    fn yuv(seed: u32) -> Yuv420 {
+        Yuv420::from_rgb(&noise(64, 48, seed))
+    }
+
+    fn region(x: u32, y: u32, width: u32, height: u32) -> Region {
+        Region {
+            x,
+            y,
+            width,
+            height,
+        }
+    }
+
+    #[test]
+    fn a_history_knows_where_the_latest_frame_differs_from_an_earlier_one() {
+        let mut h = History::default();
+        assert_eq!(h.latest(), None);
+        assert_eq!(h.since(0), None, "nothing recorded");
+        h.push(None); // frame 0: anything
+        h.push(Some(region(0, 0, 4, 4))); // 1
+        h.push(Some(Region::EMPTY)); // 2: the same again
+        h.push(Some(region(8, 2, 2, 6))); // 3
+        assert_eq!(h.latest(), Some(3));
+        assert_eq!(h.since(3), Some(None), "the latest itself");
+        assert_eq!(h.since(2), Some(Some(region(8, 2, 2, 6))));
+        assert_eq!(
+            h.since(1),
+            Some(Some(region(8, 2, 2, 6))),
+            "2 changed nothing"
+        );
+        assert_eq!(h.since(0), Some(Some(region(0, 0, 10, 8))), "the union");
+        h.push(None); // 4: anywhere
+        assert_eq!(h.since(3), None);
+        assert_eq!(h.since(5), None, "a frame not yet written");
+        // Frames older than the history remembers are not known.
+        for _ in 0..HISTORY {
+            h.push(Some(Region::EMPTY));
+        }
+        assert_eq!(h.since(4), Some(None), "the oldest remembered");
+        assert_eq!(h.since(3), None, "one too old");
+    }
+
+    #[test]
+    fn a_reused_buffer_is_brought_up_to_the_latest_frame_by_copying_what_changed() {
+        let pool = FramePool::new(8);
+        let mut history = History::default();
+        // Each frame is the last with one region changed, or all of it (`None`).
+        let changes = [
+            None,
+            Some(region(0, 0, 16, 16)),
+            Some(region(48, 32, 16, 16)),
+            Some(Region::EMPTY),
+            None,
+            Some(region(10, 20, 30, 20)),
+            Some(region(2, 2, 2, 2)),
+            Some(region(0, 46, 64, 2)),
+        ];
+        let mut frame = yuv(0);
+        // Buffers come back to the pool three frames after they were filled, as a feed
+        // hands them back once later frames fill the pipe.
+        let mut in_flight: VecDeque<Pooled> = VecDeque::new();
+        for (k, changed) in changes.iter().cycle().take(200).enumerate() {
+            let seed = k as u32 + 1;
+            match changed {
+                None => frame = yuv(seed),
+                Some(r) if r.width > 0 => {
+                    frame.write_rgb(r.x, r.y, &noise(r.width, r.height, seed))
+                }
+                Some(_) => {}
+            }
+            history.push(*changed);
+            let buf = pool.updated(&frame, &history);
+            assert!(&buf[..] == frame.bytes(), "frame {k}");
+            in_flight.push_back(buf);
+            if in_flight.len() > 3 {
+                pool.put(in_flight.pop_front().expect("queued"));
+            }
+        }
+    }
+
+    #[test]
+    fn only_the_region_told_is_copied() {
+        // A producer that says a frame changed only in a region, when it changed elsewhere
+        // too, gets the old pixels there: what shows that the rest was not copied.
+        let pool = FramePool::new(2);
+        let mut history = History::default();
+        let first = yuv(1);
+        history.push(None);
+        let buf = pool.updated(&first, &history);
+        assert!(&buf[..] == first.bytes());
+        pool.put(buf);
+        let second = yuv(2); // differs everywhere
+        let face = region(16, 8, 32, 24);
+        history.push(Some(face));
+        let buf = pool.updated(&second, &history);
+        let mut expected = first.bytes().to_vec();
+        second.copy_region_into(&face, &mut expected);
+        assert!(buf[..] == expected[..]);
+        assert!(buf[..] != second.bytes()[..]);
+        // A buffer of another size, or one holding no known frame, is filled whole.
+        pool.put(Pooled::from(vec![7u8; 10]));
+        history.push(Some(face));
+        assert!(&pool.updated(&second, &history)[..] == second.bytes());
+        pool.put(Pooled::from(vec![7u8; second.bytes().len()]));
+        history.push(Some(Region::EMPTY));
+        assert!(&pool.updated(&second, &history)[..] == second.bytes());
+    }
+
     #[test]
     fn a_reader_that_goes_is_an_error_and_nothing_waits() {
         let (mut out, stdin) = pipe_pair();
@@ -370,7 +593,7 @@ mod tests {
         let t = std::time::Instant::now();
         let mut failed = false;
         for k in 0..100 {
-            if feed.write(frame(k, 100_000)).is_err() {
+            if feed.write(frame(k, 100_000).into()).is_err() {
                 failed = true;
                 break;
             }
