@@ -270,42 +270,46 @@ pub fn model_input(crop_bgr: &[u8]) -> Vec<f32> {
     out
 }
 
-/// `v / 255` for every 8-bit value, computed as the division (the same `f32`s).
-const UNIT: [f32; 256] = {
-    let mut t = [0f32; 256];
-    let mut i = 0;
-    while i < 256 {
-        t[i] = i as f32 / 255.0;
-        i += 1;
-    }
-    t
-};
-
-/// [`model_input`] appended to `out` (a batch being built).
+/// [`model_input`] appended to `out` (a batch being built): each value `v / 255` as an `f32`
+/// division, channel by channel, with AVX2 where the CPU has it (the build targets plain
+/// x86-64), so the compiler vectorises it.
 pub fn model_input_into(crop_bgr: &[u8], batch: &mut Vec<f32>) {
-    let n = FACE_SIZE * FACE_SIZE;
-    let start = batch.len();
-    batch.resize(start + 6 * n, 0.0);
-    let out = &mut batch[start..];
-    let pixels = &crop_bgr[..3 * n];
-    // Channels 3–5: the crop, plane by plane.
-    for c in 0..3 {
-        for (o, px) in out[(3 + c) * n..(4 + c) * n]
-            .iter_mut()
-            .zip(pixels.chunks_exact(3))
-        {
-            *o = UNIT[usize::from(px[c])];
-        }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        unsafe { model_input_into_avx2(crop_bgr, batch) };
+        return;
     }
-    // Channels 0–2: its upper half (the lower half stays zero).
+    model_input_into_any(crop_bgr, batch);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn model_input_into_avx2(crop_bgr: &[u8], batch: &mut Vec<f32>) {
+    model_input_into_any(crop_bgr, batch);
+}
+
+#[inline(always)]
+fn model_input_into_any(crop_bgr: &[u8], batch: &mut Vec<f32>) {
+    let n = FACE_SIZE * FACE_SIZE;
     let upper = FACE_SIZE / 2 * FACE_SIZE;
+    let pixels = &crop_bgr[..3 * n];
+    batch.reserve(6 * n);
+    // Channels 0–2: the crop's upper half, then zeros.
     for c in 0..3 {
-        out.copy_within((3 + c) * n..(3 + c) * n + upper, c * n);
+        batch.extend(
+            pixels[..3 * upper]
+                .chunks_exact(3)
+                .map(|px| f32::from(px[c]) / 255.0),
+        );
+        batch.extend(std::iter::repeat_n(0.0, n - upper));
+    }
+    // Channels 3–5: the whole crop.
+    for c in 0..3 {
+        batch.extend(pixels.chunks_exact(3).map(|px| f32::from(px[c]) / 255.0));
     }
 }
 
-/// One predicted face `(3, 96, 96)` channel-major BGR in (0, 1) to 8-bit BGR pixels: ×255 and
-/// truncated, as the original's `astype(np.uint8)`.
 /// The side of a square BGR face: 96 for the generator's, 96·s after an enhancer of scale s.
 pub fn face_side(face_bgr: &[u8]) -> usize {
     let side = ((face_bgr.len() / 3) as f64).sqrt().round() as usize;
@@ -313,17 +317,44 @@ pub fn face_side(face_bgr: &[u8]) -> usize {
     side
 }
 
+/// One predicted face `(3, 96, 96)` channel-major BGR in (0, 1) to 8-bit BGR pixels: ×255 and
+/// truncated, as the original's `astype(np.uint8)` (values outside 0..=255 clamped, NaN 0),
+/// with AVX2 where the CPU has it.
 pub fn prediction_to_bgr(pred: &[f32]) -> Vec<u8> {
+    let mut out = vec![0u8; 3 * FACE_SIZE * FACE_SIZE];
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        unsafe { prediction_to_bgr_avx2(pred, &mut out) };
+        return out;
+    }
+    prediction_to_bgr_any(pred, &mut out);
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn prediction_to_bgr_avx2(pred: &[f32], out: &mut [u8]) {
+    prediction_to_bgr_any(pred, out);
+}
+
+/// [`prediction_to_bgr`] into `out`: the value clamped into 0..=255 before it is truncated
+/// (NaN to 0, as `as u8` gives), so the truncation needs no saturation and vectorises.
+#[inline(always)]
+fn prediction_to_bgr_any(pred: &[f32], out: &mut [u8]) {
     let n = FACE_SIZE * FACE_SIZE;
     let (b, g, r) = (&pred[..n], &pred[n..2 * n], &pred[2 * n..3 * n]);
-    let mut out = vec![0u8; 3 * n];
-    let to_u8 = |v: f32| (v * 255.0).clamp(0.0, 255.0) as u8;
+    let to_u8 = |v: f32| {
+        // `max` returns 0 for NaN; infinities clamp to the ends.
+        let v = (v * 255.0).max(0.0).min(255.0);
+        // SAFETY: `v` is finite and within 0..=255, so it truncates into an i32.
+        unsafe { v.to_int_unchecked::<i32>() as u8 }
+    };
     for (((o, &b), &g), &r) in out.chunks_exact_mut(3).zip(b).zip(g).zip(r) {
         o[0] = to_u8(b);
         o[1] = to_u8(g);
         o[2] = to_u8(r);
     }
-    out
 }
 
 /// How the predicted face goes back into the photo.
@@ -728,6 +759,11 @@ mod tests {
         model_input_into(&crop, &mut batch);
         assert_eq!(&batch[..3], &[7.0; 3]);
         assert_eq!(&batch[3..], &x[..]);
+        // The same without AVX2.
+        let mut any = Vec::new();
+        model_input_into_any(&crop, &mut any);
+        assert!(any.iter().zip(&x).all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert_eq!(any.len(), x.len());
     }
 
     #[test]
@@ -781,5 +817,22 @@ mod tests {
         assert_eq!(&bgr[..3], &[254, 0, 127]);
         assert_eq!(&bgr[3 * n - 3..], &[127, 0, 255]);
         assert_eq!(bgr.len(), 3 * n);
+        // Every value against `as u8` of the clamped product (saturating, NaN to 0), with and
+        // without AVX2: a sweep past both ends, and the values that are not numbers.
+        let mut pred: Vec<f32> = (0..3 * n)
+            .map(|i| (i as f32 / (3 * n) as f32) * 1.4 - 0.2)
+            .collect();
+        pred[5] = f32::NAN;
+        pred[n + 9] = f32::INFINITY;
+        pred[2 * n + 11] = f32::NEG_INFINITY;
+        pred[17] = -0.0;
+        let want: Vec<u8> = (0..n)
+            .flat_map(|i| [0, 1, 2].map(|c| (pred[c * n + i] * 255.0).clamp(0.0, 255.0) as u8))
+            .collect();
+        assert_eq!(prediction_to_bgr(&pred), want);
+        let mut any = vec![0u8; 3 * n];
+        prediction_to_bgr_any(&pred, &mut any);
+        assert_eq!(any, want);
+        assert_eq!((want[15], want[3 * 9 + 1], want[3 * 11 + 2]), (0, 255, 0));
     }
 }
