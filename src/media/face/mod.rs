@@ -344,8 +344,9 @@ unsafe fn prediction_to_bgr_avx2(pred: &[f32], out: &mut [u8]) {
 fn prediction_to_bgr_any(pred: &[f32], out: &mut [u8]) {
     let n = FACE_SIZE * FACE_SIZE;
     let (b, g, r) = (&pred[..n], &pred[n..2 * n], &pred[2 * n..3 * n]);
+    // Not `clamp`, which keeps NaN: `max` returns 0 for it. Infinities go to the ends.
+    #[allow(clippy::manual_clamp)]
     let to_u8 = |v: f32| {
-        // `max` returns 0 for NaN; infinities clamp to the ends.
         let v = (v * 255.0).max(0.0).min(255.0);
         // SAFETY: `v` is finite and within 0..=255, so it truncates into an i32.
         unsafe { v.to_int_unchecked::<i32>() as u8 }
