@@ -951,9 +951,9 @@ async fn encoder_processes_started_ahead_serve_the_next_requests_with_any_speech
         let v = common::num(&common::stream(&p, "video")["nb_read_frames"]);
         assert!((a - 4.0).abs() < 0.1, "{audio}: {a} s of audio");
         assert_eq!(v, 100.0, "{audio}");
-        // After each request a replacement muxer (speech through the pipe) is started and
-        // waits for the next one, 150 ms after the last ended; the workers (no speech) are
-        // the request's own, kept.
+        // Each request's muxer (speech through the pipe) is replaced, a quarter of a second
+        // after the request took it, by one that waits for the next request; the workers
+        // (no speech) are the request's own, kept.
         let until = Instant::now() + Duration::from_secs(10);
         while (children_with_arg(pid, "pipe:3") == 0 || children_with_arg(pid, "flv") == 0)
             && Instant::now() < until

@@ -30,8 +30,6 @@ pub(super) struct Process {
     fd3: Option<File>,
     /// Copies a file into descriptor 3: a read error, or none.
     fd3_feeder: Option<JoinHandle<std::io::Result<()>>>,
-    /// Where a replacement is started once this process ends.
-    refill: Option<(Spares, Launch)>,
 }
 
 pub(super) fn spawn_thread<T: Send + 'static>(
@@ -131,6 +129,11 @@ impl Process {
             Some(s) => s,
             None => launch.start()?,
         };
+        // The replacement starts now (a moment later, on the pool's thread), not when this
+        // process ends: a request that follows this one at once finds it started.
+        if let Some(spares) = spares {
+            spares.refill_later(launch.clone());
+        }
         let mut child = started.child.take().expect("a started child");
         let fd3 = started.fd3.take();
         let stdin = child.stdin.take();
@@ -180,7 +183,6 @@ impl Process {
             stderr: None,
             fd3,
             fd3_feeder: None,
-            refill: spares.map(|s| (s.clone(), launch.clone())),
         };
         p.stderr = Some(stderr?); // on error, Drop kills and reaps the child
         Ok(p)
@@ -243,9 +245,6 @@ impl Process {
             t.join()
                 .unwrap_or_else(|_| Err(std::io::Error::other("the feeder panicked")))
         });
-        if let Some((spares, launch)) = self.refill.take() {
-            spares.refill_later(launch);
-        }
         match status {
             // A broken pipe means ffmpeg stopped reading that input: its own choice, as it
             // succeeded.
@@ -362,19 +361,20 @@ mod tests {
         for round in 0..2 {
             let (consume, out) = collector();
             let mut p = Process::spawn(&launch, Some(&spares), "cat", consume).unwrap();
-            // The first takes the spare; its end starts a replacement for the next.
-            assert_eq!(spares.idle(), 0, "round {round}");
+            // It takes the spare, and a replacement starts a moment later on the pool's
+            // thread, while it still runs: a request right after this one finds it.
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while spares.idle() == 0 && std::time::Instant::now() < until {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            // One, not two: had it not taken the spare, the refill would have added a second.
+            std::thread::sleep(super::super::spares::REFILL_DELAY * 2);
+            assert_eq!(spares.idle(), 1, "round {round}");
             p.feed_fd3(&file).unwrap();
             p.write_all(b"head:").unwrap();
             assert_eq!(p.finish().unwrap(), 5 + data.len() as u64);
             assert_eq!(out.lock().unwrap()[..5], *b"head:");
             assert!(out.lock().unwrap()[5..] == data[..]);
-            // The replacement comes a moment later, on the pool's thread.
-            let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
-            while spares.idle() == 0 && std::time::Instant::now() < until {
-                std::thread::sleep(std::time::Duration::from_millis(20));
-            }
-            assert_eq!(spares.idle(), 1, "round {round}");
         }
         // A killed process does not leave its feeder waiting on a full pipe.
         let (consume, _) = collector();

@@ -5,9 +5,10 @@
 //! frames are being drawn: on a small machine that is most of the time to the first byte. A
 //! [`Spares`] pool keeps, for each command line recently used, up to [`PER_LAUNCH`] processes
 //! that have already started and wait on their empty stdin. A render takes one instead of
-//! starting its own; when a process ends, a replacement is started for the next render,
-//! [`REFILL_DELAY`] later on the pool's own thread (the CPU is spent after the render, not
-//! during its last frames). Only what is the same for every render of a
+//! starting its own, and a replacement for the next render starts [`REFILL_DELAY`] later on
+//! the pool's own thread (past the render's first byte, and ready for a request that follows
+//! this one at once; until 2026-11-29 it started when the process ended, so such a request
+//! started its own). Only what is the same for every render of a
 //! shape can be started ahead: the command lines take the speech through a pipe (`pipe:3`),
 //! never a file name.
 //!
@@ -40,9 +41,9 @@ pub const MAX_IDLE_AGE: Duration = Duration::from_secs(600);
 /// Encoder workers kept between renders, at most (the oldest go first): eight workers, a
 /// GPU host's default for one video, for two shapes.
 pub const MAX_KEPT: usize = 16;
-/// How long after a process ends its replacement starts: a render's processes end within
-/// moments of each other, and its last bytes go out meanwhile.
-pub const REFILL_DELAY: Duration = Duration::from_millis(150);
+/// How long after a render takes a process (or starts its own) the replacement starts: past
+/// the render's first byte, which the start would slow (0.1–0.2 s on a 2-core machine).
+pub const REFILL_DELAY: Duration = Duration::from_millis(250);
 
 /// A pool of started ffmpeg processes; clones share it.
 #[derive(Clone, Default)]
