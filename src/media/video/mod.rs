@@ -88,7 +88,7 @@ pub trait VideoEncoder: Send {
         self.write_yuv(frame)
     }
     /// Appends the next frame given as RGB (converted whole: where only a part of each frame
-    /// changes, convert that part into a kept [`Yuv420`] and use [`Self::write_yuv`]).
+    /// changes, convert that part into a kept [`Yuv420`] and use [`Self::write_yuv_changed`]).
     fn write_frame(&mut self, frame: &Frame) -> Result<(), Error> {
         self.write_yuv(&Yuv420::from_rgb(frame))
     }

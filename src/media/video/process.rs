@@ -71,6 +71,11 @@ pub(super) struct Started {
 }
 
 impl Started {
+    /// Its process id (none once reaped).
+    pub(super) fn id(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Whether the process still runs.
     pub(super) fn running(&mut self) -> bool {
         self.child

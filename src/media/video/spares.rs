@@ -30,9 +30,9 @@ use std::time::{Duration, Instant};
 use super::process::{Launch, Started};
 use super::segmented::KeptWorker;
 
-/// Spares kept per command line: a render takes at most two processes with the same one at
-/// its start (a segmented encoder's first two workers), and later workers start a second
-/// and more into the video, off the first byte's path.
+/// Spares kept per command line: a render takes one (its muxer, or its single encoder; the
+/// x264 workers are kept, not spares), and two let two requests of the same shape that
+/// arrive together both find one.
 pub const PER_LAUNCH: usize = 2;
 /// Spares kept in all (the oldest go first).
 pub const MAX_IDLE: usize = 12;
@@ -121,6 +121,13 @@ impl Spares {
         let mut idle = self.lock();
         expire(&mut idle);
         idle.len()
+    }
+
+    /// The process ids of the spares waiting now.
+    pub fn idle_ids(&self) -> Vec<u32> {
+        let mut idle = self.lock();
+        expire(&mut idle);
+        idle.iter().filter_map(|s| s.started.id()).collect()
     }
 
     /// Workers kept for the next render now.

@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 use std::io::{self, Write};
 use std::os::fd::AsRawFd;
 use std::process::ChildStdin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -35,10 +35,11 @@ pub(super) struct FramePool {
 }
 
 /// A frame's bytes on their way through a [`FrameFeed`] and back to their [`FramePool`],
-/// with the number of the frame they hold in its producer's [`History`], if they hold one.
+/// with the frame they hold, if they hold one: `(its producer's History's id, its number
+/// there)`.
 pub(super) struct Pooled {
     bytes: Vec<u8>,
-    frame: Option<u64>,
+    frame: Option<(u64, u64)>,
 }
 
 impl std::ops::Deref for Pooled {
@@ -81,7 +82,8 @@ impl FramePool {
         let reused = self.lock().pop();
         let mut buf = match reused {
             Some(mut buf) if buf.bytes.len() == bytes.len() => {
-                match buf.frame.and_then(|n| history.since(n)) {
+                let known = buf.frame.filter(|&(id, _)| id == history.id);
+                match known.and_then(|(_, n)| history.since(n)) {
                     Some(changed) => {
                         if let Some(r) = changed {
                             frame.copy_region_into(&r, &mut buf.bytes);
@@ -98,7 +100,7 @@ impl FramePool {
                 Pooled::from(buf)
             }
         };
-        buf.frame = history.latest();
+        buf.frame = history.latest().map(|n| (history.id, n));
         buf
     }
 
@@ -114,21 +116,37 @@ impl FramePool {
     }
 }
 
-/// Frames a [`History`] remembers the changes of: more than are ever in flight between a
-/// producer and its pool (a segmented encoder queues at most 128 MiB of frames, 325 at
-/// 512×512, and its pool keeps a few more), so that a reused buffer's frame is still known.
+/// Frames a [`History`] remembers the changes of: more than are usually in flight between a
+/// producer and its pool (a segmented encoder queues a second of frames per worker, within
+/// 128 MiB: 2 × 25 and the pipes' few at 512×512 on two workers; 325 at most at 512×512), so
+/// that a reused buffer's frame is still known. An older one is copied whole.
 const HISTORY: usize = 1024;
+
+/// Ids of histories, so that a buffer is only ever brought up to date by its own.
+static HISTORIES: AtomicU64 = AtomicU64::new(0);
 
 /// Where each of a producer's last frames differs from the frame before it, so that a pooled
 /// buffer holding one of them is brought up to the latest by copying only what changed since
 /// ([`FramePool::updated`]).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct History {
+    /// Unique in this process.
+    id: u64,
     /// Frames recorded.
     frames: u64,
     /// The changes of the last frames recorded, oldest first: `None` anywhere (or unknown),
     /// `Some(None)` nowhere.
     recent: VecDeque<Option<Option<Region>>>,
+}
+
+impl Default for History {
+    fn default() -> Self {
+        History {
+            id: HISTORIES.fetch_add(1, Ordering::Relaxed),
+            frames: 0,
+            recent: VecDeque::new(),
+        }
+    }
 }
 
 impl History {
@@ -578,7 +596,16 @@ mod tests {
         assert!(&pool.updated(&second, &history)[..] == second.bytes());
         pool.put(Pooled::from(vec![7u8; second.bytes().len()]));
         history.push(Some(Region::EMPTY));
-        assert!(&pool.updated(&second, &history)[..] == second.bytes());
+        let buf = pool.updated(&second, &history);
+        assert!(&buf[..] == second.bytes());
+        // A buffer filled for another producer's history is copied whole, whatever its number.
+        let mut other = History::default();
+        for _ in 0..4 {
+            other.push(Some(face));
+        }
+        pool.put(buf);
+        let third = yuv(3);
+        assert!(&pool.updated(&third, &other)[..] == third.bytes());
     }
 
     #[test]
