@@ -66,11 +66,7 @@ impl FramePool {
 
     /// `bytes` in a buffer from the pool, or a new one.
     pub(super) fn filled(&self, bytes: &[u8]) -> Pooled {
-        let reused = self.lock().pop();
-        let mut buf = reused.map(|p| p.bytes).unwrap_or_default();
-        buf.clear();
-        buf.extend_from_slice(bytes);
-        buf.into()
+        refilled(self.lock().pop(), bytes)
     }
 
     /// The latest frame of `history`, `frame`, in a buffer from the pool: where the buffer
@@ -79,26 +75,20 @@ impl FramePool {
     /// frame); else the whole frame.
     pub(super) fn updated(&self, frame: &Yuv420, history: &History) -> Pooled {
         let bytes = frame.bytes();
-        let reused = self.lock().pop();
-        let mut buf = match reused {
+        let mut buf = match self.lock().pop() {
             Some(mut buf) if buf.bytes.len() == bytes.len() => {
-                let known = buf.frame.filter(|&(id, _)| id == history.id);
-                match known.and_then(|(_, n)| history.since(n)) {
-                    Some(changed) => {
-                        if let Some(r) = changed {
-                            frame.copy_region_into(&r, &mut buf.bytes);
-                        }
-                    }
+                let since = buf
+                    .frame
+                    .filter(|&(id, _)| id == history.id)
+                    .and_then(|(_, n)| history.since(n));
+                match since {
+                    Some(Some(r)) => frame.copy_region_into(&r, &mut buf.bytes),
+                    Some(None) => {}
                     None => buf.bytes.copy_from_slice(bytes),
                 }
                 buf
             }
-            other => {
-                let mut buf = other.map(|p| p.bytes).unwrap_or_default();
-                buf.clear();
-                buf.extend_from_slice(bytes);
-                Pooled::from(buf)
-            }
+            other => refilled(other, bytes),
         };
         buf.frame = history.latest().map(|n| (history.id, n));
         buf
@@ -114,6 +104,14 @@ impl FramePool {
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Pooled>> {
         self.free.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// `bytes` in `reused`'s buffer (or a new one), holding no known frame.
+fn refilled(reused: Option<Pooled>, bytes: &[u8]) -> Pooled {
+    let mut buf = reused.map(|p| p.bytes).unwrap_or_default();
+    buf.clear();
+    buf.extend_from_slice(bytes);
+    buf.into()
 }
 
 /// Frames a [`History`] remembers the changes of: more than are usually in flight between a
