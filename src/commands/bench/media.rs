@@ -19,6 +19,10 @@
 //!   speaking 2 s (20 ms chunks paced in real time) then silent 2 s (nothing sent: the
 //!   utterance ends after the server's gap and the session idles), for `--live-seconds`.
 //!   Levels of `--live-sessions` run on a fresh server each, until one does not hold.
+//!
+//! `--media-device cuda` (with `--checkpoint`) runs the same parts against the service with
+//! its model, so a GPU host's rows stand beside its echo rows; `--media-parts`,
+//! `--live-avatars` and `--live-outputs` choose what runs, `--media-serve-arg` adds serve flags.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -35,6 +39,8 @@ use lipsync::media::video::EncoderSettings;
 use lipsync::model::DeviceKind;
 use lipsync::server::live_cpu::{self, tree};
 use tokio_tungstenite::tungstenite::{self, Message};
+
+use lipsync::config::choice;
 
 use super::{read_file, write_wav, BenchArgs, CliError};
 
@@ -66,9 +72,38 @@ pub struct MediaFlags {
     /// under this many milliseconds.
     #[arg(long, default_value_t = 1000.0)]
     pub live_latency_bound_ms: f64,
+    /// Where the media section's servers run the model: echo (the stand-in that costs
+    /// nothing; no checkpoint), or cuda or cpu with --checkpoint, to measure the whole service
+    /// with the same client and beside the echo rows.
+    #[arg(long, default_value = "echo", value_parser = choice::<DeviceKind>(DeviceKind::NAMES))]
+    pub media_device: DeviceKind,
+    /// A flag for the media section's servers, repeatable, e.g.
+    /// `--media-serve-arg=--autotune-cache=FILE`.
+    #[arg(
+        long = "media-serve-arg",
+        value_name = "ARG",
+        allow_hyphen_values = true
+    )]
+    pub media_serve_args: Vec<String>,
+    /// The media section's parts, comma-separated: requests (the three avatars, each against
+    /// its floor), cores (the first request pinned to one core and to two), live (sessions).
+    #[arg(long, value_delimiter = ',', default_value = "requests,cores,live",
+          value_parser = ["requests", "cores", "live"])]
+    pub media_parts: Vec<String>,
+    /// The live sessions' avatars, comma-separated: photo (--image), clip (the 720p clip).
+    #[arg(long, value_delimiter = ',', default_value = "photo,clip", value_parser = ["photo", "clip"])]
+    pub live_avatars: Vec<String>,
+    /// The live sessions' outputs, comma-separated: fmp4, jpeg.
+    #[arg(long, value_delimiter = ',', default_value = "fmp4,jpeg", value_parser = ["fmp4", "jpeg"])]
+    pub live_outputs: Vec<String>,
 }
 
 impl MediaFlags {
+    /// Whether the part is to run (`--media-parts`).
+    fn part(&self, name: &str) -> bool {
+        self.media_parts.iter().any(|p| p == name)
+    }
+
     /// Refuses values the section cannot run with (before anything runs).
     pub fn check(&self) -> Result<(), String> {
         let s = self.media_seconds;
@@ -229,18 +264,34 @@ impl Sampler {
 // ---------------------------------------------------------------------------------------
 // The server.
 
-/// `lipsync serve --device echo` as a child process (pinned to `cpus` with taskset), on a
-/// free loopback port, with its own data directory; killed when dropped.
+/// How the section starts `lipsync serve`: the device, and the flags beside the bench's own
+/// (the checkpoint for a model, `--media-serve-arg`s).
+struct Launch<'a> {
+    ffmpeg: &'a Path,
+    device: DeviceKind,
+    args: Vec<std::ffi::OsString>,
+}
+
+impl Launch<'_> {
+    /// What the log and errors call the server.
+    fn name(&self) -> String {
+        format!("lipsync serve --device {}", self.device.name())
+    }
+}
+
+/// `lipsync serve` as a child process (pinned to `cpus` with taskset), on a free loopback
+/// port, with its own data directory; killed when dropped.
 struct Server {
     child: Child,
     pid: u32,
     base: String,
+    name: String,
     log: Arc<Mutex<Vec<String>>>,
     _data: tempfile::TempDir,
 }
 
 impl Server {
-    fn start(ffmpeg: &Path, cpus: Option<&str>, http: &Http) -> Result<Server, CliError> {
+    fn start(launch: &Launch, cpus: Option<&str>, http: &Http) -> Result<Server, CliError> {
         let exe = std::env::current_exe().map_err(io("cannot find this executable"))?;
         let data = tempfile::Builder::new()
             .prefix("lipsync-bench-media-")
@@ -254,27 +305,22 @@ impl Server {
             }
             None => Command::new(&exe),
         };
-        cmd.args([
-            "serve",
-            "--device",
-            "echo",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-        ])
-        .arg("--data-dir")
-        .arg(data.path())
-        .arg("--ffmpeg")
-        .arg(ffmpeg)
-        .env("LIPSYNC_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
+        cmd.args(["serve", "--device", launch.device.name()])
+            .args(["--host", "127.0.0.1", "--port", "0"])
+            .arg("--data-dir")
+            .arg(data.path())
+            .arg("--ffmpeg")
+            .arg(launch.ffmpeg)
+            .args(&launch.args)
+            .env("LIPSYNC_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let name = launch.name();
         let mut child = cmd
             .spawn()
-            .map_err(io("cannot start `lipsync serve --device echo`"))?;
+            .map_err(|e| fail(format!("cannot start `{name}`: {e}")))?;
         let pid = child.id();
         let stderr = child.stderr.take().expect("piped stderr");
         let log = Arc::new(Mutex::new(Vec::new()));
@@ -296,13 +342,20 @@ impl Server {
             child,
             pid,
             base: String::new(),
+            name,
             log,
             _data: data,
         };
         server.base = rx
             .recv_timeout(Duration::from_secs(60))
             .map_err(|_| server.failed("did not listen within 60 s"))?;
-        let until = Instant::now() + Duration::from_secs(120);
+        // A model's warm-up (autotuning, without a cache file) takes longer than echo's.
+        let ready = if launch.device == DeviceKind::Echo {
+            120
+        } else {
+            600
+        };
+        let until = Instant::now() + Duration::from_secs(ready);
         loop {
             if http.ready(&server.base) {
                 return Ok(server);
@@ -311,7 +364,7 @@ impl Server {
                 return Err(server.failed(&format!("exited ({status})")));
             }
             if Instant::now() >= until {
-                return Err(server.failed("was not ready within 120 s"));
+                return Err(server.failed(&format!("was not ready within {ready} s")));
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -321,7 +374,7 @@ impl Server {
     fn failed(&self, what: &str) -> CliError {
         let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
         let tail = log[log.len().saturating_sub(20)..].join("\n");
-        fail(format!("`lipsync serve --device echo` {what}:\n{tail}"))
+        fail(format!("`{}` {what}:\n{tail}", self.name))
     }
 
     /// Waits until its encoders have exited, then its tree's CPU seconds.
@@ -1103,7 +1156,7 @@ struct Level {
 #[allow(clippy::too_many_arguments)]
 fn live_level(
     http: &Http,
-    ffmpeg: &Path,
+    launch: &Launch,
     avatar: &LiveAvatar,
     speech: &Arc<Vec<u8>>,
     output: Output,
@@ -1111,7 +1164,7 @@ fn live_level(
     seconds: f64,
     bound_ms: f64,
 ) -> Result<Level, CliError> {
-    let server = Server::start(ffmpeg, None, http)?;
+    let server = Server::start(launch, None, http)?;
     let label = &avatar.label;
     let avatar = (avatar.upload)(http, &server.base)?;
     let rss0 = proc_kb(&format!("/proc/{}/status", server.pid), "VmRSS:").unwrap_or(0);
@@ -1181,6 +1234,11 @@ fn live_level(
         && p99 < bound_ms
         && !rising;
     let cpu_per_frame_ms = cpu / received.max(1) as f64 * 1e3;
+    // The largest lag a session was given (its `ready`): the issue's bound is p99 ≤ lag + 100 ms.
+    let lag_ms = sessions
+        .iter()
+        .filter_map(|s| s.ready.as_ref()?["lag_ms"].as_f64())
+        .fold(f64::NAN, f64::max);
     let rss_per_session = memory.rss.saturating_sub(rss0) as f64 / n as f64 / 1e6;
     let pss = (memory.encoders > 0).then(|| {
         (
@@ -1210,7 +1268,7 @@ fn live_level(
         format!("no ({})", why.join(", "))
     };
     let row = format!(
-        "| {label} | {} | {n} | {verdict} | {received} / {due:.0} ({:+.1} %) | {held} / {speaking} | {p50:.0} | {p99:.0} | {first:.0} → {last:.0} | {cpu_per_frame_ms:.2} | {rss_per_session:.1} | {} |",
+        "| {label} | {} | {n} | {verdict} | {received} / {due:.0} ({:+.1} %) | {held} / {speaking} | {p50:.0} | {p99:.0} | {lag_ms:.0} | {first:.0} → {last:.0} | {cpu_per_frame_ms:.2} | {rss_per_session:.1} | {} |",
         output.name(),
         (received as f64 / due.max(1.0) - 1.0) * 100.0,
         pss.map_or("n/a".to_string(), |(t, each)| format!(
@@ -1224,6 +1282,7 @@ fn live_level(
         "held_frames": held, "speaking_frames": speaking,
         "latency_ms": {"p50": p50, "p99": p99, "p50_first_utterance": first,
                        "p50_last_utterance": last, "chunks": all.len()},
+        "lag_ms": lag_ms,
         "rising": rising, "tree_cpu_s": cpu, "cpu_ms_per_frame": cpu_per_frame_ms,
         "server_rss_bytes_before": rss0, "server_rss_bytes_peak": memory.rss,
         "rss_mb_per_session": rss_per_session,
@@ -1253,7 +1312,32 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
     let ffprobe = ffprobe_of(&a.ffmpeg);
     live_cpu::clock_ticks(); // its child process ends before any measurement
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let serve = super::serve_flags(DeviceKind::Echo, 0, &[])?;
+    let device = f.media_device;
+    let mut launch = Launch {
+        ffmpeg: &a.ffmpeg,
+        device,
+        args: Vec::new(),
+    };
+    if device != DeviceKind::Echo {
+        let checkpoint = a.checkpoint.as_ref().ok_or_else(|| {
+            fail(format!(
+                "--media-device {} needs --checkpoint (a Wav2Lip checkpoint; `lipsync \
+                 init-weights FILE` writes random weights, as fast as real ones)",
+                device.name()
+            ))
+        })?;
+        launch.args.push("--checkpoint".into());
+        launch.args.push(checkpoint.into());
+        launch.args.push("--cuda-device".into());
+        launch.args.push(a.cuda_device.to_string().into());
+    }
+    launch
+        .args
+        .extend(f.media_serve_args.iter().map(Into::into));
+    // serve's engine and media settings as the servers will read them, for the header (the
+    // flags of serve's other parts, --max-sessions say, are not read here).
+    let serve = super::serve_flags(device, a.cuda_device, &f.media_serve_args)
+        .or_else(|_| super::serve_flags(device, a.cuda_device, &[]))?;
     let r = serve.engine.resolve(&serve.media);
     let encoder = serve.media.encoder(64, 64, Fps::DEFAULT, 1);
     let live = serve.media.live_encoder(64, 64, Fps::DEFAULT);
@@ -1296,11 +1380,16 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
         (p.width, p.height)
     };
 
+    let device_name = device.name();
     println!(
-        "\n## Media side on the echo device ({:.0} s of speech, {frames} frames at 25 fps; serve \
-         --device echo: {} instance(s), batches up to {}, {} encoder worker(s), x264 {} crf {}, \
-         live {}; {cores} cores; medians of {})\n",
+        "\n## Media side on the {device_name} device ({:.0} s of speech, {frames} frames at 25 \
+         fps; serve --device {device_name}{}: {} instance(s), batches up to {}, {} encoder \
+         worker(s), x264 {} crf {}, live {}; {cores} cores; medians of {})\n",
         f.media_seconds,
+        f.media_serve_args
+            .iter()
+            .map(|a| format!(" {a}"))
+            .collect::<String>(),
         r.instances,
         r.max_batch,
         r.encoder_workers,
@@ -1309,17 +1398,6 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
         live_x264,
         f.media_repeats
     );
-    println!(
-        "CPU: the server's process tree (itself and every descendant, reaped ones included), \
-         across the request. Floor: the response's video decoded to yuv420p and encoded again \
-         from a pipe by one ffmpeg with the service's x264 options at -threads 1 and its AAC \
-         options, into fMP4 (that ffmpeg's CPU alone).\n"
-    );
-    println!(
-        "| avatar | wall | first byte | tree CPU | floor CPU | floor wall | tree ÷ floor | playable |"
-    );
-    println!("|---|---|---|---|---|---|---|---|");
-    let server = Server::start(&a.ffmpeg, None, &http)?;
     let avatars = [
         (format!("photo {pw}x{ph}"), "image", &photo),
         (format!("photo {hw}x{hh}"), "image", &photo_720),
@@ -1327,53 +1405,66 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
     ];
     let mut rows = Vec::new();
     let mut problems = Vec::new();
-    for (label, field, bytes) in &avatars {
-        let id = if *field == "video" {
-            upload_clip(&http, &server.base, &a.ffmpeg, &clip_path, bytes)?
-        } else {
-            http.upload(&server.base, field, bytes, None)?
-        };
-        let (runs, p) = runs(
-            &http,
-            &server,
-            &id,
-            &wav,
-            &speech,
-            (&encoder, &live),
-            &ffprobe,
-            frames,
-            f.media_repeats,
-            true,
-        )?;
-        problems.extend(p.into_iter().map(|p| format!("{label}: {p}")));
-        let m = |g: fn(&Run) -> f64| median(&runs.iter().map(g).collect::<Vec<_>>());
-        let (wall, ttfb, cpu, floor_cpu, floor_wall, live_floor_cpu) = (
-            m(|r| r.wall),
-            m(|r| r.ttfb),
-            m(|r| r.cpu),
-            m(|r| r.floor.cpu),
-            m(|r| r.floor.wall),
-            m(|r| r.live_floor_cpu),
-        );
-        let playable = runs.iter().all(|r| r.playable);
+    if f.part("requests") {
         println!(
-            "| {label} | {wall:.2} s | {ttfb:.2} s | {cpu:.2} s | {floor_cpu:.2} s | \
-             {floor_wall:.2} s | {:.2}× | {} |",
-            cpu / floor_cpu,
-            if playable {
-                format!("yes (H.264 + AAC, {frames} frames)")
-            } else {
-                "NO".to_string()
-            }
+            "CPU: the server's process tree (itself and every descendant, reaped ones included), \
+         across the request. Floor: the response's video decoded to yuv420p and encoded again \
+         from a pipe by one ffmpeg with the service's x264 options at -threads 1 and its AAC \
+         options, into fMP4 (that ffmpeg's CPU alone).\n"
         );
-        rows.push(serde_json::json!({
-            "avatar": label, "frames": frames, "wall_s": wall, "ttfb_s": ttfb,
-            "tree_cpu_s": cpu, "floor_cpu_s": floor_cpu, "floor_wall_s": floor_wall,
-            "live_floor_cpu_s": live_floor_cpu, "ratio": cpu / floor_cpu, "playable": playable,
-            "runs": runs.iter().map(run_json).collect::<Vec<_>>(),
-        }));
+        println!(
+        "| avatar | wall | first byte | tree CPU | floor CPU | floor wall | tree ÷ floor | playable |"
+    );
+        println!("|---|---|---|---|---|---|---|---|");
+        let server = Server::start(&launch, None, &http)?;
+        for (label, field, bytes) in &avatars {
+            let id = if *field == "video" {
+                upload_clip(&http, &server.base, &a.ffmpeg, &clip_path, bytes)?
+            } else {
+                http.upload(&server.base, field, bytes, None)?
+            };
+            let (runs, p) = runs(
+                &http,
+                &server,
+                &id,
+                &wav,
+                &speech,
+                (&encoder, &live),
+                &ffprobe,
+                frames,
+                f.media_repeats,
+                true,
+            )?;
+            problems.extend(p.into_iter().map(|p| format!("{label}: {p}")));
+            let m = |g: fn(&Run) -> f64| median(&runs.iter().map(g).collect::<Vec<_>>());
+            let (wall, ttfb, cpu, floor_cpu, floor_wall, live_floor_cpu) = (
+                m(|r| r.wall),
+                m(|r| r.ttfb),
+                m(|r| r.cpu),
+                m(|r| r.floor.cpu),
+                m(|r| r.floor.wall),
+                m(|r| r.live_floor_cpu),
+            );
+            let playable = runs.iter().all(|r| r.playable);
+            println!(
+                "| {label} | {wall:.2} s | {ttfb:.2} s | {cpu:.2} s | {floor_cpu:.2} s | \
+             {floor_wall:.2} s | {:.2}× | {} |",
+                cpu / floor_cpu,
+                if playable {
+                    format!("yes (H.264 + AAC, {frames} frames)")
+                } else {
+                    "NO".to_string()
+                }
+            );
+            rows.push(serde_json::json!({
+                "avatar": label, "frames": frames, "wall_s": wall, "ttfb_s": ttfb,
+                "tree_cpu_s": cpu, "floor_cpu_s": floor_cpu, "floor_wall_s": floor_wall,
+                "live_floor_cpu_s": live_floor_cpu, "ratio": cpu / floor_cpu, "playable": playable,
+                "runs": runs.iter().map(run_json).collect::<Vec<_>>(),
+            }));
+        }
+        drop(server);
     }
-    drop(server);
     for p in &problems {
         println!("\n{p}");
     }
@@ -1386,7 +1477,8 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
-    if taskset {
+    if !f.part("cores") {
+    } else if taskset {
         println!(
             "\n### One core against two (the server under taskset; {})\n",
             avatars[0].0
@@ -1396,7 +1488,7 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
         let sets: &[&str] = if cores >= 2 { &["0", "0,1"] } else { &["0"] };
         let mut one = None;
         for cpus in sets {
-            let server = Server::start(&a.ffmpeg, Some(cpus), &http)?;
+            let server = Server::start(&launch, Some(cpus), &http)?;
             let id = http.upload(&server.base, "image", &photo, None)?;
             let (runs, p) = runs(
                 &http,
@@ -1430,105 +1522,133 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
     }
 
     // Live sessions.
-    let pcm: Arc<Vec<u8>> = Arc::new(
-        clip.iter()
-            .flat_map(|s| ((s * 32_768.0).round().clamp(-32_768.0, 32_767.0) as i16).to_le_bytes())
-            .collect(),
-    );
-    println!(
-        "\n### Live sessions ({} and {}, 25 fps, {:.0} s each: 2 s of speech in 20 ms chunks \
+    let mut levels = Vec::new();
+    let mut largest = serde_json::Map::new();
+    let mut floor_bound = serde_json::Map::new();
+    if f.part("live") {
+        let pcm: Arc<Vec<u8>> = Arc::new(
+            clip.iter()
+                .flat_map(|s| {
+                    ((s * 32_768.0).round().clamp(-32_768.0, 32_767.0) as i16).to_le_bytes()
+                })
+                .collect(),
+        );
+        let mut live_avatars = Vec::new();
+        if f.live_avatars.iter().any(|a| a == "photo") {
+            live_avatars.push(LiveAvatar {
+                label: avatars[0].0.clone(),
+                upload: Box::new(|http: &Http, base: &str| {
+                    http.upload(base, "image", &photo, None)
+                }),
+            });
+        }
+        if f.live_avatars.iter().any(|a| a == "clip") {
+            live_avatars.push(LiveAvatar {
+                label: avatars[2].0.clone(),
+                upload: Box::new(|http: &Http, base: &str| {
+                    upload_clip(http, base, &a.ffmpeg, &clip_path, &clip_bytes)
+                }),
+            });
+        }
+        let outputs: Vec<Output> = [Output::Fmp4, Output::Jpeg]
+            .into_iter()
+            .filter(|o| f.live_outputs.iter().any(|n| n == o.name()))
+            .collect();
+        println!(
+            "\n### Live sessions ({}, 25 fps, {:.0} s each: 2 s of speech in 20 ms chunks \
          paced in real time, then 2 s with nothing sent; a fresh server per level)\n",
-        avatars[0].0, avatars[2].0, f.live_seconds
-    );
-    println!(
-        "A level holds when no session is refused or fails, every session receives its frames \
+            live_avatars
+                .iter()
+                .map(|l| l.label.as_str())
+                .collect::<Vec<_>>()
+                .join(" and "),
+            f.live_seconds
+        );
+        println!(
+            "A level holds when no session is refused or fails, every session receives its frames \
          within {:.0} % of those due (first to last frame at 25 fps), latency (chunk sent → the \
          message holding its frame) has p99 under {:.0} ms, and the p50 of the last utterance \
          (all sessions pooled) is not more than {:.0} % and {RISE_MS:.0} ms above the first's. \
-         CPU per frame: the \
-         tree's CPU over the level ÷ frames received. The client runs on the same machine.\n",
-        FRAMES_TOLERANCE * 100.0,
-        f.live_latency_bound_ms,
-        RISE_SHARE * 100.0
-    );
-    println!(
-        "| avatar | output | sessions | holds | frames received / due | held / speaking | \
-         latency p50 ms | p99 ms | p50 first → last utterance ms | CPU ms per frame | \
-         server RSS MB per session | encoders' PSS MB |"
-    );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
-    let live_avatars = [
-        LiveAvatar {
-            label: avatars[0].0.clone(),
-            upload: Box::new(|http: &Http, base: &str| http.upload(base, "image", &photo, None)),
-        },
-        LiveAvatar {
-            label: avatars[2].0.clone(),
-            upload: Box::new(|http: &Http, base: &str| {
-                upload_clip(http, base, &a.ffmpeg, &clip_path, &clip_bytes)
-            }),
-        },
-    ];
-    let mut levels = Vec::new();
-    let mut largest = serde_json::Map::new();
-    for avatar in &live_avatars {
-        let mut by_output = serde_json::Map::new();
-        for output in [Output::Fmp4, Output::Jpeg] {
-            let mut best = None;
-            for &n in &f.live_sessions {
-                let level = live_level(
-                    &http,
-                    &a.ffmpeg,
-                    avatar,
-                    &pcm,
-                    output,
-                    n as usize,
-                    f.live_seconds,
-                    f.live_latency_bound_ms,
-                )?;
-                println!("{}", level.row);
-                levels.push(level.json);
-                if !level.holds {
-                    break;
-                }
-                best = Some(n);
-            }
-            by_output.insert(output.name().into(), serde_json::json!(best));
-        }
-        largest.insert(avatar.label.clone(), by_output.into());
-    }
-    println!(
-        "\nLargest number of sessions that holds: {} (of --live-sessions {}).",
-        largest
-            .iter()
-            .map(|(label, l)| format!("{label}: fMP4 {}, JPEG {}", l["fmp4"], l["jpeg"]))
-            .collect::<Vec<_>>()
-            .join("; "),
-        f.live_sessions
-            .iter()
-            .map(|n| n.to_string())
-            .collect::<Vec<_>>()
-            .join(",")
-    );
-    // What x264 alone allows: the floor's CPU per frame with a live session's x264 options
-    // (the file rows' responses encoded again) at 25 fps per session, on every core.
-    let mut floor_bound = serde_json::Map::new();
-    for (avatar, row) in [(&avatars[0].0, &rows[0]), (&avatars[2].0, &rows[2])] {
-        let per_frame = row["live_floor_cpu_s"].as_f64().unwrap_or(f64::NAN) / frames.max(1) as f64;
-        let sessions = cores as f64 / (per_frame * FPS);
+         Lag: the largest lag the server gave a session when it opened (ready's lag_ms). CPU \
+         per frame: the tree's CPU over the level ÷ frames received. The client runs on the \
+         same machine.\n",
+            FRAMES_TOLERANCE * 100.0,
+            f.live_latency_bound_ms,
+            RISE_SHARE * 100.0
+        );
         println!(
-            "{avatar}: x264 alone takes {:.2} ms of CPU per frame with the live options \
+            "| avatar | output | sessions | holds | frames received / due | held / speaking | \
+         latency p50 ms | p99 ms | lag ms | p50 first → last utterance ms | CPU ms per frame | \
+         server RSS MB per session | encoders' PSS MB |"
+        );
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+        for avatar in &live_avatars {
+            let mut by_output = serde_json::Map::new();
+            for &output in &outputs {
+                let mut best = None;
+                for &n in &f.live_sessions {
+                    let level = live_level(
+                        &http,
+                        &launch,
+                        avatar,
+                        &pcm,
+                        output,
+                        n as usize,
+                        f.live_seconds,
+                        f.live_latency_bound_ms,
+                    )?;
+                    println!("{}", level.row);
+                    levels.push(level.json);
+                    if !level.holds {
+                        break;
+                    }
+                    best = Some(n);
+                }
+                by_output.insert(output.name().into(), serde_json::json!(best));
+            }
+            largest.insert(avatar.label.clone(), by_output.into());
+        }
+        println!(
+            "\nLargest number of sessions that holds: {} (of --live-sessions {}).",
+            largest
+                .iter()
+                .map(|(label, l)| {
+                    let by = l.as_object().into_iter().flatten();
+                    let each: Vec<String> = by.map(|(o, n)| format!("{o} {n}")).collect();
+                    format!("{label}: {}", each.join(", "))
+                })
+                .collect::<Vec<_>>()
+                .join("; "),
+            f.live_sessions
+                .iter()
+                .map(|n| n.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        // What x264 alone allows: the floor's CPU per frame with a live session's x264 options
+        // (the file rows' responses encoded again) at 25 fps per session, on every core.
+        let measured = |i: usize| rows.iter().find(|r| r["avatar"] == avatars[i].0.as_str());
+        for (avatar, row) in [0, 2]
+            .into_iter()
+            .filter_map(|i| Some((&avatars[i].0, measured(i)?)))
+        {
+            let per_frame =
+                row["live_floor_cpu_s"].as_f64().unwrap_or(f64::NAN) / frames.max(1) as f64;
+            let sessions = cores as f64 / (per_frame * FPS);
+            println!(
+                "{avatar}: x264 alone takes {:.2} ms of CPU per frame with the live options \
              ({live_x264}, one thread; the file rows' responses encoded again), so {cores} \
              core(s) encode at most {sessions:.1} sessions at 25 fps.",
-            per_frame * 1e3,
-        );
-        floor_bound.insert(
-            avatar.clone(),
-            serde_json::json!({"floor_ms_per_frame": per_frame * 1e3, "sessions": sessions}),
-        );
+                per_frame * 1e3,
+            );
+            floor_bound.insert(
+                avatar.clone(),
+                serde_json::json!({"floor_ms_per_frame": per_frame * 1e3, "sessions": sessions}),
+            );
+        }
     }
     Ok(serde_json::json!({
-        "device": "echo", "host_cpus": cores, "speech_seconds": f.media_seconds,
+        "device": device_name, "host_cpus": cores, "speech_seconds": f.media_seconds,
         "frames": frames, "repeats": f.media_repeats,
         "serve": {"instances": r.instances, "max_batch": r.max_batch,
                   "encoder_workers": r.encoder_workers, "preset": encoder.preset,
