@@ -15,9 +15,17 @@
 #   model   300 s  lipsync bench, part by part (--sections)
 #   torch   240 s  bench/pytorch_reference.py on the same init-weights file
 #   service 300 s  the release server, default settings: single requests cold and warm, stage
-#                  times, 1/4/16/64 concurrent requests, the forced out-of-memory request
+#                  times (LIPSYNC_SERVICE_LENGTHS, "10 40"; empty skips them), 1/4/16/64
+#                  concurrent requests, the same on `serve --device echo` (LIPSYNC_SERVICE_ECHO,
+#                  1; empty skips it), the forced out-of-memory request
+#                  (LIPSYNC_SERVICE_OOM_LIMIT, 1G; empty skips it)
 #   live    240 s  live sessions at 25 fps: 1, 10, 50, 100 (LIPSYNC_LIVE_SESSIONS; or the most
 #                  the server takes)
+#   media   300 s  `lipsync bench --sections media` with the model (--media-device cuda), then
+#                  on the echo device on the same host: 40 s requests by avatar_id on the
+#                  512x512 photo, a 1280x720 photo and a 720p clip beside one ffmpeg's encode of
+#                  the same video; live sessions speaking half the time (LIPSYNC_MEDIA_SESSIONS,
+#                  64,128,192), with the GPU's utilisation sampled during the model's run
 #   enhancers 300 s  the enhancers: random checkpoints in the four published Real-ESRGAN layouts
 #                  and GFPGANv1.4's (bench/enhancer_checkpoints.py, PyTorch), `lipsync bench
 #                  --sections enhancers` on the device: faces/s at batches 1, 16, 64 (GFPGAN:
@@ -45,7 +53,7 @@ cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
 SELF="$ROOT/bench/gpu_run.sh"
 HELPER="$ROOT/bench/gpu_stage.py"
-ALL_STAGES=(check test model torch service live enhancers)
+ALL_STAGES=(check test model torch service live media enhancers)
 MAX_STAGES=4
 CALL_SECONDS=540
 
@@ -57,6 +65,7 @@ budget_of() {
     torch) echo 240 ;;
     service) echo 300 ;;
     live) echo 240 ;;
+    media) echo 300 ;;
     enhancers) echo 300 ;;
     *) return 1 ;;
   esac
@@ -177,7 +186,8 @@ stop_server() {
   SRV_PID=""
 }
 
-# Samples GPU memory (nvidia-smi) and the server's resident memory until stop_mem.
+# Samples GPU memory and utilisation (nvidia-smi), the server's resident memory and its
+# process tree's CPU until stop_mem.
 start_mem() {
   MEM_FILE=$STAGE_DIR/mem-$1.json
   rm -f "$MEM_FILE"
@@ -405,8 +415,8 @@ client_rows_with_mem() {
   mem=$(stop_mem)
   while IFS= read -r r; do
     case $r in
-      "| label"*) echo "$r max GPU MiB | max server RSS MiB |" ;;
-      "|---"*) echo "$r---|---|" ;;
+      "| label"*) echo "$r max GPU MiB | GPU util mean / max % | server CPU cores | max server RSS MiB |" ;;
+      "|---"*) echo "$r---|---|---|---|" ;;
       "|"*) echo "$r $mem |" ;;
     esac
   done <<< "$rows"
@@ -438,26 +448,29 @@ stage_service() {
   python3 "$HELPER" info-md "$URL" >> "$BODY"
   python3 "$HELPER" metrics-md "$URL" --save "$STAGE_DIR/m0.json" > /dev/null
 
-  md "" "## Single requests, one at a time" ""
-  md "Each request sends the speech and the photo or clip, so each prepares its avatar (face" \
-    "detection; for the clip, every frame). Run 1 is the first request of its row on this" \
-    "server (the very first row's is the server's first request: cold), run 2 the same again." ""
   local a kind file name len rows
-  new_table
-  for a in "${avatars[@]}"; do
-    kind=${a%%:*}
-    file=${a#*:}
-    file=${file%%:*}
-    name=${a##*:}
-    for len in $LENGTHS; do
-      rows=$("$CLIENT" http --url "$URL" --audio "$(speech "$len")" "--$kind" "$file" \
-        --concurrency 1 --repeat 2 --label "$name, $len s") \
-        || fail_line "service_load http ($name, $len s) failed"
-      add_rows "$rows"
+  if [ -n "$LENGTHS" ]; then
+    md "" "## Single requests, one at a time" ""
+    md "Each request sends the speech and the photo or clip, so each prepares its avatar (face" \
+      "detection; for the clip, every frame). Run 1 is the first request of its row on this" \
+      "server (the very first row's is the server's first request: cold), run 2 the same again." ""
+    new_table
+    for a in "${avatars[@]}"; do
+      kind=${a%%:*}
+      file=${a#*:}
+      file=${file%%:*}
+      name=${a##*:}
+      for len in $LENGTHS; do
+        rows=$("$CLIENT" http --url "$URL" --audio "$(speech "$len")" "--$kind" "$file" \
+          --concurrency 1 --repeat 2 --label "$name, $len s") \
+          || fail_line "service_load http ($name, $len s) failed"
+        add_rows "$rows"
+      done
     done
-  done
-  md "" "### Stage times from /metrics (these requests)" ""
-  python3 "$HELPER" metrics-md "$URL" --since "$STAGE_DIR/m0.json" --save "$STAGE_DIR/m1.json" >> "$BODY"
+    md "" "### Stage times from /metrics (these requests)" ""
+  fi
+  python3 "$HELPER" metrics-md "$URL" --since "$STAGE_DIR/m0.json" --save "$STAGE_DIR/m1.json" > "$STAGE_DIR/m1.md"
+  [ -z "$LENGTHS" ] || cat "$STAGE_DIR/m1.md" >> "$BODY"
 
   md "" "## Concurrent requests ($CONC_SECONDS s of speech, 512x512 photo)" ""
   md "All requests of a level start at once; 429 answers are retried after Retry-After." ""
@@ -473,6 +486,22 @@ stage_service() {
   python3 "$HELPER" metrics-md "$URL" --since "$STAGE_DIR/m1.json" >> "$BODY"
   stop_server
 
+  if [ -n "$SERVICE_ECHO" ]; then
+    # The same levels with the model stand-in: the media side's share of the rows above.
+    start_server --device echo || return 1
+    md "" "## The same concurrent requests on \`serve --device echo\` (the media side alone)" "" \
+      "Ready after $READY_S s." ""
+    new_table
+    for c in $CONCURRENCY; do
+      rows=$(client_rows_with_mem "echo-c$c" http --url "$URL" --audio "$(speech "$CONC_SECONDS")" \
+        --image "$photo" --concurrency "$c" --retry-429 --label "echo, $c at once") \
+        || fail_line "service_load http on echo at concurrency $c failed"
+      add_rows "$rows"
+    done
+    stop_server
+  fi
+
+  [ -n "$OOM_LIMIT" ] || return 0
   md "" "## Forced out of memory: \`--gpu-memory-limit $OOM_LIMIT\`" ""
   md "A batch estimated over the limit is out of memory: warm-up lowers the instance's batch" \
     "limit, a request's batch is split and retried smaller; the request completes." ""
@@ -524,6 +553,49 @@ stage_live() {
   stop_server
 }
 
+# `lipsync bench --sections media` on a device, its Markdown into the stage's; the GPU's
+# utilisation and memory sampled meanwhile (the bench's process tree holds the servers).
+media_bench() {
+  local device=$1
+  shift
+  local args=(bench --sections media --media-device "$device" --ffmpeg "$FFMPEG"
+    --media-seconds "$MEDIA_SECONDS" --media-repeats "$MEDIA_REPEATS" --media-parts "$MEDIA_PARTS"
+    --live-sessions "$MEDIA_SESSIONS" --live-seconds "$MEDIA_LIVE_SECONDS"
+    --live-avatars "$MEDIA_LIVE_AVATARS" --live-outputs "$MEDIA_LIVE_OUTPUTS" "$@")
+  say "lipsync ${args[*]}"
+  "${RUN[@]}" "$BIN" "${args[@]}" > "$STAGE_DIR/media-$device.md" &
+  local pid=$!
+  MEM_FILE=$STAGE_DIR/mem-media-$device.json
+  python3 "$HELPER" sample-mem "$pid" "$MEM_FILE" &
+  MEM_PID=$!
+  wait "$pid"
+  local rc=$?
+  local mem
+  mem=$(stop_mem)
+  md "\`lipsync ${args[*]}\`" ""
+  sed 's/\x1b\[[0-9;]*m//g' "$STAGE_DIR/media-$device.md" >> "$BODY"
+  md "" "Sampled during this run (the bench and its servers): max GPU MiB | GPU util mean / max % |" \
+    "CPU cores | max RSS MiB of the bench itself: $mem" ""
+  [ "$rc" = 0 ] || fail_line "lipsync bench --sections media --media-device $device exited with status $rc"
+}
+
+stage_media() {
+  require lipsync "$BIN" "carry target/gpu-carry/lipsync.xz (bench/gpu_pack.sh)"
+  require_ffmpeg
+  [ -n "$FFPROBE" ] || fail_line "ffprobe was not found beside ffmpeg (carry ffmpeg.tar.xz, which holds both)"
+  ensure_weights
+  local cache=cold
+  [ -s "$WORK/autotune.json" ] && cache="written by an earlier stage on this machine"
+  md "## The service with its model, then on the echo device (same host, same client)" "" \
+    "Each server is \`lipsync serve\` with its defaults$(conv_env) and, with the model," \
+    "\`--autotune-cache FILE\` (autotune cache $cache); the bench starts a fresh one for the" \
+    "requests and for each live level. Requests name their avatar by \`avatar_id\`." ""
+  media_bench "$MEDIA_DEVICE" --checkpoint "$WEIGHTS" \
+    "--media-serve-arg=--autotune-cache=$WORK/autotune.json" "${MEDIA_EXTRA[@]}"
+  md "" "## The same on the echo device (the media side alone)" ""
+  media_bench echo "${MEDIA_EXTRA[@]}"
+}
+
 # ---------------------------------------------------------------------------------------------
 # The driver.
 
@@ -537,8 +609,11 @@ set_sizes() {
     TORCH_DEVICE=cpu TORCH_DTYPES=f32 TORCH_BATCHES=1 TORCH_EXTRA=(--layouts nchw)
     # 950M: the estimate (src/engine/pool.rs, cuDNN's workspace counted) fits f32 batches of
     # 4 and not 8 or 16, so the warm-up meets the limit and lowers the batches.
-    LENGTHS="1 2" CONCURRENCY="1 2" CONC_SECONDS=1 OOM_LIMIT=950M
+    LENGTHS="1 2" CONCURRENCY="1 2" CONC_SECONDS=1 OOM_LIMIT=950M SERVICE_ECHO=1
     SESSIONS="1 2" LIVE_SECONDS=2
+    MEDIA_DEVICE=cpu MEDIA_SECONDS=1 MEDIA_REPEATS=1 MEDIA_PARTS=requests,live MEDIA_SESSIONS=1
+    MEDIA_LIVE_SECONDS=4 MEDIA_LIVE_AVATARS=photo MEDIA_LIVE_OUTPUTS=fmp4
+    MEDIA_EXTRA=(--media-serve-arg=--min-draw-fps=0)
     # Any drawing rate: the CPU draws fewer faces than two sessions' default minimum (5 each).
     LIVE_EXTRA=(--min-draw-fps 0)
     TEST_TITLE="CPU tests of the same layers (tests/model.rs; the GPU test needs a GPU)"
@@ -553,9 +628,14 @@ set_sizes() {
     TORCH_DEVICE=cuda TORCH_DTYPES=f32,f16,bf16 TORCH_BATCHES=1,16,64,256,512
     TORCH_EXTRA=(--layouts "nchw,channels_last" --compile --compile-dtypes f16
       --compile-layouts channels_last --max-autotune)
-    LENGTHS="10 40" CONCURRENCY="1 4 16 64" CONC_SECONDS=10 OOM_LIMIT=1G
+    LENGTHS=${LIPSYNC_SERVICE_LENGTHS-10 40} CONCURRENCY="1 4 16 64" CONC_SECONDS=10
+    OOM_LIMIT=${LIPSYNC_SERVICE_OOM_LIMIT-1G} SERVICE_ECHO=${LIPSYNC_SERVICE_ECHO-1}
     SESSIONS=${LIPSYNC_LIVE_SESSIONS:-1 10 50 100} LIVE_SECONDS=8
     LIVE_EXTRA=()
+    MEDIA_DEVICE=cuda MEDIA_SECONDS=40 MEDIA_REPEATS=${LIPSYNC_MEDIA_REPEATS:-1}
+    MEDIA_PARTS=${LIPSYNC_MEDIA_PARTS:-requests,live} MEDIA_SESSIONS=${LIPSYNC_MEDIA_SESSIONS:-64,128,192}
+    MEDIA_LIVE_SECONDS=12 MEDIA_LIVE_AVATARS=${LIPSYNC_MEDIA_LIVE_AVATARS:-photo}
+    MEDIA_LIVE_OUTPUTS=${LIPSYNC_MEDIA_LIVE_OUTPUTS:-fmp4} MEDIA_EXTRA=()
     TEST_TITLE="GPU test (tests/gpu.rs)"
     MEMCHECK_FILTER=${LIPSYNC_MEMCHECK_FILTER:-generator_in_f16}
     ENHANCERS="realesr-general-x4v3 realesr-animevideov3 RealESRGAN_x4plus RealESRGAN_x2plus GFPGANv1.4"
@@ -754,7 +834,7 @@ for l in sys.stdin:
     [ -x "$test_bin" ] || { bad "the CPU test binary (tests/model.rs) was not built"; return 1; }
     python3 "$HELPER" xz "$test_bin" "$carry/gpu-test.xz" || return 1
   fi
-  if has model || has service || has live || has enhancers; then
+  if has model || has service || has live || has media || has enhancers; then
     local ff fp
     ff=$(command -v ffmpeg) fp=$(command -v ffprobe)
     if [ -z "$ff" ] || [ -z "$fp" ]; then
@@ -776,7 +856,7 @@ for l in sys.stdin:
   local env=(LIPSYNC_REHEARSE=1 LIPSYNC_CARRY_DIR="$carry" LIPSYNC_WORK="$tmp/work"
     LIPSYNC_PYTHON="$python" LIPSYNC_BIN= LIPSYNC_GPU_TEST= LIPSYNC_LOAD_CLIENT= LIPSYNC_FFMPEG=
     LIPSYNC_STAGE_SECONDS= )
-  local groups=("check test" "model torch" "service live" "enhancers") g i=0
+  local groups=("check test" "model torch" "service live media" "enhancers") g i=0
   for g in "${groups[@]}"; do
     local stages=() x
     for x in $g; do has "$x" && stages+=("$x"); done
@@ -862,11 +942,18 @@ measured() {
         && grep -qE '^\| clip \(carphone.mp4\), 2 s \| 1 \| 2 \| 1 \| 0 \|' "$f" \
         && grep -qE "^\| inference \| [0-9]+ \| $n \|" "$f" \
         && grep -qE "^\| 2 at once \| 2 \| 1 \| 2 \| 0 \| 0 \| 0 \| 50 \| $n \|.* \| $n \|$" "$f" \
+        && grep -qE "^\| echo, 2 at once \| 2 \| 1 \| 2 \| 0 \| 0 \| 0 \| 50 \| $n \|.* \| $n \|$" "$f" \
         && grep -qE '^\| limit [0-9]+[MG] \| 1 \| 1 \| 1 \| 0 \|' "$f" \
         && grep -qE '^\| lipsync_oom_splits_total \| [0-9]' "$f" \
         && grep -qE 'out of memory; batches limited to [0-9]+ frames' "$f"
       ;;
     live) grep -qE "^\| 1 session \| 1 \| 1 \| 0 \| 0 \| [1-9][0-9]* \| $n \|" "$f" ;;
+    media)
+      [ "$(grep -cE "^\| photo 512x512 \| $n s \| $n s \| $n s \| $n s \| $n s \| $n× \| yes" "$f")" = 2 ] \
+        && [ "$(grep -cE "^\| clip 1280x720 \| $n s \|" "$f")" = 2 ] \
+        && [ "$(grep -cE "^\| photo 512x512 \| fmp4 \| 1 \| (yes|no[^|]*) \| [1-9][0-9]* / [0-9]+" "$f")" = 2 ] \
+        && grep -q '^## Media side on the cpu device' "$f" && grep -q '^## Media side on the echo device' "$f"
+      ;;
     enhancers)
       grep -qE "^\| realesr-animevideov3 \| SRVGGNetCompact \(16 body convolutions, 64 features, x4\) \| 96x96 \| $n G \| $n \| $n \| $n \|" "$f" \
         && grep -qE "^\| realesr-animevideov3 \| [0-9]+ \| $n s \| -?$n s \| -?$n s \|" "$f"

@@ -8,7 +8,8 @@ xz, jq or ffmpeg, and the CPU rehearsal runs the same code.
     gpu_stage.py get URL                     the body on stdout
     gpu_stage.py info-md URL                 /info as a Markdown table
     gpu_stage.py metrics-md URL [--since F] [--save F]   /metrics: stage times, counters
-    gpu_stage.py sample-mem PID OUT          max GPU memory (nvidia-smi) and RSS of PID, until killed
+    gpu_stage.py sample-mem PID OUT          max GPU memory and utilisation (nvidia-smi), RSS and
+                                             tree CPU of PID, until killed
     gpu_stage.py mem-md OUT                  what sample-mem wrote, as table cells
     gpu_stage.py test-md LOG                 libtest output (and its ` | ` rows) as Markdown
     gpu_stage.py ldd-md                      `ldd` output on stdin as a Markdown table
@@ -233,18 +234,47 @@ def metrics_md(url, since=None, save=None, only=None):
             print(f"| {k} | {v} |")
 
 
+def tree_cpu_seconds(root):
+    """CPU seconds of a process and its descendants (their reaped children included)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, ticks = {}, {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            f = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # After the name: state ppid ... utime(12) stime(13) cutime(14) cstime(15).
+        parent[int(d)] = int(f[1])
+        ticks[int(d)] = sum(int(x) for x in f[11:15])
+    keep, total, grew = {root}, 0, True
+    while grew:
+        grew = False
+        for p, pp in parent.items():
+            if pp in keep and p not in keep:
+                keep.add(p)
+                grew = True
+    total = sum(ticks.get(p, 0) for p in keep)
+    return total / tick
+
+
 def sample_mem(pid, out):
-    """Max GPU memory used (nvidia-smi, MiB) and max resident memory of pid (MiB), written
-    after every sample so that killing this process loses nothing."""
+    """Max GPU memory used and the GPU's utilisation (nvidia-smi: MiB, mean and max %), max
+    resident memory of pid (MiB) and the CPU its process tree used (cores, over the sampling),
+    written after every sample so that killing this process loses nothing."""
     smi = shutil.which("nvidia-smi")
-    best = {"gpu_mib": None, "rss_mib": None, "samples": 0}
+    best = {"gpu_mib": None, "rss_mib": None, "samples": 0, "util": [], "cpu": None}
+    t0, c0 = time.monotonic(), tree_cpu_seconds(pid)
     while True:
         if smi:
             try:
-                r = subprocess.run([smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                r = subprocess.run([smi, "--query-gpu=memory.used,utilization.gpu",
+                                    "--format=csv,noheader,nounits"],
                                    capture_output=True, text=True, timeout=5)
-                used = float(r.stdout.split()[0])
+                used, util = (float(x) for x in r.stdout.splitlines()[0].split(","))
                 best["gpu_mib"] = max(best["gpu_mib"] or 0.0, used)
+                best["util"].append(util)
             except (subprocess.SubprocessError, ValueError, IndexError, OSError):
                 pass
         try:
@@ -254,6 +284,9 @@ def sample_mem(pid, out):
                     best["rss_mib"] = max(best["rss_mib"] or 0.0, rss)
         except OSError:
             pass
+        dt = time.monotonic() - t0
+        if dt > 0:
+            best["cpu"] = (tree_cpu_seconds(pid) - c0) / dt
         best["samples"] += 1
         with open(out + ".part", "w") as f:
             json.dump(best, f)
@@ -262,14 +295,18 @@ def sample_mem(pid, out):
 
 
 def mem_md(path):
+    """Cells: max GPU MiB | GPU utilisation mean / max % | CPU cores | max RSS MiB."""
     try:
         m = json.load(open(path))
     except (OSError, ValueError):
-        print("– | –")
+        print("– | – | – | –")
         return
     gpu = "n/a (no nvidia-smi)" if m.get("gpu_mib") is None else f"{m['gpu_mib']:.0f}"
+    u = m.get("util") or []
+    util = f"{sum(u) / len(u):.0f} / {max(u):.0f}" if u else "n/a"
+    cpu = "–" if m.get("cpu") is None else f"{m['cpu']:.1f}"
     rss = "–" if m.get("rss_mib") is None else f"{m['rss_mib']:.0f}"
-    print(f"{gpu} | {rss}")
+    print(f"{gpu} | {util} | {cpu} | {rss}")
 
 
 def test_md(path):
