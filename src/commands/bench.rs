@@ -56,7 +56,8 @@ pub struct BenchArgs {
     /// process: each upsampling form timed per layer, frames/s, per-layer times, peak memory
     /// and accuracy; CUDA), media (the real service on the echo device as a child process:
     /// requests on a photo, a 720p photo and a 720p clip with their CPU against one ffmpeg's
-    /// encode of the same video, one core against two, live sessions; no checkpoint needed),
+    /// encode of the same video, one core against two, live sessions; no checkpoint needed;
+    /// with its model and a checkpoint by --media-device),
     /// enhancers (each --enhancer-checkpoint's faces/s by batch, and the seconds
     /// it adds to a request of --enhance-seconds on the echo device; no Wav2Lip checkpoint
     /// needed) [default: all but memory, compare, media and enhancers; encoder
@@ -290,6 +291,13 @@ impl Plan {
         }
         if sections.contains(&Section::Media) {
             a.media.check().map_err(CliError::Jobs)?;
+            if a.media.media_device != DeviceKind::Echo && a.checkpoint.is_none() {
+                return Err(CliError::Jobs(format!(
+                    "--media-device {} needs --checkpoint (a Wav2Lip checkpoint; `lipsync \
+                     init-weights FILE` writes random weights, as fast as real ones)",
+                    a.media.media_device.name()
+                )));
+            }
         }
         let dtypes = if !a.dtypes.is_empty() {
             a.dtypes.clone()
@@ -883,6 +891,39 @@ mod tests {
         assert_eq!(a.media.live_sessions, [1, 3]);
         assert_eq!(args(&[]).media.live_sessions, [1, 2, 4, 8, 16, 32, 64]);
         assert_eq!(Section::Media.name(), "media");
+        // The same parts against the service with its model: only with a checkpoint.
+        let mut with = args(&["--sections", "media", "--media-device", "cuda"]);
+        assert!(Plan::new(&with, DeviceKind::Cuda).is_ok());
+        assert_eq!(with.media.media_device, DeviceKind::Cuda);
+        with.checkpoint = None;
+        assert!(Plan::new(&with, DeviceKind::Cuda).is_err());
+        assert_eq!(args(&[]).media.media_device, DeviceKind::Echo);
+        let parts = args(&[
+            "--media-parts",
+            "requests,live",
+            "--live-avatars",
+            "photo",
+            "--live-outputs",
+            "fmp4",
+            "--media-serve-arg=--autotune-cache=a.json",
+            "--media-serve-arg",
+            "--max-sessions=300",
+        ]);
+        assert_eq!(parts.media.media_parts, ["requests", "live"]);
+        assert_eq!(parts.media.live_avatars, ["photo"]);
+        assert_eq!(parts.media.live_outputs, ["fmp4"]);
+        assert_eq!(
+            parts.media.media_serve_args,
+            ["--autotune-cache=a.json", "--max-sessions=300"]
+        );
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            _bench: BenchArgs,
+        }
+        for bad in [["--media-parts", "floors"], ["--live-outputs", "webm"]] {
+            assert!(Cli::try_parse_from([&["bench"][..], &bad[..]].concat()).is_err());
+        }
     }
 
     #[test]

@@ -1319,13 +1319,11 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
         args: Vec::new(),
     };
     if device != DeviceKind::Echo {
-        let checkpoint = a.checkpoint.as_ref().ok_or_else(|| {
-            fail(format!(
-                "--media-device {} needs --checkpoint (a Wav2Lip checkpoint; `lipsync \
-                 init-weights FILE` writes random weights, as fast as real ones)",
-                device.name()
-            ))
-        })?;
+        // Plan::new has refused a model without a checkpoint, with the whole message.
+        let checkpoint = a
+            .checkpoint
+            .as_ref()
+            .ok_or_else(|| fail("--media-device needs --checkpoint"))?;
         launch.args.push("--checkpoint".into());
         launch.args.push(checkpoint.into());
         launch.args.push("--cuda-device".into());
