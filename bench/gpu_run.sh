@@ -613,7 +613,7 @@ set_sizes() {
     SESSIONS="1 2" LIVE_SECONDS=2
     MEDIA_DEVICE=cpu MEDIA_SECONDS=1 MEDIA_REPEATS=1 MEDIA_PARTS=requests,live MEDIA_SESSIONS=1
     MEDIA_LIVE_SECONDS=4 MEDIA_LIVE_AVATARS=photo MEDIA_LIVE_OUTPUTS=fmp4
-    MEDIA_EXTRA=(--media-serve-arg=--min-draw-fps=0)
+    MEDIA_EXTRA=()
     # Any drawing rate: the CPU draws fewer faces than two sessions' default minimum (5 each).
     LIVE_EXTRA=(--min-draw-fps 0)
     TEST_TITLE="CPU tests of the same layers (tests/model.rs; the GPU test needs a GPU)"

@@ -511,12 +511,16 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
         );
     } else {
         println!(
-            "Sections: {} (no Wav2Lip model).",
+            "Sections: {} (no Wav2Lip model in this process{}).",
             plan.sections
                 .iter()
                 .map(|s| s.name())
                 .collect::<Vec<_>>()
-                .join(", ")
+                .join(", "),
+            match a.media.media_device {
+                DeviceKind::Echo => String::new(),
+                d => format!("; the media section's servers run it on {}", d.name()),
+            }
         );
     }
     let mut prepared = None;

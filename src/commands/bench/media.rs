@@ -346,9 +346,22 @@ impl Server {
             log,
             _data: data,
         };
-        server.base = rx
-            .recv_timeout(Duration::from_secs(60))
-            .map_err(|_| server.failed("did not listen within 60 s"))?;
+        server.base = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(base) => base,
+            Err(_) => {
+                // Its log closed or the time ran out: say which, once it has had a moment
+                // to exit.
+                let mut why = "did not listen within 60 s".to_string();
+                for _ in 0..20 {
+                    if let Ok(Some(status)) = server.child.try_wait() {
+                        why = format!("exited ({status}) before it listened");
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                return Err(server.failed(&why));
+            }
+        };
         // A model's warm-up (autotuning, without a cache file) takes longer than echo's.
         let ready = if launch.device == DeviceKind::Echo {
             120
