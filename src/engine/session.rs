@@ -297,6 +297,13 @@ pub struct SessionStats {
     pub drawn_frames: u64,
     /// Speaking frames that showed the last drawn face again (see the module documentation).
     pub held_frames: u64,
+    /// Of the held frames, those whose face was asked for but was not back by the frame's
+    /// time (the others were planned held: the session's drawing rate left them out).
+    pub missed_frames: u64,
+    /// Times the session lowered its drawing rate: after a face of its own missed its frame,
+    /// and after another session's did (`backoffs_for_others`).
+    pub backoffs: u64,
+    pub backoffs_for_others: u64,
     pub idle_frames: u64,
     pub late_frames: u64,
     pub utterances: u64,
@@ -623,24 +630,25 @@ impl Stride {
     }
 
     /// A drawn frame missed its time: slower, unless the last miss was less than `lag` ago
-    /// (the frames queued before then would miss for the same reason).
-    fn missed(&mut self, now: Instant, lag: Duration) {
+    /// (the frames queued before then would miss for the same reason). Whether it slowed.
+    fn missed(&mut self, now: Instant, lag: Duration) -> bool {
         if self
             .last_missed
             .is_some_and(|t| now.saturating_duration_since(t) < lag)
         {
-            return;
+            return false;
         }
         // From the rate it was drawing at: above the ceiling, a cut would change nothing.
         self.rate = (self.drawing() * Self::BACK_OFF).max(1.0);
         self.last_missed = Some(now);
+        true
     }
 
     /// A drawn frame of this session missed its time: slower ([`Self::missed`]), and the
-    /// other sessions are told ([`Self::others_missed`]).
-    fn own_miss(&mut self, now: Instant, lag: Duration) {
+    /// other sessions are told ([`Self::others_missed`]). Whether it slowed.
+    fn own_miss(&mut self, now: Instant, lag: Duration) -> bool {
         self.misses_seen = LIVE_MISSES.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-        self.missed(now, lag);
+        self.missed(now, lag)
     }
 
     /// Slower when another session's face missed its frame since this one last looked. A
@@ -648,12 +656,13 @@ impl Stride {
     /// the sessions that draw least would see most of the misses: backing off alone, they would
     /// slow down further while the others speed up. Backing off together, every session loses
     /// the same share of its rate and gains the same faces per second, so their rates converge.
-    fn others_missed(&mut self, now: Instant, lag: Duration) {
+    fn others_missed(&mut self, now: Instant, lag: Duration) -> bool {
         let n = LIVE_MISSES.load(std::sync::atomic::Ordering::Relaxed);
         if n != self.misses_seen {
             self.misses_seen = n;
-            self.missed(now, lag);
+            return self.missed(now, lag);
         }
+        false
     }
 }
 
@@ -1015,7 +1024,10 @@ impl<'a> Session<'a> {
     fn plan(&mut self) -> Result<(), Error> {
         let step = mel::MEL_FPS / self.fps();
         let now = Instant::now();
-        self.stride.others_missed(now, self.cfg.lag);
+        if self.stride.others_missed(now, self.cfg.lag) {
+            self.stats.backoffs += 1;
+            self.stats.backoffs_for_others += 1;
+        }
         for i in 0..self.utts.len() {
             let u = &self.utts[i];
             let (total, plan) = if u.cut {
@@ -1245,7 +1257,10 @@ impl<'a> Session<'a> {
                     break;
                 }
                 if drawing {
-                    self.stride.own_miss(now, self.cfg.lag);
+                    self.stats.missed_frames += 1;
+                    if self.stride.own_miss(now, self.cfg.lag) {
+                        self.stats.backoffs += 1;
+                    }
                 }
             }
             if j == 0 || self.shown != Some(Activity::Speaking) {
@@ -1501,14 +1516,18 @@ mod tests {
         let t = Instant::now();
         let mut a = Stride::new(25.0, Some(8.0), None);
         let mut b = Stride::new(25.0, Some(2.0), None);
-        b.others_missed(t, lag);
+        assert!(!b.others_missed(t, lag));
         assert_eq!(b.rate, 2.0, "no miss yet");
-        // a misses: both lose 30 % (b once, however many misses it learns of at once).
-        a.own_miss(t, lag);
-        a.own_miss(t, lag);
+        // a misses: both lose 30 % (b once, however many misses it learns of at once), and
+        // each says when it slowed (the sessions' `backoffs`).
+        assert!(a.own_miss(t, lag));
+        assert!(
+            !a.own_miss(t, lag),
+            "a second miss within the lag slows nothing"
+        );
         assert!((a.rate - 5.6).abs() < 1e-9, "{a:?}");
-        b.others_missed(t, lag);
-        b.others_missed(t, lag);
+        assert!(b.others_missed(t, lag));
+        assert!(!b.others_missed(t, lag));
         assert!((b.rate - 1.4).abs() < 1e-9, "{b:?}");
         // Each second, each draws its rate's faces in time (about one face/s more for each),
         // then a miss takes the same share off both: the gap between them shrinks.

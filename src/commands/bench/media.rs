@@ -1227,6 +1227,13 @@ fn live_level(
             .sum()
     };
     let (held, speaking) = (stat("held_frames"), stat("speaking_frames"));
+    // Held because a face asked for came late, not because the drawing rate left it out;
+    // and how often the sessions slowed their rate (after another session's miss too).
+    let (missed, backoffs, for_others) = (
+        stat("missed_frames"),
+        stat("backoffs"),
+        stat("backoffs_for_others"),
+    );
     let mut lat: Vec<(usize, f64)> = sessions.iter().flat_map(|s| s.latencies(output)).collect();
     lat.sort_by(|a, b| a.1.total_cmp(&b.1));
     let all: Vec<f64> = lat.iter().map(|l| l.1 * 1e3).collect();
@@ -1281,7 +1288,7 @@ fn live_level(
         format!("no ({})", why.join(", "))
     };
     let row = format!(
-        "| {label} | {} | {n} | {verdict} | {received} / {due:.0} ({:+.1} %) | {held} / {speaking} | {p50:.0} | {p99:.0} | {lag_ms:.0} | {first:.0} → {last:.0} | {cpu_per_frame_ms:.2} | {rss_per_session:.1} | {} |",
+        "| {label} | {} | {n} | {verdict} | {received} / {due:.0} ({:+.1} %) | {held} ({missed} missed) / {speaking} | {backoffs} ({for_others}) | {p50:.0} | {p99:.0} | {lag_ms:.0} | {first:.0} → {last:.0} | {cpu_per_frame_ms:.2} | {rss_per_session:.1} | {} |",
         output.name(),
         (received as f64 / due.max(1.0) - 1.0) * 100.0,
         pss.map_or("n/a".to_string(), |(t, each)| format!(
@@ -1292,7 +1299,8 @@ fn live_level(
     let json = serde_json::json!({
         "avatar": label, "output": output.name(), "sessions": n, "holds": holds, "refused": refused,
         "failed": failed, "frames_received": received, "frames_due": due,
-        "held_frames": held, "speaking_frames": speaking,
+        "held_frames": held, "speaking_frames": speaking, "missed_frames": missed,
+        "backoffs": backoffs, "backoffs_for_others": for_others,
         "latency_ms": {"p50": p50, "p99": p99, "p50_first_utterance": first,
                        "p50_last_utterance": last, "chunks": all.len()},
         "lag_ms": lag_ms,
@@ -1580,6 +1588,10 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
          within {:.0} % of those due (first to last frame at 25 fps), latency (chunk sent → the \
          message holding its frame) has p99 under {:.0} ms, and the p50 of the last utterance \
          (all sessions pooled) is not more than {:.0} % and {RISE_MS:.0} ms above the first's. \
+         Held: speaking frames that showed the last face again, of which missed: its face \
+         was asked for but came too late (the others the sessions' drawing rates left out). \
+         Rate cuts: times a session lowered its drawing rate, all sessions together (in \
+         brackets, after another session's face missed). \
          Lag: the largest lag the server gave a session when it opened (ready's lag_ms). CPU \
          per frame: the tree's CPU over the level ÷ frames received. The client runs on the \
          same machine.\n",
@@ -1589,10 +1601,11 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
         );
         println!(
             "| avatar | output | sessions | holds | frames received / due | held / speaking | \
+         rate cuts (after others' misses) | \
          latency p50 ms | p99 ms | lag ms | p50 first → last utterance ms | CPU ms per frame | \
          server RSS MB per session | encoders' PSS MB |"
         );
-        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
         for avatar in &live_avatars {
             let mut by_output = serde_json::Map::new();
             for &output in &outputs {
