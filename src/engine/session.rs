@@ -15,8 +15,12 @@
 //!   the engine can give the session ([`SessionConfig::draw_fps`]) and adapts to what happens,
 //!   additive increase and multiplicative decrease, so that sessions sharing the engine
 //!   converge to equal rates: each face in time adds about one face per second per second, a
-//!   face that misses its frame, in any session, takes 30 % off every session's rate (at most
-//!   once per `lag`). The rate stays between one face per second and every frame, so the
+//!   face that misses its frame takes 30 % off its session's rate, and off every other
+//!   session's when the engine falls behind: when at least 5 % of the faces that all the
+//!   sessions asked for within a `lag` missed (a session's rate is cut at most once per
+//!   `lag`). One late face among many in time (a thread that ran late) slows only its own
+//!   session: with many sessions, such a miss somewhere is frequent, and every session
+//!   slowing for each of them held half the frames of an engine far from full. The rate stays between one face per second and every frame, so the
 //!   mouth keeps moving while the engine can draw anything at all, and is drawn within the
 //!   session's fair share ([`SessionConfig::fair_share`], with [`FairShare::HEADROOM`]),
 //!   which the server sets as sessions open and close and as the engine's measured capacity
@@ -563,9 +567,27 @@ impl Utterance {
     }
 }
 
-/// Faces that missed their frame, in all the live sessions of this process (they share its
-/// engine): a miss in one session slows them all down (see [`Stride::others_missed`]).
-static LIVE_MISSES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Faces that missed their frame and faces in time, counted across the live sessions that
+/// share an engine: when enough of them miss, every session slows down (see
+/// [`Stride::others_missed`]).
+#[derive(Debug, Default)]
+struct Tally {
+    misses: std::sync::atomic::AtomicU64,
+    hits: std::sync::atomic::AtomicU64,
+}
+
+impl Tally {
+    fn now(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.misses.load(Relaxed), self.hits.load(Relaxed))
+    }
+}
+
+/// The tally of this process's live sessions (they share its engine).
+static LIVE: Tally = Tally {
+    misses: std::sync::atomic::AtomicU64::new(0),
+    hits: std::sync::atomic::AtomicU64::new(0),
+};
 
 /// How fast a session draws (see the module documentation): a rate in faces per second,
 /// additive increase, multiplicative decrease, so that sessions sharing an engine converge
@@ -576,8 +598,11 @@ struct Stride {
     rate: f64,
     fps: f64,
     last_missed: Option<Instant>,
-    /// [`LIVE_MISSES`] when this session last looked.
-    misses_seen: u64,
+    /// The tally shared with the other sessions ([`LIVE`]), and what it held when this
+    /// session's current window began.
+    tally: &'static Tally,
+    seen: (u64, u64),
+    window: Instant,
     /// The fair share the rate stays within [`FairShare::HEADROOM`] of.
     share: Option<Arc<FairShare>>,
 }
@@ -587,14 +612,29 @@ impl Stride {
     const GAIN_PER_SECOND: f64 = 1.0;
     /// A missed face multiplies the rate by this.
     const BACK_OFF: f64 = 0.7;
+    /// Other sessions' misses slow this one when at least this share of the faces asked for
+    /// across the sessions within a window (one `lag`) missed: the engine is behind. Below it
+    /// they are hiccups of the sessions that had them (which slow down themselves).
+    const SHARED_MISS_SHARE: f64 = 0.05;
 
     fn new(fps: f64, draw_fps: Option<f64>, share: Option<Arc<FairShare>>) -> Stride {
+        Stride::with_tally(fps, draw_fps, share, &LIVE)
+    }
+
+    fn with_tally(
+        fps: f64,
+        draw_fps: Option<f64>,
+        share: Option<Arc<FairShare>>,
+        tally: &'static Tally,
+    ) -> Stride {
         let fps = fps.max(1.0);
         Stride {
             rate: draw_fps.unwrap_or(fps).clamp(1.0, fps),
             fps,
             last_missed: None,
-            misses_seen: LIVE_MISSES.load(std::sync::atomic::Ordering::Relaxed),
+            tally,
+            seen: tally.now(),
+            window: Instant::now(),
             share,
         }
     }
@@ -623,6 +663,9 @@ impl Stride {
     /// the `rate` faces a second adds its share), up to the ceiling. A rate above the ceiling
     /// (the share dipped under it) stays as it was, to be drawn at again when the share rises.
     fn hit(&mut self) {
+        self.tally
+            .hits
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let ceiling = self.ceiling();
         if self.rate < ceiling {
             self.rate = (self.rate + Self::GAIN_PER_SECOND / self.rate).min(ceiling);
@@ -647,20 +690,35 @@ impl Stride {
     /// A drawn frame of this session missed its time: slower ([`Self::missed`]), and the
     /// other sessions are told ([`Self::others_missed`]). Whether it slowed.
     fn own_miss(&mut self, now: Instant, lag: Duration) -> bool {
-        self.misses_seen = LIVE_MISSES.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        self.tally
+            .misses
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // Its own miss is not news to it: the window starts after it.
+        self.seen = self.tally.now();
+        self.window = now;
         self.missed(now, lag)
     }
 
-    /// Slower when another session's face missed its frame since this one last looked. A
+    /// Slower when other sessions' faces missed their frames since this session's window
+    /// began, and were at least [`Self::SHARED_MISS_SHARE`] of the faces the sessions asked
+    /// for meanwhile (missed and in time): the engine is behind. A
     /// session's frames only wait behind the other sessions' (its own are a stride apart), so
     /// the sessions that draw least would see most of the misses: backing off alone, they would
     /// slow down further while the others speed up. Backing off together, every session loses
     /// the same share of its rate and gains the same faces per second, so their rates converge.
+    /// A window lasts until it slows the session or a `lag` has passed. Whether it slowed.
     fn others_missed(&mut self, now: Instant, lag: Duration) -> bool {
-        let n = LIVE_MISSES.load(std::sync::atomic::Ordering::Relaxed);
-        if n != self.misses_seen {
-            self.misses_seen = n;
+        let (misses, hits) = self.tally.now();
+        let missed = misses.saturating_sub(self.seen.0) as f64;
+        let in_time = hits.saturating_sub(self.seen.1) as f64;
+        if missed > 0.0 && missed >= Self::SHARED_MISS_SHARE * (missed + in_time) {
+            self.seen = (misses, hits);
+            self.window = now;
             return self.missed(now, lag);
+        }
+        if now.saturating_duration_since(self.window) >= lag {
+            self.seen = (misses, hits);
+            self.window = now;
         }
         false
     }
@@ -1514,8 +1572,10 @@ mod tests {
     fn a_miss_in_one_session_slows_every_session_and_they_converge() {
         let lag = Duration::from_millis(500);
         let t = Instant::now();
-        let mut a = Stride::new(25.0, Some(8.0), None);
-        let mut b = Stride::new(25.0, Some(2.0), None);
+        // Their own tally: other tests' sessions do not count.
+        let tally: &'static Tally = Box::leak(Box::default());
+        let mut a = Stride::with_tally(25.0, Some(8.0), None, tally);
+        let mut b = Stride::with_tally(25.0, Some(2.0), None, tally);
         assert!(!b.others_missed(t, lag));
         assert_eq!(b.rate, 2.0, "no miss yet");
         // a misses: both lose 30 % (b once, however many misses it learns of at once), and
@@ -1546,11 +1606,63 @@ mod tests {
     }
 
     #[test]
+    fn a_miss_among_many_faces_in_time_slows_only_its_own_session() {
+        let lag = Duration::from_millis(250);
+        let t = Instant::now();
+        let tally: &'static Tally = Box::leak(Box::default());
+        let mut s: Vec<Stride> = (0..64)
+            .map(|_| Stride::with_tally(25.0, Some(25.0), None, tally))
+            .collect();
+        // Every session draws 10 faces in time (640 in all); one face misses somewhere: that
+        // session slows down, the 63 others do not.
+        for x in s.iter_mut() {
+            for _ in 0..10 {
+                x.hit();
+            }
+        }
+        assert!(s[0].own_miss(t, lag));
+        assert!((s[0].rate - 17.5).abs() < 1e-9, "{:?}", s[0]);
+        for x in &mut s[1..] {
+            assert!(!x.others_missed(t, lag));
+            assert_eq!(x.rate, 25.0);
+        }
+        // The engine falls behind: 40 misses against 640 faces in time within a lag (6 %):
+        // every session slows, once.
+        let later = t + Duration::from_millis(100);
+        for i in 0..40 {
+            s[i % 8].own_miss(later, lag);
+        }
+        for x in &mut s[8..] {
+            assert!(x.others_missed(later, lag), "{x:?}");
+            assert!((x.rate - 17.5).abs() < 1e-9, "{x:?}");
+            assert!(!x.others_missed(later, lag));
+        }
+        // A window that saw fewer misses ends after a lag: they do not add up with later ones.
+        let mut q = Stride::with_tally(25.0, Some(25.0), None, tally);
+        let t2 = later + Duration::from_secs(1);
+        for _ in 0..100 {
+            q.hit();
+        }
+        s[0].own_miss(t2, lag);
+        assert!(!q.others_missed(t2, lag), "1 of 101");
+        for _ in 0..100 {
+            q.hit();
+        }
+        s[0].own_miss(t2 + lag, lag);
+        assert!(
+            !q.others_missed(t2 + lag, lag),
+            "a new window: 1 of 101 again, not 2 of 202"
+        );
+        assert_eq!(q.rate, 25.0);
+    }
+
+    #[test]
     fn the_fair_share_caps_the_rate_without_lowering_it_and_a_miss_cuts_from_the_cap() {
         let lag = Duration::from_millis(250);
         let t = Instant::now();
         let share = Arc::new(FairShare::new(16.0));
-        let mut s = Stride::new(25.0, Some(12.5), Some(share.clone()));
+        let tally: &'static Tally = Box::leak(Box::default());
+        let mut s = Stride::with_tally(25.0, Some(12.5), Some(share.clone()), tally);
         // Below the ceiling (16 with its headroom: 20), faces in time raise the rate.
         assert_eq!(s.value(), 2.0);
         for _ in 0..13 {
