@@ -16,18 +16,19 @@
 //!   additive increase and multiplicative decrease, so that sessions sharing the engine
 //!   converge to equal rates: each face in time adds about one face per second per second, a
 //!   face that misses its frame takes 30 % off its session's rate, and off every other
-//!   session's when the engine falls behind: when at least 5 % of the faces that all the
-//!   sessions asked for within a `lag` missed (a session's rate is cut at most once per
-//!   `lag`). One late face among many in time (a thread that ran late) slows only its own
-//!   session: with many sessions, such a miss somewhere is frequent, and every session
-//!   slowing for each of them held half the frames of an engine far from full. The rate stays between one face per second and every frame, so the
-//!   mouth keeps moving while the engine can draw anything at all, and is drawn within the
-//!   session's fair share ([`SessionConfig::fair_share`], with [`FairShare::HEADROOM`]),
-//!   which the server sets as sessions open and close and as the engine's measured capacity
-//!   changes; a share that dips and rises again gives the rate back at once. Frames whose due time has
-//!   passed before their audio is complete are held without being drawn, and a drawn frame
-//!   that is held drops its queued work, so an overloaded engine does not keep drawing faces
-//!   nobody will see.
+//!   session's when the engine falls behind: when at least 5 % of the faces all the sessions
+//!   asked for in a window of one `lag` missed (each session judges its own consecutive
+//!   windows, whole; a rate is cut at most once per `lag`). One late face among many in time
+//!   (a thread that ran late) slows only its own session: with many sessions such a miss
+//!   somewhere is frequent, and every session slowing for each of them held half the frames
+//!   of an engine far from full. The rate stays between one face per second and every
+//!   frame, so the mouth keeps moving while the engine can draw anything at all, and is drawn
+//!   within the session's fair share ([`SessionConfig::fair_share`], with
+//!   [`FairShare::HEADROOM`]), which the server sets as sessions open and close and as the
+//!   engine's measured capacity changes; a share that dips and rises again gives the rate
+//!   back at once. Frames whose due time has passed before their audio is complete are held
+//!   without being drawn, and a drawn frame that is held drops its queued work, so an
+//!   overloaded engine does not keep drawing faces nobody will see.
 //! - **Utterances.** Audio that arrives while idle starts an utterance at the next frame
 //!   boundary (`ceil((arrival − start) · fps)`, or the next frame not yet sent, or the next
 //!   whose audio has not gone out ahead). It ends at `end`, at `clear` (dropped, but for
@@ -304,8 +305,9 @@ pub struct SessionStats {
     /// Of the held frames, those whose face was asked for but was not back by the frame's
     /// time (the others were planned held: the session's drawing rate left them out).
     pub missed_frames: u64,
-    /// Times the session lowered its drawing rate: after a face of its own missed its frame,
-    /// and after another session's did (`backoffs_for_others`).
+    /// Times the session lowered its drawing rate (a cut at the floor of one face a second,
+    /// which changes nothing, is not counted): after a face of its own missed its frame, and
+    /// when the other sessions' faces missed (`backoffs_for_others`; idle sessions too).
     pub backoffs: u64,
     pub backoffs_for_others: u64,
     pub idle_frames: u64,
@@ -599,7 +601,7 @@ struct Stride {
     fps: f64,
     last_missed: Option<Instant>,
     /// The tally shared with the other sessions ([`LIVE`]), and what it held when this
-    /// session's current window began.
+    /// session's current window (one `lag`, judged whole) began.
     tally: &'static Tally,
     seen: (u64, u64),
     window: Instant,
@@ -613,19 +615,21 @@ impl Stride {
     /// A missed face multiplies the rate by this.
     const BACK_OFF: f64 = 0.7;
     /// Other sessions' misses slow this one when at least this share of the faces asked for
-    /// across the sessions within a window (one `lag`) missed: the engine is behind. Below it
+    /// across the sessions in a window of one `lag` missed: the engine is behind. Below it
     /// they are hiccups of the sessions that had them (which slow down themselves).
     const SHARED_MISS_SHARE: f64 = 0.05;
 
     fn new(fps: f64, draw_fps: Option<f64>, share: Option<Arc<FairShare>>) -> Stride {
-        Stride::with_tally(fps, draw_fps, share, &LIVE)
+        Stride::with_tally(fps, draw_fps, share, &LIVE, Instant::now())
     }
 
+    /// A stride counting on `tally`, its first window beginning `now`.
     fn with_tally(
         fps: f64,
         draw_fps: Option<f64>,
         share: Option<Arc<FairShare>>,
         tally: &'static Tally,
+        now: Instant,
     ) -> Stride {
         let fps = fps.max(1.0);
         Stride {
@@ -634,7 +638,7 @@ impl Stride {
             last_missed: None,
             tally,
             seen: tally.now(),
-            window: Instant::now(),
+            window: now,
             share,
         }
     }
@@ -673,7 +677,8 @@ impl Stride {
     }
 
     /// A drawn frame missed its time: slower, unless the last miss was less than `lag` ago
-    /// (the frames queued before then would miss for the same reason). Whether it slowed.
+    /// (the frames queued before then would miss for the same reason). Whether the rate
+    /// fell (at the floor of one face a second it cannot).
     fn missed(&mut self, now: Instant, lag: Duration) -> bool {
         if self
             .last_missed
@@ -682,19 +687,20 @@ impl Stride {
             return false;
         }
         // From the rate it was drawing at: above the ceiling, a cut would change nothing.
+        let before = self.rate;
         self.rate = (self.drawing() * Self::BACK_OFF).max(1.0);
         self.last_missed = Some(now);
-        true
+        self.rate < before
     }
 
     /// A drawn frame of this session missed its time: slower ([`Self::missed`]), and the
     /// other sessions are told ([`Self::others_missed`]). Whether it slowed.
     fn own_miss(&mut self, now: Instant, lag: Duration) -> bool {
-        self.tally
-            .misses
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        // Its own miss is not news to it: the window starts after it.
-        self.seen = self.tally.now();
+        use std::sync::atomic::Ordering::Relaxed;
+        // It has cut its own rate: its next window starts after this miss (another session's
+        // miss counted in between is in the window that ends here).
+        let misses = self.tally.misses.fetch_add(1, Relaxed) + 1;
+        self.seen = (misses, self.tally.hits.load(Relaxed));
         self.window = now;
         self.missed(now, lag)
     }
@@ -706,21 +712,23 @@ impl Stride {
     /// the sessions that draw least would see most of the misses: backing off alone, they would
     /// slow down further while the others speed up. Backing off together, every session loses
     /// the same share of its rate and gains the same faces per second, so their rates converge.
-    /// A window lasts until it slows the session or a `lag` has passed. Whether it slowed.
+    /// A window is judged whole, once a `lag` has passed since it began (a part of one would
+    /// weigh one miss against the few faces of a few milliseconds); the next begins then. An
+    /// engine that draws few faces a lag, overloaded, has every miss over the share: there
+    /// all sessions slow together, as this argument needs; below the share only the sessions
+    /// that missed slow. Whether the rate fell.
     fn others_missed(&mut self, now: Instant, lag: Duration) -> bool {
+        if now.saturating_duration_since(self.window) < lag {
+            return false;
+        }
         let (misses, hits) = self.tally.now();
         let missed = misses.saturating_sub(self.seen.0) as f64;
         let in_time = hits.saturating_sub(self.seen.1) as f64;
-        if missed > 0.0 && missed >= Self::SHARED_MISS_SHARE * (missed + in_time) {
-            self.seen = (misses, hits);
-            self.window = now;
-            return self.missed(now, lag);
-        }
-        if now.saturating_duration_since(self.window) >= lag {
-            self.seen = (misses, hits);
-            self.window = now;
-        }
-        false
+        self.seen = (misses, hits);
+        self.window = now;
+        missed > 0.0
+            && missed >= Self::SHARED_MISS_SHARE * (missed + in_time)
+            && self.missed(now, lag)
     }
 }
 
@@ -1574,24 +1582,31 @@ mod tests {
         let t = Instant::now();
         // Their own tally: other tests' sessions do not count.
         let tally: &'static Tally = Box::leak(Box::default());
-        let mut a = Stride::with_tally(25.0, Some(8.0), None, tally);
-        let mut b = Stride::with_tally(25.0, Some(2.0), None, tally);
-        assert!(!b.others_missed(t, lag));
+        let mut a = Stride::with_tally(25.0, Some(8.0), None, tally, t);
+        let mut b = Stride::with_tally(25.0, Some(2.0), None, tally, t);
+        assert!(!b.others_missed(t + lag, lag));
         assert_eq!(b.rate, 2.0, "no miss yet");
-        // a misses: both lose 30 % (b once, however many misses it learns of at once), and
-        // each says when it slowed (the sessions' `backoffs`).
-        assert!(a.own_miss(t, lag));
+        // a misses (an engine drawing a few faces a second: every miss is over the share):
+        // a slows at once, b when its window ends, once however many misses it holds; each
+        // says when it slowed (the sessions' `backoffs`).
+        let t1 = t + lag + Duration::from_millis(10);
+        assert!(a.own_miss(t1, lag));
         assert!(
-            !a.own_miss(t, lag),
+            !a.own_miss(t1, lag),
             "a second miss within the lag slows nothing"
         );
         assert!((a.rate - 5.6).abs() < 1e-9, "{a:?}");
-        assert!(b.others_missed(t, lag));
-        assert!(!b.others_missed(t, lag));
+        assert!(!b.others_missed(t1, lag), "b's window is not over yet");
+        assert!(b.others_missed(t + 2 * lag, lag));
+        assert!(
+            !b.others_missed(t + 3 * lag, lag),
+            "a window without misses"
+        );
         assert!((b.rate - 1.4).abs() < 1e-9, "{b:?}");
         // Each second, each draws its rate's faces in time (about one face/s more for each),
-        // then a miss takes the same share off both: the gap between them shrinks.
-        let mut now = t;
+        // then a miss takes the same share off both: their rates meet (at 0.7 / 0.3 faces/s,
+        // where a second's gain and a cut balance).
+        let mut now = t + 3 * lag;
         for _ in 0..8 {
             now += Duration::from_secs(1);
             for s in [&mut a, &mut b] {
@@ -1599,10 +1614,10 @@ mod tests {
                     s.hit();
                 }
             }
-            a.own_miss(now, lag);
-            b.others_missed(now, lag);
+            assert!(a.own_miss(now, lag));
+            assert!(b.others_missed(now + lag, lag), "{a:?} {b:?}");
         }
-        assert!(a.rate / b.rate < 1.3, "{a:?} {b:?}");
+        assert!((a.rate / b.rate - 1.0).abs() < 0.3, "{a:?} {b:?}");
     }
 
     #[test]
@@ -1611,49 +1626,54 @@ mod tests {
         let t = Instant::now();
         let tally: &'static Tally = Box::leak(Box::default());
         let mut s: Vec<Stride> = (0..64)
-            .map(|_| Stride::with_tally(25.0, Some(25.0), None, tally))
+            .map(|_| Stride::with_tally(25.0, Some(25.0), None, tally, t))
             .collect();
-        // Every session draws 10 faces in time (640 in all); one face misses somewhere: that
-        // session slows down, the 63 others do not.
-        for x in s.iter_mut() {
-            for _ in 0..10 {
-                x.hit();
+        let draw = |s: &mut [Stride], each: usize| {
+            for x in s.iter_mut() {
+                for _ in 0..each {
+                    x.hit();
+                }
             }
-        }
-        assert!(s[0].own_miss(t, lag));
+        };
+        // In one lag every session draws 10 faces in time (640 in all) and one face misses:
+        // that session slows down at once, the 63 others do not when their window ends.
+        draw(&mut s, 10);
+        let t1 = t + Duration::from_millis(100);
+        assert!(s[0].own_miss(t1, lag));
         assert!((s[0].rate - 17.5).abs() < 1e-9, "{:?}", s[0]);
         for x in &mut s[1..] {
-            assert!(!x.others_missed(t, lag));
+            assert!(!x.others_missed(t1, lag), "the window is not over");
+            assert!(!x.others_missed(t + lag, lag), "1 of 641");
             assert_eq!(x.rate, 25.0);
         }
-        // The engine falls behind: 40 misses against 640 faces in time within a lag (6 %):
+        // A window is judged whole: one miss just after a window began, with only a few faces
+        // counted yet, slows no one; the whole window's 640 faces weigh it.
+        let t2 = t + lag + Duration::from_millis(5);
+        draw(&mut s[..2], 1);
+        s[0].own_miss(t2, lag);
+        for x in &mut s[1..] {
+            assert!(!x.others_missed(t2, lag), "2 faces so far: not judged");
+        }
+        draw(&mut s[1..], 10);
+        for x in &mut s[1..] {
+            assert!(!x.others_missed(t + 2 * lag, lag), "1 of 633");
+            assert_eq!(x.rate, 25.0);
+        }
+        // The engine falls behind: 40 misses against 640 faces in time in a window (6 %):
         // every session slows, once.
-        let later = t + Duration::from_millis(100);
+        let t3 = t + 2 * lag + Duration::from_millis(100);
+        draw(&mut s, 10);
         for i in 0..40 {
-            s[i % 8].own_miss(later, lag);
+            s[i % 8].own_miss(t3, lag);
         }
         for x in &mut s[8..] {
-            assert!(x.others_missed(later, lag), "{x:?}");
+            assert!(x.others_missed(t + 3 * lag, lag), "{x:?}");
             assert!((x.rate - 17.5).abs() < 1e-9, "{x:?}");
-            assert!(!x.others_missed(later, lag));
+            assert!(
+                !x.others_missed(t + 4 * lag, lag),
+                "the next window has no misses"
+            );
         }
-        // A window that saw fewer misses ends after a lag: they do not add up with later ones.
-        let mut q = Stride::with_tally(25.0, Some(25.0), None, tally);
-        let t2 = later + Duration::from_secs(1);
-        for _ in 0..100 {
-            q.hit();
-        }
-        s[0].own_miss(t2, lag);
-        assert!(!q.others_missed(t2, lag), "1 of 101");
-        for _ in 0..100 {
-            q.hit();
-        }
-        s[0].own_miss(t2 + lag, lag);
-        assert!(
-            !q.others_missed(t2 + lag, lag),
-            "a new window: 1 of 101 again, not 2 of 202"
-        );
-        assert_eq!(q.rate, 25.0);
     }
 
     #[test]
@@ -1662,7 +1682,7 @@ mod tests {
         let t = Instant::now();
         let share = Arc::new(FairShare::new(16.0));
         let tally: &'static Tally = Box::leak(Box::default());
-        let mut s = Stride::with_tally(25.0, Some(12.5), Some(share.clone()), tally);
+        let mut s = Stride::with_tally(25.0, Some(12.5), Some(share.clone()), tally, t);
         // Below the ceiling (16 with its headroom: 20), faces in time raise the rate.
         assert_eq!(s.value(), 2.0);
         for _ in 0..13 {

@@ -1355,8 +1355,17 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
         .extend(f.media_serve_args.iter().map(Into::into));
     // serve's engine and media settings as the servers will read them, for the header (the
     // flags of serve's other parts, --max-sessions say, are not read here).
-    let serve = super::serve_flags(device, a.cuda_device, &f.media_serve_args)
-        .or_else(|_| super::serve_flags(device, a.cuda_device, &[]))?;
+    let serve = match super::serve_flags(device, a.cuda_device, &f.media_serve_args) {
+        Ok(s) => s,
+        Err(_) => {
+            println!(
+                "(--media-serve-arg holds flags this header does not read: the settings below \
+                 are serve's defaults on {} without them)",
+                device.name()
+            );
+            super::serve_flags(device, a.cuda_device, &[])?
+        }
+    };
     let r = serve.engine.resolve(&serve.media);
     let encoder = serve.media.encoder(64, 64, Fps::DEFAULT, 1);
     let live = serve.media.live_encoder(64, 64, Fps::DEFAULT);
