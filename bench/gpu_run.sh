@@ -423,6 +423,18 @@ client_rows_with_mem() {
   return "$rc"
 }
 
+# The levels of $CONCURRENCY on the running server, one table; $2 (e.g. echo) labels the rows.
+concurrent_levels() {
+  local photo=$1 tag=${2:+$2, } c rows
+  new_table
+  for c in $CONCURRENCY; do
+    rows=$(client_rows_with_mem "${2:+$2-}c$c" http --url "$URL" --audio "$(speech "$CONC_SECONDS")" \
+      --image "$photo" --concurrency "$c" --retry-429 --label "$tag$c at once") \
+      || fail_line "service_load http${2:+ on $2} at concurrency $c failed"
+    add_rows "$rows"
+  done
+}
+
 stage_service() {
   require lipsync "$BIN" "carry target/gpu-carry/lipsync.xz (bench/gpu_pack.sh)"
   require "the load client" "$CLIENT" "carry target/gpu-carry/service_load.xz (bench/gpu_pack.sh)"
@@ -474,14 +486,7 @@ stage_service() {
 
   md "" "## Concurrent requests ($CONC_SECONDS s of speech, 512x512 photo)" ""
   md "All requests of a level start at once; 429 answers are retried after Retry-After." ""
-  local c
-  new_table
-  for c in $CONCURRENCY; do
-    rows=$(client_rows_with_mem "c$c" http --url "$URL" --audio "$(speech "$CONC_SECONDS")" \
-      --image "$photo" --concurrency "$c" --retry-429 --label "$c at once") \
-      || fail_line "service_load http at concurrency $c failed"
-    add_rows "$rows"
-  done
+  concurrent_levels "$photo" ""
   md "" "### Stage times from /metrics (the concurrent requests)" ""
   python3 "$HELPER" metrics-md "$URL" --since "$STAGE_DIR/m1.json" >> "$BODY"
   stop_server
@@ -491,13 +496,7 @@ stage_service() {
     start_server --device echo || return 1
     md "" "## The same concurrent requests on \`serve --device echo\` (the media side alone)" "" \
       "Ready after $READY_S s." ""
-    new_table
-    for c in $CONCURRENCY; do
-      rows=$(client_rows_with_mem "echo-c$c" http --url "$URL" --audio "$(speech "$CONC_SECONDS")" \
-        --image "$photo" --concurrency "$c" --retry-429 --label "echo, $c at once") \
-        || fail_line "service_load http on echo at concurrency $c failed"
-      add_rows "$rows"
-    done
+    concurrent_levels "$photo" echo
     stop_server
   fi
 
