@@ -186,12 +186,12 @@ stop_server() {
   SRV_PID=""
 }
 
-# Samples GPU memory and utilisation (nvidia-smi), the server's resident memory and its
-# process tree's CPU until stop_mem.
+# Samples GPU memory and utilisation (nvidia-smi), and the resident memory and process-tree
+# CPU of $2 (the server, $SRV_PID, unless given) until stop_mem; $1 tags the sample file.
 start_mem() {
   MEM_FILE=$STAGE_DIR/mem-$1.json
   rm -f "$MEM_FILE"
-  python3 "$HELPER" sample-mem "$SRV_PID" "$MEM_FILE" &
+  python3 "$HELPER" sample-mem "${2:-$SRV_PID}" "$MEM_FILE" &
   MEM_PID=$!
 }
 
@@ -564,9 +564,7 @@ media_bench() {
   say "lipsync ${args[*]}"
   "${RUN[@]}" "$BIN" "${args[@]}" > "$STAGE_DIR/media-$device.md" &
   local pid=$!
-  MEM_FILE=$STAGE_DIR/mem-media-$device.json
-  python3 "$HELPER" sample-mem "$pid" "$MEM_FILE" &
-  MEM_PID=$!
+  start_mem "media-$device" "$pid"
   wait "$pid"
   local rc=$?
   local mem
@@ -590,9 +588,9 @@ stage_media() {
     "\`--autotune-cache FILE\` (autotune cache $cache); the bench starts a fresh one for the" \
     "requests and for each live level. Requests name their avatar by \`avatar_id\`." ""
   media_bench "$MEDIA_DEVICE" --checkpoint "$WEIGHTS" \
-    "--media-serve-arg=--autotune-cache=$WORK/autotune.json" "${MEDIA_EXTRA[@]}"
+    "--media-serve-arg=--autotune-cache=$WORK/autotune.json"
   md "" "## The same on the echo device (the media side alone)" ""
-  media_bench echo "${MEDIA_EXTRA[@]}"
+  media_bench echo
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -612,7 +610,6 @@ set_sizes() {
     SESSIONS="1 2" LIVE_SECONDS=2
     MEDIA_DEVICE=cpu MEDIA_SECONDS=1 MEDIA_REPEATS=1 MEDIA_PARTS=requests,live MEDIA_SESSIONS=1
     MEDIA_LIVE_SECONDS=4 MEDIA_LIVE_AVATARS=photo MEDIA_LIVE_OUTPUTS=fmp4
-    MEDIA_EXTRA=()
     # Any drawing rate: the CPU draws fewer faces than two sessions' default minimum (5 each).
     LIVE_EXTRA=(--min-draw-fps 0)
     TEST_TITLE="CPU tests of the same layers (tests/model.rs; the GPU test needs a GPU)"
@@ -634,7 +631,7 @@ set_sizes() {
     MEDIA_DEVICE=cuda MEDIA_SECONDS=40 MEDIA_REPEATS=${LIPSYNC_MEDIA_REPEATS:-1}
     MEDIA_PARTS=${LIPSYNC_MEDIA_PARTS:-requests,live} MEDIA_SESSIONS=${LIPSYNC_MEDIA_SESSIONS:-64,128,192}
     MEDIA_LIVE_SECONDS=12 MEDIA_LIVE_AVATARS=${LIPSYNC_MEDIA_LIVE_AVATARS:-photo}
-    MEDIA_LIVE_OUTPUTS=${LIPSYNC_MEDIA_LIVE_OUTPUTS:-fmp4} MEDIA_EXTRA=()
+    MEDIA_LIVE_OUTPUTS=${LIPSYNC_MEDIA_LIVE_OUTPUTS:-fmp4}
     TEST_TITLE="GPU test (tests/gpu.rs)"
     MEMCHECK_FILTER=${LIPSYNC_MEMCHECK_FILTER:-generator_in_f16}
     ENHANCERS="realesr-general-x4v3 realesr-animevideov3 RealESRGAN_x4plus RealESRGAN_x2plus GFPGANv1.4"

@@ -236,8 +236,7 @@ def metrics_md(url, since=None, save=None, only=None):
 
 def tree_cpu_seconds(root):
     """CPU seconds of a process and its descendants (their reaped children included)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parent, ticks = {}, {}
+    children, ticks = {}, {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -246,17 +245,14 @@ def tree_cpu_seconds(root):
         except (OSError, IndexError):
             continue
         # After the name: state ppid ... utime(12) stime(13) cutime(14) cstime(15).
-        parent[int(d)] = int(f[1])
+        children.setdefault(int(f[1]), []).append(int(d))
         ticks[int(d)] = sum(int(x) for x in f[11:15])
-    keep, total, grew = {root}, 0, True
-    while grew:
-        grew = False
-        for p, pp in parent.items():
-            if pp in keep and p not in keep:
-                keep.add(p)
-                grew = True
-    total = sum(ticks.get(p, 0) for p in keep)
-    return total / tick
+    total, todo = 0, [root]
+    while todo:
+        p = todo.pop()
+        total += ticks.get(p, 0)
+        todo.extend(children.get(p, []))
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def sample_mem(pid, out):

@@ -579,17 +579,35 @@ struct Tally {
 }
 
 impl Tally {
+    const fn new() -> Tally {
+        Tally {
+            misses: std::sync::atomic::AtomicU64::new(0),
+            hits: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// (misses, faces in time) so far.
     fn now(&self) -> (u64, u64) {
         use std::sync::atomic::Ordering::Relaxed;
         (self.misses.load(Relaxed), self.hits.load(Relaxed))
     }
+
+    fn hit(&self) {
+        self.hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Counts a miss; the tally just after it.
+    fn miss(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (
+            self.misses.fetch_add(1, Relaxed) + 1,
+            self.hits.load(Relaxed),
+        )
+    }
 }
 
 /// The tally of this process's live sessions (they share its engine).
-static LIVE: Tally = Tally {
-    misses: std::sync::atomic::AtomicU64::new(0),
-    hits: std::sync::atomic::AtomicU64::new(0),
-};
+static LIVE: Tally = Tally::new();
 
 /// How fast a session draws (see the module documentation): a rate in faces per second,
 /// additive increase, multiplicative decrease, so that sessions sharing an engine converge
@@ -667,9 +685,7 @@ impl Stride {
     /// the `rate` faces a second adds its share), up to the ceiling. A rate above the ceiling
     /// (the share dipped under it) stays as it was, to be drawn at again when the share rises.
     fn hit(&mut self) {
-        self.tally
-            .hits
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.tally.hit();
         let ceiling = self.ceiling();
         if self.rate < ceiling {
             self.rate = (self.rate + Self::GAIN_PER_SECOND / self.rate).min(ceiling);
@@ -696,11 +712,9 @@ impl Stride {
     /// A drawn frame of this session missed its time: slower ([`Self::missed`]), and the
     /// other sessions are told ([`Self::others_missed`]). Whether it slowed.
     fn own_miss(&mut self, now: Instant, lag: Duration) -> bool {
-        use std::sync::atomic::Ordering::Relaxed;
         // It has cut its own rate: its next window starts after this miss (another session's
         // miss counted in between is in the window that ends here).
-        let misses = self.tally.misses.fetch_add(1, Relaxed) + 1;
-        self.seen = (misses, self.tally.hits.load(Relaxed));
+        self.seen = self.tally.miss();
         self.window = now;
         self.missed(now, lag)
     }
