@@ -369,10 +369,17 @@ impl<T> Batcher<T> {
 
     /// The consumer is done with `n` items of `id`: they no longer count against its
     /// run-ahead allowance.
-    pub fn ack(&mut self, id: RequestId, n: usize) {
-        if let Some(l) = self.lanes.iter_mut().find(|l| l.id == id) {
-            l.outstanding = l.outstanding.saturating_sub(n);
-        }
+    ///
+    /// Returns whether that lets the request offer more items than before (it has items
+    /// queued beyond its look-ahead's room): only then can a waiting batch grow from it.
+    pub fn ack(&mut self, id: RequestId, n: usize) -> bool {
+        let ahead = self.limits.max_ahead;
+        let Some(l) = self.lanes.iter_mut().find(|l| l.id == id) else {
+            return false;
+        };
+        let held_back = l.items.len() > ahead.saturating_sub(l.outstanding);
+        l.outstanding = l.outstanding.saturating_sub(n);
+        held_back && n > 0
     }
 
     /// Drops the request's queued items and the request; returns how many items were dropped.
@@ -479,10 +486,34 @@ mod tests {
         assert_eq!(b.next_batch().len(), 1); // 5 outstanding: the allowance is used up
         assert!(b.next_batch().is_empty());
         assert!(!b.has_work());
-        b.ack(r, 3);
+        assert!(
+            b.ack(r, 3),
+            "frames held back by the look-ahead are offered again"
+        );
         assert!(b.has_work());
         assert_eq!(b.ready_items(), 3);
         assert_eq!(b.next_batch().len(), 3);
+    }
+
+    #[test]
+    fn an_ack_says_whether_it_lets_the_request_offer_more() {
+        let mut b = Batcher::new(limits(4, 4, 100, 6));
+        let r = b.admit(0..8u32).unwrap();
+        assert_eq!(b.next_batch().len(), 4); // 4 queued, room for 2 more
+        assert_eq!(b.ready_items(), 2);
+        assert!(b.ack(r, 1), "2 of its 4 queued items were held back");
+        assert_eq!(b.ready_items(), 3);
+        assert_eq!(b.next_batch().len(), 3); // 1 queued, 6 outstanding
+        assert!(b.ack(r, 1), "its last item waited for room");
+        assert_eq!(b.next_batch().len(), 1); // nothing queued
+        assert!(!b.ack(r, 4), "nothing left to offer");
+        assert!(!b.ack(RequestId(999), 1), "an unknown request");
+        // Room to spare: its queued item is offered already; an ack changes nothing.
+        let r = b.admit(0..5u32).unwrap();
+        assert_eq!(b.next_batch().len(), 4); // 1 queued, 4 outstanding, room for 2
+        assert_eq!(b.ready_items(), 1);
+        assert!(!b.ack(r, 1));
+        assert_eq!(b.ready_items(), 1);
     }
 
     #[test]

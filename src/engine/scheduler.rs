@@ -464,9 +464,14 @@ impl Scheduler {
     }
 
     /// The consumer has used `n` frames of `id` (they stop counting against its run-ahead).
+    /// Instances are woken only when that lets the request offer more frames: a compositor
+    /// acknowledges every frame, and waking every waiting instance for each (to find nothing
+    /// new) cost a 40 s request thousands of thread wake-ups.
     pub fn ack(&self, id: RequestId, n: usize) {
-        self.lock().batcher.ack(id, n);
-        self.work.notify_all();
+        let more = self.lock().batcher.ack(id, n);
+        if more {
+            self.work.notify_all();
+        }
     }
 
     /// Drops the request's queued frames (its client went away); returns how many.
