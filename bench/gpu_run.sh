@@ -588,7 +588,7 @@ stage_media() {
     "\`--autotune-cache FILE\` (autotune cache $cache); the bench starts a fresh one for the" \
     "requests and for each live level. Requests name their avatar by \`avatar_id\`." ""
   media_bench "$MEDIA_DEVICE" --checkpoint "$WEIGHTS" \
-    "--media-serve-arg=--autotune-cache=$WORK/autotune.json"
+    "--media-serve-arg=--autotune-cache=$WORK/autotune.json" "${MEDIA_MODEL_EXTRA[@]}"
   md "" "## The same on the echo device (the media side alone)" ""
   media_bench echo
 }
@@ -610,8 +610,10 @@ set_sizes() {
     SESSIONS="1 2" LIVE_SECONDS=2
     MEDIA_DEVICE=cpu MEDIA_SECONDS=1 MEDIA_REPEATS=1 MEDIA_PARTS=requests,live MEDIA_SESSIONS=1
     MEDIA_LIVE_SECONDS=4 MEDIA_LIVE_AVATARS=photo MEDIA_LIVE_OUTPUTS=fmp4
-    # Any drawing rate: the CPU draws fewer faces than two sessions' default minimum (5 each).
+    # Any drawing rate: the CPU draws fewer faces than two sessions' default minimum (5 each),
+    # and on a slow 2-core machine fewer than one session's.
     LIVE_EXTRA=(--min-draw-fps 0)
+    MEDIA_MODEL_EXTRA=(--live-min-draw-fps 0)
     TEST_TITLE="CPU tests of the same layers (tests/model.rs; the GPU test needs a GPU)"
     MEMCHECK_FILTER=${LIPSYNC_MEMCHECK_FILTER:-f16_on_cpu_stays_close_to_f32}
     # The compact networks only: RRDBNet takes seconds per face on two cores.
@@ -628,6 +630,7 @@ set_sizes() {
     OOM_LIMIT=${LIPSYNC_SERVICE_OOM_LIMIT-1G} SERVICE_ECHO=${LIPSYNC_SERVICE_ECHO-1}
     SESSIONS=${LIPSYNC_LIVE_SESSIONS:-1 10 50 100} LIVE_SECONDS=8
     LIVE_EXTRA=()
+    MEDIA_MODEL_EXTRA=()
     MEDIA_DEVICE=cuda MEDIA_SECONDS=40 MEDIA_REPEATS=${LIPSYNC_MEDIA_REPEATS:-1}
     MEDIA_PARTS=${LIPSYNC_MEDIA_PARTS:-requests,live} MEDIA_SESSIONS=${LIPSYNC_MEDIA_SESSIONS:-64,128,192}
     MEDIA_LIVE_SECONDS=12 MEDIA_LIVE_AVATARS=${LIPSYNC_MEDIA_LIVE_AVATARS:-photo}

@@ -22,7 +22,8 @@
 //!
 //! `--media-device cuda` (with `--checkpoint`) runs the same parts against the service with
 //! its model, so a GPU host's rows stand beside its echo rows; `--media-parts`,
-//! `--live-avatars` and `--live-outputs` choose what runs, `--media-serve-arg` adds serve flags.
+//! `--live-avatars` and `--live-outputs` choose what runs, `--media-serve-arg` adds serve flags,
+//! `--live-min-draw-fps` sets the live sessions' `min_draw_fps` (0 on a device as slow as a CPU).
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -72,6 +73,10 @@ pub struct MediaFlags {
     /// under this many milliseconds.
     #[arg(long, default_value_t = 1000.0)]
     pub live_latency_bound_ms: f64,
+    /// The live sessions' `min_draw_fps` (sent in their opening message) [default: the
+    /// server's]; 0 lets a slow device (the CPU) admit them at any drawing rate.
+    #[arg(long, value_parser = non_negative_fps)]
+    pub live_min_draw_fps: Option<f64>,
     /// Where the media section's servers run the model: echo (the stand-in that costs
     /// nothing; no checkpoint), or cuda or cpu with --checkpoint, to measure the whole service
     /// with the same client and beside the echo rows.
@@ -993,13 +998,23 @@ impl SessionOut {
     }
 }
 
-/// One live session: open, wait for `ready`, speak and pause for `seconds`, `end`.
+/// `--live-min-draw-fps`: a finite number ≥ 0.
+fn non_negative_fps(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a number of faces per second ≥ 0")),
+    }
+}
+
+/// One live session: open (with `min_draw_fps` where given), wait for `ready`, speak and pause
+/// for `seconds`, `end`.
 async fn session(
     base: String,
     avatar: String,
     output: Output,
     speech: Arc<Vec<u8>>,
     seconds: f64,
+    min_draw_fps: Option<f64>,
 ) -> SessionOut {
     let mut out = SessionOut::default();
     let url = format!("{}/v1/stream", base.replacen("http://", "ws://", 1));
@@ -1024,10 +1039,13 @@ async fn session(
         Ok(Ok((ws, _))) => ws,
     };
     let (mut tx, mut rx) = ws.split();
-    let opening = serde_json::json!({
+    let mut opening = serde_json::json!({
         "avatar_id": avatar, "fps": FPS, "output": output.name(),
         "audio": {"format": "s16le", "sample_rate": 16000, "channels": 1},
     });
+    if let Some(min) = min_draw_fps {
+        opening["min_draw_fps"] = serde_json::json!(min);
+    }
     if tx
         .send(Message::Text(opening.to_string().into()))
         .await
@@ -1176,6 +1194,7 @@ fn live_level(
     n: usize,
     seconds: f64,
     bound_ms: f64,
+    min_draw_fps: Option<f64>,
 ) -> Result<Level, CliError> {
     let server = Server::start(launch, None, http)?;
     let label = &avatar.label;
@@ -1192,6 +1211,7 @@ fn live_level(
                     output,
                     speech.clone(),
                     seconds,
+                    min_draw_fps,
                 ))
             })
             .collect();
@@ -1629,6 +1649,7 @@ pub fn media(a: &BenchArgs) -> Result<serde_json::Value, CliError> {
                         n as usize,
                         f.live_seconds,
                         f.live_latency_bound_ms,
+                        f.live_min_draw_fps,
                     )?;
                     println!("{}", level.row);
                     levels.push(level.json);
@@ -1725,6 +1746,15 @@ mod tests {
         assert!(args.contains("-threads 1"), "{args}");
         assert!(args.contains("-c:a aac"), "{args}");
         assert!(args.contains("frag_keyframe+empty_moov"), "{args}");
+    }
+
+    #[test]
+    fn a_live_min_draw_fps_is_a_finite_rate_of_zero_or_more() {
+        assert_eq!(non_negative_fps("0"), Ok(0.0));
+        assert_eq!(non_negative_fps("2.5"), Ok(2.5));
+        for bad in ["-1", "nan", "inf", "five", ""] {
+            assert!(non_negative_fps(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
