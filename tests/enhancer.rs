@@ -722,6 +722,40 @@ fn bench_reports_each_enhancers_speed_and_what_it_adds_to_a_request() {
     );
     assert!(plain > 0.0 && with > 0.0, "{v}");
     assert!((r["added_seconds"].as_f64().unwrap() - (with - plain)).abs() < 1e-9);
+
+    // --batches chooses the batches measured (the GPU run's rehearsal measures batch 1 only:
+    // GFPGAN takes seconds a face on the CPU); --enhance-seconds 0 skips the request.
+    let o = lipsync_bounded(
+        &[
+            &"bench",
+            &"--device",
+            &"echo",
+            &"--sections",
+            &"enhancers",
+            &"--enhancer-checkpoint",
+            &ck,
+            &"--batches",
+            &"2,3",
+            &"--enhance-seconds",
+            &"0",
+            &"--image",
+            &common::media_path("astronaut.png"),
+            &"--json",
+            &json,
+        ],
+        std::time::Duration::from_secs(300),
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let stdout = text(&o.stdout);
+    assert!(
+        stdout.contains("| batch 2 faces/s | batch 3 faces/s |"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("What an enhancer adds"), "{stdout}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let rates = v["enhancers"][0]["faces_per_second"].as_object().unwrap();
+    assert_eq!(rates.keys().collect::<Vec<_>>(), ["2", "3"], "{v}");
+    assert!(rates.values().all(|r| r.as_f64().unwrap() > 0.0), "{v}");
 }
 
 #[test]

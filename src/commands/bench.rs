@@ -75,7 +75,9 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub conv: lipsync::config::ConvArgs,
     /// Batch sizes to measure [default: 1,16,64,128,256,512 on CUDA, 1,4,16 on CPU]. The
-    /// autotune run warms up as `serve --max-batch` the largest.
+    /// autotune run warms up as `serve --max-batch` the largest. The enhancers section
+    /// measures these batches too when given [default there: 1,4,16, and 64 on CUDA;
+    /// a restorer's stop at 4].
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub batches: Vec<u32>,
     /// On CUDA, measure candle's operations (the reference path beside the own cuDNN path)
