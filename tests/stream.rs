@@ -1631,7 +1631,13 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
     use lipsync::engine::session::{Activity, Input, OutFrame, Session, Sink};
     use lipsync::engine::Loop;
 
-    let (engine, media_args) = test_engine();
+    // On the echo device: what is checked here is the media side (which clip frame each
+    // frame uses, how it comes, its pixels); the model's faces in a session against the file
+    // path's are a_session_draws_the_file_paths_frames'. Its faces come at once, so the
+    // sessions' lag is 3 s, not session_config's 20 s (on the CPU model with that lag, the
+    // three held frames past the speech waited 20 s in each session: 49 s in all).
+    let (engine, media_args) =
+        engine_from(&["--device", "echo", "--max-batch", "8", "--first-batch", "2"]);
     // The clip padded to 320 pixels wide, its face moved 72 pixels right: 20 MCU columns,
     // stored in segments of 4 (64 pixels), so a face's segments start inside a row.
     let dir = tempfile::tempdir().unwrap();
@@ -1718,7 +1724,10 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
         }
     }
     let session = |takes_stored| {
-        let scfg = session_config(fps, mode);
+        let scfg = lipsync::engine::session::SessionConfig {
+            lag: Duration::from_secs(3),
+            ..session_config(fps, mode)
+        };
         // The audio arrives at the session's start: speech from frame 0.
         let start = Instant::now();
         let (tx, rx) = std::sync::mpsc::channel();
