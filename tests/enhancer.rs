@@ -673,40 +673,50 @@ async fn requests_name_a_loaded_enhancer_or_are_refused_with_400() {
     not_loaded(post(&s, "esrgan").await.unwrap(), "--enhancer-checkpoint").await;
 }
 
+/// `lipsync bench --device echo --sections enhancers` with the enhancer `ck` and `extra`
+/// flags, on the astronaut: its stdout (the run succeeded) and its JSON.
+fn bench_enhancers(ck: &Path, extra: &[&str]) -> (String, serde_json::Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("bench.json");
+    let mut args: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![
+        &"bench",
+        &"--device",
+        &"echo",
+        &"--sections",
+        &"enhancers",
+        &"--enhancer-checkpoint",
+        &ck,
+    ];
+    args.extend(extra.iter().map(|a| a as &dyn AsRef<std::ffi::OsStr>));
+    let (image, audio) = (
+        common::media_path("astronaut.png"),
+        common::media_path("arctic_a0007.wav"),
+    );
+    args.extend([
+        &"--image" as &dyn AsRef<std::ffi::OsStr>,
+        &image,
+        &"--audio",
+        &audio,
+        &"--json",
+        &json,
+    ]);
+    let o = lipsync_bounded(&args, std::time::Duration::from_secs(300));
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    (text(&o.stdout), v)
+}
+
 #[test]
 fn bench_reports_each_enhancers_speed_and_what_it_adds_to_a_request() {
     let dir = tempfile::tempdir().unwrap();
     let ck = dir.path().join("tiny-x2.safetensors");
     tiny_enhancer(&ck, 0.0);
-    let json = dir.path().join("bench.json");
-    let o = lipsync_bounded(
-        &[
-            &"bench",
-            &"--device",
-            &"echo",
-            &"--sections",
-            &"enhancers",
-            &"--enhancer-checkpoint",
-            &ck,
-            &"--enhance-seconds",
-            &"1",
-            &"--audio",
-            &common::media_path("arctic_a0007.wav"),
-            &"--image",
-            &common::media_path("astronaut.png"),
-            &"--json",
-            &json,
-        ],
-        std::time::Duration::from_secs(300),
-    );
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    let stdout = text(&o.stdout);
+    let (stdout, v) = bench_enhancers(&ck, &["--enhance-seconds", "1"]);
     assert!(stdout.contains("| tiny-x2 |"), "{stdout}");
     assert!(
         stdout.contains("What an enhancer adds to a request"),
         "{stdout}"
     );
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let e = &v["enhancers"][0];
     assert_eq!(e["name"], "tiny-x2", "{v}");
     for b in ["1", "16"] {
@@ -725,34 +735,12 @@ fn bench_reports_each_enhancers_speed_and_what_it_adds_to_a_request() {
 
     // --batches chooses the batches measured (the GPU run's rehearsal measures batch 1 only:
     // GFPGAN takes seconds a face on the CPU); --enhance-seconds 0 skips the request.
-    let o = lipsync_bounded(
-        &[
-            &"bench",
-            &"--device",
-            &"echo",
-            &"--sections",
-            &"enhancers",
-            &"--enhancer-checkpoint",
-            &ck,
-            &"--batches",
-            &"2,3",
-            &"--enhance-seconds",
-            &"0",
-            &"--image",
-            &common::media_path("astronaut.png"),
-            &"--json",
-            &json,
-        ],
-        std::time::Duration::from_secs(300),
-    );
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    let stdout = text(&o.stdout);
+    let (stdout, v) = bench_enhancers(&ck, &["--batches", "2,3", "--enhance-seconds", "0"]);
     assert!(
         stdout.contains("| batch 2 faces/s | batch 3 faces/s |"),
         "{stdout}"
     );
     assert!(!stdout.contains("What an enhancer adds"), "{stdout}");
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let rates = v["enhancers"][0]["faces_per_second"].as_object().unwrap();
     assert_eq!(rates.keys().collect::<Vec<_>>(), ["2", "3"], "{v}");
     assert!(rates.values().all(|r| r.as_f64().unwrap() > 0.0), "{v}");
