@@ -1636,8 +1636,7 @@ fn a_video_avatar_session_draws_the_file_paths_frames() {
     // path's are a_session_draws_the_file_paths_frames'. Its faces come at once, so the
     // sessions' lag is 3 s, not session_config's 20 s (on the CPU model with that lag, the
     // three held frames past the speech waited 20 s in each session: 49 s in all).
-    let (engine, media_args) =
-        engine_from(&["--device", "echo", "--max-batch", "8", "--first-batch", "2"]);
+    let (engine, media_args) = engine_from(&["--device", "echo", "--max-batch", "8"]);
     // The clip padded to 320 pixels wide, its face moved 72 pixels right: 20 MCU columns,
     // stored in segments of 4 (64 pixels), so a face's segments start inside a row.
     let dir = tempfile::tempdir().unwrap();
