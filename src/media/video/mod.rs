@@ -585,6 +585,30 @@ mod tests {
     }
 
     #[test]
+    fn the_speech_is_opened_before_the_video_and_mapped_after_it() {
+        // ffmpeg opens its inputs in order and writes the MP4's header after: the speech,
+        // there from the start of a render, goes first, so its probe runs while the first
+        // pictures are encoded; the tracks stay video then audio.
+        let s = EncoderSettings::new(64, 64, Fps::DEFAULT);
+        for args in [
+            s.single_args_with(Some(PIPED_SPEECH)),
+            s.muxer_args_with(Some(PIPED_SPEECH)),
+        ] {
+            let line = args.join(" ");
+            let speech = line.find("-i pipe:3").expect("the speech is an input");
+            let video = line.find("-i pipe:0").expect("the video is an input");
+            assert!(speech < video, "{line}");
+            assert!(line.contains("-map 1:v:0 -map 0:a:0"), "{line}");
+        }
+        for args in [s.single_args_with(None), s.muxer_args_with(None)] {
+            let line = args.join(" ");
+            assert!(line.contains("-i pipe:0 "), "{line}");
+            assert!(line.contains("-map 0:v:0"), "{line}");
+            assert!(!line.contains("pipe:3") && !line.contains(":a:0"), "{line}");
+        }
+    }
+
+    #[test]
     fn odd_sizes_are_coded_even() {
         let s = EncoderSettings::new(101, 75, Fps::DEFAULT);
         assert_eq!(s.coded_size(), (102, 76));
