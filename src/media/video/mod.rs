@@ -565,16 +565,21 @@ mod tests {
         }
     }
 
+    /// The command lines of a file's two encoders, the single process and the segmented
+    /// encoder's muxer, with `speech` as their speech input.
+    fn file_lines(s: &EncoderSettings, speech: Option<&str>) -> [String; 2] {
+        [
+            s.single_args_with(speech).join(" "),
+            s.muxer_args_with(speech).join(" "),
+        ]
+    }
+
     #[test]
     fn files_speech_is_aac_by_the_fast_coder() {
         // The README's promise: the fast coder (under half of the default coder's CPU),
         // 128 kb/s, the priming trimmed, in the single encoder and the segmented muxer alike.
         let s = EncoderSettings::new(64, 64, Fps::DEFAULT);
-        for args in [
-            s.single_args_with(Some(PIPED_SPEECH)),
-            s.muxer_args_with(Some(PIPED_SPEECH)),
-        ] {
-            let line = args.join(" ");
+        for line in file_lines(&s, Some(PIPED_SPEECH)) {
             assert!(
                 line.contains("-af atrim=start_sample=1024 -c:a aac -aac_coder fast -b:a 128k"),
                 "{line}"
@@ -590,18 +595,13 @@ mod tests {
         // there from the start of a render, goes first, so its probe runs while the first
         // pictures are encoded; the tracks stay video then audio.
         let s = EncoderSettings::new(64, 64, Fps::DEFAULT);
-        for args in [
-            s.single_args_with(Some(PIPED_SPEECH)),
-            s.muxer_args_with(Some(PIPED_SPEECH)),
-        ] {
-            let line = args.join(" ");
+        for line in file_lines(&s, Some(PIPED_SPEECH)) {
             let speech = line.find("-i pipe:3").expect("the speech is an input");
             let video = line.find("-i pipe:0").expect("the video is an input");
             assert!(speech < video, "{line}");
             assert!(line.contains("-map 1:v:0 -map 0:a:0"), "{line}");
         }
-        for args in [s.single_args_with(None), s.muxer_args_with(None)] {
-            let line = args.join(" ");
+        for line in file_lines(&s, None) {
             assert!(line.contains("-i pipe:0 "), "{line}");
             assert!(line.contains("-map 0:v:0"), "{line}");
             assert!(!line.contains("pipe:3") && !line.contains(":a:0"), "{line}");
